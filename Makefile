@@ -1,0 +1,46 @@
+# diffusion-aot: export -> engines -> runners.  `make engines` and `make test` need only Python.
+MODEL     ?= sd3-tiny
+TARGET    ?= ort
+PRECISION ?= fp32
+PROMPT    ?= a photo of a cat
+OUT       ?= out.png
+PYTHON    ?= python3
+
+VENV := .venv
+PY   := $(VENV)/bin/python
+# Registry names build into build/<name>; a folder path builds into build/<folder's basename>.
+NAME := $(notdir $(patsubst %/,%,$(MODEL)))
+BUILD := build/$(NAME)
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv export engines image test clean
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install -q -e '.[build,gpu,dev]'
+else
+	# CPU machine: the small CPU build of torch first, so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[build,cpu,dev]'
+endif
+	# The real CLIP BPE table ships in this wheel; its deps (torchvision) are not needed.
+	$(PY) -m pip install -q --no-deps open-clip-torch
+	touch $@
+
+export: venv
+	$(PY) -m export $(MODEL) --out $(BUILD)
+
+engines: export
+	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION)
+
+image: engines
+	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf build

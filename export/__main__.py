@@ -1,0 +1,34 @@
+"""python -m export MODEL --out build/<name>: every submodule to ONNX, checked against PyTorch."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from export.onnx_export import DEFAULT_OPSET
+from export.registry import MODELS
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    p.add_argument("model", help=f"a registry name ({', '.join(MODELS)}) or a diffusers pipeline folder")
+    p.add_argument("--out", required=True, help="build folder; graphs go to OUT/onnx")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--force", action="store_true", help="re-export even if OUT/onnx is up to date")
+    args = p.parse_args(argv)
+
+    from export.api import export_model
+    from export.source import SourceError
+
+    try:
+        export_model(args.model, args.out, opset=args.opset, force=args.force)
+    except SourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`export_model`: every submodule of a pipeline to ONNX, into <out>/onnx/ with a manifest.
+
+One submodule is in memory at a time. The folder is written under a temporary name and
+renamed when every graph has passed its parity check, so it is complete or absent.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import time
+from importlib import metadata
+from pathlib import Path
+
+from export.onnx_export import DEFAULT_OPSET, export_submodule
+from export.shapes import dim_ranges, probe_dims
+from export.source import ModelSource, _digest, resolve
+from runners.manifest import MANIFEST, ManifestError, atomic_folder, read_manifest, write_manifest
+
+EXPORT_FORMAT = 1  # bump when the graphs this code writes change for the same inputs
+BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
+
+
+def package_versions(names=BUILD_PACKAGES) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _log(msg: str) -> None:
+    print(f"[export] {msg}", flush=True)
+
+
+def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, dict]:
+    from transformers import AutoTokenizer
+
+    tokenizers = {}
+    for component in src.family.tokenizers:
+        if not src.has(component):
+            continue
+        tok = AutoTokenizer.from_pretrained(src.folder / component)
+        tok.save_pretrained(dest / component)  # writes tokenizer.json, which the runner reads
+        tokenizers[component] = {
+            "file": f"{component}/tokenizer.json",
+            "max_length": tok.model_max_length,
+            "pad_token_id": tok.pad_token_id,
+        }
+    scheduler_dir = dest / src.family.scheduler
+    scheduler_dir.mkdir()
+    shutil.copy(src.folder / src.family.scheduler / "scheduler_config.json", scheduler_dir)
+    config = src.config(src.family.scheduler)
+    scheduler = {"file": f"{src.family.scheduler}/scheduler_config.json", "class": config["_class_name"]}
+    return tokenizers, scheduler
+
+
+def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False) -> Path:
+    """Export `model` (registry name or folder) into `out`/onnx and return that folder."""
+    src = model if isinstance(model, ModelSource) else resolve(model)
+    family, entry = src.family, src.entry
+    constants = family.constants(src)
+    ranges = dim_ranges(entry, family, constants)
+    probes = probe_dims(entry, family, constants)
+    specs = [s for s in family.submodules if src.has(s.component)]
+    cache_key = _digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset,
+                         [s.name for s in specs], package_versions()])
+    dest = Path(out) / "onnx"
+    if not force and (dest / MANIFEST).exists():
+        try:
+            if read_manifest(dest)["cache_key"] == cache_key:
+                _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
+                return dest
+        except (ManifestError, KeyError):
+            pass
+    _log(f"{entry.name}: {len(specs)} submodules from {src.folder}")
+    dynamic = set(ranges)
+    with atomic_folder(dest) as tmp:
+        submodules = {}
+        for spec in specs:
+            t0 = time.perf_counter()
+            component = src.load(spec.component, **spec.load_kwargs).eval()
+            module = spec.wrap(component).eval()
+            report = export_submodule(spec, module, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+            del module, component
+            gc.collect()
+            worst = max(p["max_abs_err"] for p in report["parity"])
+            _log(f"{spec.name}: {time.perf_counter() - t0:.1f} s, {report['bytes'] / 2**20:.1f} MiB, "
+                 f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
+            submodules[spec.name] = {
+                "file": f"{spec.name}.onnx",
+                "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.inputs],
+                "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.outputs],
+                "export": report,
+            }
+        tokenizers, scheduler = _copy_tokenizers_and_scheduler(src, tmp)
+        write_manifest(tmp, {
+            "stage": "onnx",
+            "cache_key": cache_key,
+            "model": {"name": entry.name, "family": family.name, "source": entry.hub_id or str(src.folder),
+                      "fingerprint": src.fingerprint},
+            "pipeline": {**family.runtime_constants(src), "default_image_size": entry.image_size[1],
+                         "t5_max_length": entry.t5_length[2] if src.has("text_encoder_3") else None},
+            "dims": {k: list(v) for k, v in ranges.items()},
+            "constants": constants,
+            "tokenizers": tokenizers,
+            "scheduler": scheduler,
+            "submodules": submodules,
+            "versions": package_versions(),
+        })
+    _log(f"wrote {dest}")
+    return dest
+
+

@@ -1,0 +1,4 @@
+"""Model families by name. A family describes its submodules as data (see export/spec.py)."""
+from export.families import sd3
+
+FAMILIES = {family.name: family for family in (sd3.FAMILY,)}

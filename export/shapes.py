@@ -1,0 +1,53 @@
+"""Dynamic dimensions: their min/opt/max ranges, and the concrete shapes the exporter probes.
+
+The ranges go into the manifest, where the engine builders (optimization profiles) and the
+runner (input validation) read them.
+"""
+from __future__ import annotations
+
+from export.registry import ModelEntry
+from export.spec import Family, Shape
+
+Range = tuple[int, int, int]
+
+
+def _resolve(value, constants: dict) -> int:
+    return constants[value] if isinstance(value, str) else value
+
+
+def _derive(family: Family, base: dict[str, int], constants: dict) -> dict[str, int]:
+    out = dict(base)
+    for dim, (source, factor, offset) in family.derived_dims.items():
+        if source in base:
+            out[dim] = base[source] * _resolve(factor, constants) + _resolve(offset, constants)
+    return out
+
+
+def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, Range]:
+    """min/opt/max of every dynamic dimension, from the entry's image-size and text ranges."""
+    scale = constants["vae_scale_factor"]
+    latent = tuple(s // scale for s in entry.image_size)
+    base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "t5_length": entry.t5_length}
+    per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
+    return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0]}
+
+
+def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[str, int]]:
+    """Two different concrete settings of the dynamic dims: the first is the export example
+    (every dynamic size >= 2, so the exporter keeps it symbolic), the second checks that the
+    graph generalises (batch 1, non-square, a shorter text)."""
+    scale = constants["vae_scale_factor"]
+    step = scale * 2  # latent sides stay even for the 2x2 patch embedding
+    lo, opt, _ = entry.image_size
+    side_a = min(opt, 512) // step * step  # caps the VAE probe cost for real-size models
+    side_b = max(lo, (lo + side_a) // 2 // step * step)
+    t5_lo, t5_opt, _ = entry.t5_length
+    probes = [
+        {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "t5_length": max(2, t5_opt)},
+        {"batch": 1, "latent_height": lo // scale, "latent_width": side_b // scale, "t5_length": max(t5_lo, min(t5_opt, 32) - 5)},
+    ]
+    return [_derive(family, p, constants) for p in probes]
+
+
+def concrete(shape: Shape, dims: dict[str, int], constants: dict) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else dims.get(d, constants.get(d)) for d in shape)

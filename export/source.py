@@ -1,0 +1,127 @@
+"""Where a model's weights come from: a registry name, a hub id, or a local pipeline folder.
+
+Whatever the source, the result is a local diffusers folder that is loaded one component
+at a time through the components' own `from_pretrained`, as a user's folder would be.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from export.families import FAMILIES
+from export.registry import MODELS, ModelEntry
+from runners.manifest import atomic_folder
+
+
+class SourceError(RuntimeError):
+    """The model named cannot be found or is not a pipeline this project knows."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    entry: ModelEntry
+    folder: Path
+    fingerprint: str  # changes when the weights or configs change: part of the cache key
+
+    @property
+    def family(self):
+        return FAMILIES[self.entry.family]
+
+    def model_index(self) -> dict:
+        return json.loads((self.folder / "model_index.json").read_text())
+
+    def has(self, component: str) -> bool:
+        value = self.model_index().get(component)
+        return isinstance(value, list) and value[0] is not None
+
+    def config(self, component: str) -> dict:
+        folder = self.folder / component
+        name = "config.json" if (folder / "config.json").exists() else "scheduler_config.json"
+        return json.loads((folder / name).read_text())
+
+    def tokenizer_max_length(self, component: str) -> int:
+        return json.loads((self.folder / component / "tokenizer_config.json").read_text())["model_max_length"]
+
+    def load(self, component: str, **kwargs):
+        """Load one component with its own class's from_pretrained (memory: one submodule at a time)."""
+        library, class_name = self.model_index()[component]
+        cls = getattr(importlib.import_module(library), class_name)
+        return cls.from_pretrained(self.folder / component, **kwargs)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DIFFUSION_AOT_CACHE", Path.home() / ".cache" / "diffusion-aot"))
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return _digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
+
+
+def _build_random(entry: ModelEntry) -> Path:
+    """Build (once) the random-weight pipeline folder of a registry entry, atomically."""
+    key = _digest(entry.random_configs)
+    folder = cache_root() / "models" / f"{entry.name}-{key}"
+    if (folder / "model_index.json").exists():
+        return folder
+    print(f"[export] building {entry.name} with random seeded weights -> {folder}", flush=True)
+    with atomic_folder(folder) as tmp:
+        FAMILIES[entry.family].build_random(entry.random_configs, tmp)
+    return folder
+
+
+def _hub_snapshot(entry: ModelEntry) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(entry.hub_id, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false"):
+        try:
+            return Path(snapshot_download(entry.hub_id))
+        except Exception:
+            pass
+    raise SourceError(
+        f"the weights of '{entry.name}' ({entry.hub_id}) are not in the Hugging Face cache and cannot be "
+        f"downloaded here. Download them where the network allows, or pass a local folder: "
+        f"make engines MODEL=/path/to/{entry.hub_id.split('/')[-1]}"
+    )
+
+
+def _detect_family(folder: Path) -> str:
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise SourceError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
+    class_name = json.loads(index.read_text()).get("_class_name")
+    for name, family in FAMILIES.items():
+        if family.pipeline_class == class_name:
+            return name
+    known = ", ".join(f.pipeline_class for f in FAMILIES.values())
+    raise SourceError(f"{folder} holds a {class_name}; supported pipelines: {known}")
+
+
+def resolve(model: str) -> ModelSource:
+    """A registry name, or a path to a local diffusers folder."""
+    if model in MODELS:
+        entry = MODELS[model]
+        if entry.random_configs is not None:
+            folder = _build_random(entry)
+            return ModelSource(entry, folder, _digest(entry.random_configs))
+        folder = _hub_snapshot(entry)
+        _detect_family(folder)
+        return ModelSource(entry, folder, _folder_fingerprint(folder))
+    path = Path(model).expanduser()
+    if path.exists():
+        family = _detect_family(path)
+        entry = ModelEntry(name=path.resolve().name, family=family, description=f"local folder {path}")
+        return ModelSource(entry, path.resolve(), _folder_fingerprint(path))
+    raise SourceError(f"unknown model '{model}': not a folder, and not one of: {', '.join(MODELS)}")

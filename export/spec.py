@@ -1,0 +1,52 @@
+"""The data that describes a model family: its submodules, their tensors and their axes.
+
+A tensor's shape is a tuple of ints and names. A name is either a *dynamic* dimension
+(batch, latent_height, ...), whose min/opt/max range comes from the model's registry entry,
+or a *constant* of the pipeline (latent_channels, clip_width, ...) read from its configs.
+Adding a family means writing one of these descriptions, not a new path through the stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+Shape = tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "float32", "int64"
+    shape: Shape
+    # Example values: floats are standard normal unless `high` is set, then uniform in [0, high);
+    # integers (token ids) are uniform in [0, high). `high` may name a constant.
+    high: int | str | None = None
+
+
+@dataclass(frozen=True)
+class SubmoduleSpec:
+    name: str  # file and manifest key: "transformer"
+    component: str  # attribute of the diffusers pipeline it comes from: "transformer", "vae"
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    # Wraps the pipeline component into a torch module whose forward takes the inputs
+    # positionally and returns the outputs as a tuple, in the order declared above.
+    wrap: Callable[[Any], Any]
+    load_kwargs: dict = field(default_factory=dict)  # e.g. T5 needs eager attention to export
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    pipeline_class: str  # diffusers class name found in model_index.json
+    submodules: tuple[SubmoduleSpec, ...]
+    # ModelSource -> {constant name: int}: the fixed sizes used in shapes, read from the configs.
+    constants: Callable[[Any], dict[str, int]]
+    # ModelSource -> what the runner needs to chain the engines (scaling factors, text lengths...).
+    runtime_constants: Callable[[Any], dict[str, Any]]
+    # dynamic dims that are pure functions of others (dim -> (source dim, factor, offset)).
+    derived_dims: dict[str, tuple[str, int, int]]
+    tokenizers: tuple[str, ...]  # pipeline components holding tokenizers
+    # (component configs, output folder) -> writes a random-weight pipeline of this family.
+    build_random: Callable[[dict, Any], None]
+    scheduler: str = "scheduler"

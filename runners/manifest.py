@@ -1,0 +1,89 @@
+"""The folder contract shared by every stage: manifest.json, its format version, and the
+sha256 of every file beside it. Runtime-only dependencies: this module is read by deployed
+runners and written by the build side."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """The folder is not a usable artifact: what is wrong, and with which file."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, data: dict) -> dict:
+    """Write `data` as the folder's manifest, adding the checksums of every other file in it."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    data = {"format_version": FORMAT_VERSION, **data,
+            "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}}
+    (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def read_manifest(folder: Path, verify: bool = True) -> dict:
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{folder} is not an artifact folder: {MANIFEST} is missing")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from None
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"{path} has format version {version!r}; this runner reads version {FORMAT_VERSION}. "
+            f"Rebuild the artifact with this version of diffusion-aot."
+        )
+    if verify:
+        verify_files(folder, data)
+    return data
+
+
+def verify_files(folder: Path, data: dict) -> None:
+    for rel, digest in data.get("files", {}).items():
+        path = folder / rel
+        if not path.is_file():
+            raise ManifestError(f"{folder}: {rel} is listed in {MANIFEST} but missing")
+        if sha256_file(path) != digest:
+            raise ManifestError(f"{folder}: {rel} does not match its checksum in {MANIFEST} (corrupted or edited)")
+
+
+@contextlib.contextmanager
+def atomic_folder(dest: Path):
+    """Yield a temporary folder beside `dest`; on success it replaces `dest` in one rename.
+
+    On any failure, Ctrl-C included, the temporary folder is removed and `dest` is untouched:
+    a stage's output folder is complete or absent.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
