@@ -1,0 +1,50 @@
+"""python -m runners ARTIFACT --prompt "..." --out out.png: text to image from an artifact folder."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners", description=__doc__)
+    p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--height", type=int, default=None, help="default: the artifact's opt size")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--guidance", type=float, default=7.0)
+    p.add_argument("--seed", type=int, default=0, help="numpy's generator (not torch's noise)")
+    p.add_argument("--num-images", type=int, default=1)
+    p.add_argument("--max-sequence-length", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
+    args = p.parse_args(argv)
+
+    from runners import Pipeline
+    from runners.manifest import ManifestError
+
+    try:
+        t0 = time.perf_counter()
+        pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True)
+        load = time.perf_counter() - t0
+        images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+                      num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
+                      num_images_per_prompt=args.num_images, max_sequence_length=args.max_sequence_length)
+    except (ManifestError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]
+    for image, path in zip(images, paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+    stages = ", ".join(f"{k} {v:.2f} s" for k, v in pipe.timings.items())
+    print(f"load {load:.2f} s, {stages}; wrote {', '.join(map(str, paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""Runtime backends by target name: each opens one engine file as a session whose `run` maps
+input names to numpy arrays and returns the outputs by name."""
+from __future__ import annotations
+
+
+def open_session(target: str, path, **options):
+    if target == "ort":
+        from runners.backends.ort import OrtSession
+
+        return OrtSession(path, **options)
+    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort")

@@ -1,0 +1,80 @@
+"""FlowMatchEulerDiscreteScheduler in numpy, driven by the artifact's scheduler_config.json.
+
+A port of diffusers' scheduler for the options SD3 and SD3.5 configs use (shift, dynamic
+shifting, shift_terminal); the tests check its timesteps and sigmas against diffusers.
+Options it does not implement are refused at load time rather than ignored.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
+                "stochastic_sampling")
+
+
+class FlowMatchEulerDiscrete:
+    def __init__(self, config: dict):
+        on = [k for k in _UNSUPPORTED if config.get(k)]
+        if on:
+            raise ValueError(f"scheduler options not supported by the runner: {', '.join(on)}")
+        self.config = config
+        self.num_train_timesteps = config.get("num_train_timesteps", 1000)
+        self.shift = config.get("shift", 1.0)
+        # The training schedule's end points, computed in float32 exactly as diffusers does.
+        n = self.num_train_timesteps
+        sigmas = np.linspace(1, n, n, dtype=np.float32)[::-1] / np.float32(n)
+        if not config.get("use_dynamic_shifting"):
+            s = np.float32(self.shift)
+            sigmas = s * sigmas / (1 + (s - 1) * sigmas)
+        self.sigma_min, self.sigma_max = float(sigmas[-1]), float(sigmas[0])
+
+    def mu_for(self, latent_height: int, latent_width: int, patch_size: int) -> float | None:
+        """The resolution-dependent shift of SD3.5-style configs (None when not configured)."""
+        if not self.config.get("use_dynamic_shifting"):
+            return None
+        c = self.config
+        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+        base_shift, max_shift = c.get("base_shift", 0.5), c.get("max_shift", 1.16)
+        m = (max_shift - base_shift) / (max_len - base_len)
+        return (latent_height // patch_size) * (latent_width // patch_size) * m + base_shift - m * base_len
+
+    def timesteps(self, num_inference_steps: int, mu: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(timesteps, sigmas): float32, sigmas one longer and ending in 0."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        n = self.num_train_timesteps
+        t = np.linspace(self.sigma_max * n, self.sigma_min * n, num_inference_steps)
+        sigmas = t / n
+        if self.config.get("use_dynamic_shifting"):
+            if mu is None:
+                raise ValueError("this scheduler uses dynamic shifting: pass mu")
+            if self.config.get("time_shift_type", "exponential") == "exponential":
+                sigmas = math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+            else:
+                sigmas = mu / (mu + (1 / sigmas - 1))
+        else:
+            sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
+        terminal = self.config.get("shift_terminal")
+        if terminal:
+            one_minus = 1 - sigmas
+            sigmas = 1 - one_minus / (one_minus[-1] / (1 - terminal))
+        sigmas = sigmas.astype(np.float32)
+        timesteps = sigmas * np.float32(n)
+        return timesteps, np.append(sigmas, np.float32(0.0))
+
+    @staticmethod
+    def step(model_output: np.ndarray, sigma: np.float32, sigma_next: np.float32, sample: np.ndarray) -> np.ndarray:
+        """One Euler step of the flow ODE (sample + (sigma_next - sigma) * velocity), in float32."""
+        return (sample + np.float32(sigma_next - sigma) * model_output).astype(sample.dtype)
+
+
+SCHEDULERS = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscrete}
+
+
+def load_scheduler(config: dict):
+    name = config.get("_class_name")
+    if name not in SCHEDULERS:
+        raise ValueError(f"scheduler {name!r} is not supported by the runner; supported: {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name](config)

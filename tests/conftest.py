@@ -1,0 +1,49 @@
+"""Shared fixtures: the sd3-tiny pipeline exported and built once per test session."""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tiny_source():
+    from export.source import resolve
+
+    return resolve("sd3-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory, tiny_source):
+    """build/ folder with onnx/ and ort-fp32/ for sd3-tiny."""
+    from engines.api import build_artifact
+    from export.api import export_model
+
+    build = tmp_path_factory.mktemp("sd3-tiny")
+    export_model(tiny_source, build)
+    build_artifact(build, "ort", "fp32")
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_build):
+    return tiny_build / "ort-fp32"
+
+
+@pytest.fixture(scope="session")
+def reference_pipeline(tiny_source):
+    """diffusers' own StableDiffusion3Pipeline on the same weights."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_source.folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def manifest(folder) -> dict:
+    return json.loads((folder / "manifest.json").read_text())

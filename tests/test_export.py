@@ -1,0 +1,84 @@
+"""Export: every SD3 submodule matches PyTorch in ONNX Runtime, at the two shapes the exporter
+checked and at a third one chosen here; axes carry our names; failures leave nothing behind."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export.families import FAMILIES
+from export.onnx_export import PARITY_RTOL, example_inputs
+from tests.conftest import manifest
+
+SD3 = FAMILIES["sd3"]
+SUBMODULES = [s.name for s in SD3.submodules]
+# A third setting of the dims, unlike both export probes: batch 3, tall image, 40 T5 tokens.
+THIRD = {"batch": 3, "latent_height": 12, "latent_width": 8, "t5_length": 40,
+         "image_height": 96, "image_width": 64, "joint_length": 117}
+
+
+def test_every_submodule_is_exported_and_checked_at_two_shapes(tiny_build):
+    subs = manifest(tiny_build / "onnx")["submodules"]
+    assert sorted(subs) == sorted(SUBMODULES)
+    for name, sub in subs.items():
+        parity = sub["export"]["parity"]
+        assert len(parity) == 2 and parity[0]["dims"] != parity[1]["dims"], name
+        for p in parity:
+            assert p["max_abs_err"] <= PARITY_RTOL * max(1.0, p["max_abs_ref"]), (name, p)
+        assert sub["export"]["bytes"] == (tiny_build / "onnx" / sub["file"]).stat().st_size
+
+
+@pytest.mark.parametrize("name", SUBMODULES)
+def test_graph_matches_pytorch_at_a_third_shape(tiny_build, tiny_source, name):
+    spec = next(s for s in SD3.submodules if s.name == name)
+    constants = manifest(tiny_build / "onnx")["constants"]
+    module = spec.wrap(tiny_source.load(spec.component, **spec.load_kwargs).eval()).eval()
+    inputs = example_inputs(spec, THIRD, constants, seed=7)
+    with torch.no_grad():
+        ref = [r.numpy() for r in module(*map(torch.from_numpy, inputs))]
+    session = ort.InferenceSession(str(tiny_build / "onnx" / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {t.name: a for t, a in zip(spec.inputs, inputs)})
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        assert np.abs(g - r).max() <= PARITY_RTOL * max(1.0, np.abs(r).max())
+
+
+def test_dynamic_axes_carry_our_dimension_names(tiny_build):
+    model = onnx.load(str(tiny_build / "onnx" / "transformer.onnx"), load_external_data=False)
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in list(model.graph.input) + list(model.graph.output)}
+    assert shapes["hidden_states"] == ["batch", 16, "latent_height", "latent_width"]
+    assert shapes["encoder_hidden_states"] == ["batch", "joint_length", 96]
+    assert shapes["noise_pred"] == ["batch", 16, "latent_height", "latent_width"]
+    t5 = onnx.load(str(tiny_build / "onnx" / "text_encoder_3.onnx"), load_external_data=False)
+    assert [d.dim_param for d in t5.graph.input[0].type.tensor_type.shape.dim] == ["batch", "t5_length"]
+
+
+def test_reexport_with_same_inputs_is_reused(tiny_build, tiny_source, capsys):
+    from export.api import export_model
+
+    before = (tiny_build / "onnx" / "manifest.json").stat().st_mtime_ns
+    export_model(tiny_source, tiny_build)
+    assert "up to date" in capsys.readouterr().out
+    assert (tiny_build / "onnx" / "manifest.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()])
+def test_failure_midway_leaves_no_onnx_folder(tmp_path, tiny_source, monkeypatch, error):
+    import export.api
+
+    real, calls = export.api.export_submodule, []
+
+    def failing(spec, *args, **kwargs):
+        calls.append(spec.name)
+        if len(calls) == 3:
+            raise error
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(export.api, "export_submodule", failing)
+    with pytest.raises(type(error)):
+        export.api.export_model(tiny_source, tmp_path)
+    assert len(calls) == 3
+    assert list(tmp_path.iterdir()) == []  # neither onnx/ nor a temporary folder

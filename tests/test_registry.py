@@ -1,0 +1,62 @@
+"""The model registry: sd3-tiny keeps SD3-medium's structure, with real tokenizers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from export.registry import MODELS
+from export.source import SourceError, resolve
+
+
+def test_hub_models_are_registered_by_their_ids():
+    assert MODELS["sd3"].hub_id == "stabilityai/stable-diffusion-3-medium-diffusers"
+    assert MODELS["sd3.5-medium"].hub_id == "stabilityai/stable-diffusion-3.5-medium"
+    assert MODELS["sd3.5-large"].hub_id == "stabilityai/stable-diffusion-3.5-large"
+
+
+def test_sd3_tiny_keeps_the_structure_of_sd3_medium(tiny_source):
+    cfg = tiny_source.config
+    tr, vae = cfg("transformer"), cfg("vae")
+    assert tr["in_channels"] == tr["out_channels"] == vae["latent_channels"] == 16
+    assert tr["patch_size"] == 2
+    assert len(vae["block_out_channels"]) == 4  # VAE scale factor 8
+    clip_l, clip_g, t5 = cfg("text_encoder"), cfg("text_encoder_2"), cfg("text_encoder_3")
+    assert clip_l["hidden_size"] + clip_g["hidden_size"] < t5["d_model"] == tr["joint_attention_dim"]
+    assert clip_l["projection_dim"] + clip_g["projection_dim"] == tr["pooled_projection_dim"]
+    assert t5["feed_forward_proj"] == "gated-gelu"
+    index = json.loads((tiny_source.folder / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["text_encoder"][1] == index["text_encoder_2"][1] == "CLIPTextModelWithProjection"
+
+
+def test_sd3_tiny_tokenizers_load_through_from_pretrained(tiny_source):
+    from transformers import AutoTokenizer
+
+    clip = AutoTokenizer.from_pretrained(tiny_source.folder / "tokenizer")
+    assert clip("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]  # CLIP's real ids
+    assert len(clip) == 49408 and clip.model_max_length == 77
+    assert AutoTokenizer.from_pretrained(tiny_source.folder / "tokenizer_2").pad_token == "!"
+    t5 = AutoTokenizer.from_pretrained(tiny_source.folder / "tokenizer_3")
+    ids = t5("a photo of a cat").input_ids
+    assert ids[-1] == t5.eos_token_id == 1 and t5.unk_token_id not in ids
+
+
+def test_unknown_model_lists_the_known_names():
+    with pytest.raises(SourceError, match="unknown model 'sd4'.*sd3-tiny"):
+        resolve("sd4")
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path):
+    with pytest.raises(SourceError, match="no model_index.json"):
+        resolve(str(tmp_path))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(SourceError, match="StableDiffusionPipeline; supported pipelines: StableDiffusion3Pipeline"):
+        resolve(str(tmp_path))
+
+
+def test_hub_model_without_offline_weights_says_how_to_pass_a_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SourceError, match="not in the Hugging Face cache.*MODEL=/path/to/stable-diffusion-3-medium"):
+        resolve("sd3")
