@@ -4,11 +4,13 @@ TARGET    ?= ort
 PRECISION ?= fp32
 PROMPT    ?= a photo of a cat
 OUT       ?= out.png
+IMAGE_SIZE ?=
 PYTHON    ?= python3
 
 VENV := .venv
 PY   := $(VENV)/bin/python
 # Registry names build into build/<name>; a folder path builds into build/<folder's basename>.
+# IMAGE_SIZE=MIN,OPT,MAX (pixels) overrides the image range the engines are built for.
 NAME := $(notdir $(patsubst %/,%,$(MODEL)))
 BUILD := build/$(NAME)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -31,7 +33,7 @@ endif
 	touch $@
 
 export: venv
-	$(PY) -m export $(MODEL) --out $(BUILD)
+	$(PY) -m export $(MODEL) --out $(BUILD) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
 
 engines: export
 	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION)

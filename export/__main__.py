@@ -13,6 +13,8 @@ def main(argv=None) -> int:
     p.add_argument("model", help=f"a registry name ({', '.join(MODELS)}) or a diffusers pipeline folder")
     p.add_argument("--out", required=True, help="build folder; graphs go to OUT/onnx")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    p.add_argument("--image-size", default=None, metavar="MIN,OPT,MAX",
+                   help="image side range in pixels the engines are built for (default: the model's entry)")
     p.add_argument("--force", action="store_true", help="re-export even if OUT/onnx is up to date")
     args = p.parse_args(argv)
 
@@ -20,8 +22,9 @@ def main(argv=None) -> int:
     from export.source import SourceError
 
     try:
-        export_model(args.model, args.out, opset=args.opset, force=args.force)
-    except SourceError as e:
+        sizes = args.image_size.split(",") if args.image_size else None
+        export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes)
+    except (SourceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -5,10 +5,12 @@ renamed when every graph has passed its parity check, so it is complete or absen
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
-import json
+import logging
 import shutil
 import time
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +31,19 @@ def package_versions(names=BUILD_PACKAGES) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+def _quiet_libraries() -> None:
+    """Our progress lines are the output: silence the libraries' own bars and notices."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def _log(msg: str) -> None:
@@ -57,9 +72,22 @@ def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, 
     return tokenizers, scheduler
 
 
-def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False) -> Path:
-    """Export `model` (registry name or folder) into `out`/onnx and return that folder."""
+def _check_sizes(sizes) -> tuple[int, int, int]:
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) != 3 or not 0 < sizes[0] <= sizes[1] <= sizes[2] or any(s % 16 for s in sizes):
+        raise ValueError(f"image size range {sizes}: give MIN,OPT,MAX with MIN <= OPT <= MAX, multiples of 16")
+    return sizes
+
+
+def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
+                 image_size: tuple[int, int, int] | None = None) -> Path:
+    """Export `model` (registry name or folder) into `out`/onnx and return that folder.
+
+    `image_size` (min, opt, max pixels) overrides the range the engines are built for."""
+    _quiet_libraries()
     src = model if isinstance(model, ModelSource) else resolve(model)
+    if image_size:
+        src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, image_size=_check_sizes(image_size)))
     family, entry = src.family, src.entry
     constants = family.constants(src)
     ranges = dim_ranges(entry, family, constants)
