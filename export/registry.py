@@ -59,6 +59,25 @@ SD3_TINY = {
     "scheduler": _SD3_SCHEDULER,
 }
 
+# SD3-medium's real widths with 2 layers in the transformer and in each text encoder: the FLOPs
+# per layer are real, and a whole pipeline runs in minutes on a 2-core CPU (benchmarks).
+SD3_BENCH = {
+    "transformer": {
+        "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
+        "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+    },
+    "vae": {**_SD3_VAE, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+            "norm_num_groups": 32, "sample_size": 1024},
+    "text_encoder": {**SD3_TINY["text_encoder"], "hidden_size": 768, "intermediate_size": 3072,
+                     "num_attention_heads": 12, "projection_dim": 768},
+    "text_encoder_2": {**SD3_TINY["text_encoder_2"], "hidden_size": 1280, "intermediate_size": 5120,
+                       "num_attention_heads": 20, "projection_dim": 1280},
+    "text_encoder_3": {**SD3_TINY["text_encoder_3"], "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64},
+    "t5_vocab_pieces": 1000,
+    "scheduler": _SD3_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -70,5 +89,7 @@ MODELS: dict[str, ModelEntry] = {
                    description="Stable Diffusion 3.5 large"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
                    description="SD3 architecture at tiny widths, random seeded weights, built offline"),
+        ModelEntry("sd3-bench", "sd3", random_configs=SD3_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
+                   description="SD3-medium widths, 2 layers per stack, random seeded weights (benchmarks)"),
     )
 }

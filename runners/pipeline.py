@@ -58,7 +58,8 @@ class Pipeline:
         self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - t0
 
     def _progress(self, i: int, n: int) -> None:
-        if self.progress:
+        # A redrawn bar on a terminal; only the final line in a log file.
+        if self.progress and (sys.stderr.isatty() or i == n):
             bar = "#" * (30 * i // n)
             end = "\n" if i == n else ""
             print(f"\rdenoising [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
