@@ -15,7 +15,9 @@ NAME := $(notdir $(patsubst %/,%,$(MODEL)))
 BUILD := build/$(NAME)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv export engines image test clean
+BENCH_ARGS ?=
+
+.PHONY: venv export engines image test bench clean
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -43,6 +45,10 @@ image: engines
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers and our artifacts, writes BENCHMARKS.md.
+bench: venv
+	$(PY) -m bench --model sd3-bench $(BENCH_ARGS)
 
 clean:
 	rm -rf build

@@ -55,12 +55,14 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             t0 = time.perf_counter()
             files = tgt.build_submodule(onnx_dir / sub["file"], tmp, name)
             size = sum((tmp / f).stat().st_size for f in files)
-            _log(f"{name}: {target}-{precision} in {time.perf_counter() - t0:.1f} s, {size / 2**20:.1f} MiB")
+            seconds = round(time.perf_counter() - t0, 2)
+            _log(f"{name}: {target}-{precision} in {seconds:.1f} s, {size / 2**20:.1f} MiB")
             submodules[name] = {
                 "file": files[0],
                 "inputs": sub["inputs"],
                 "outputs": sub["outputs"],
                 "dims": _submodule_dims(sub, source["dims"]),
+                "build_seconds": seconds,
             }
         for entry in list(source["tokenizers"].values()) + [source["scheduler"]]:
             (tmp / entry["file"]).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,102 @@
+"""Run every variant as its own worker process and interleave their repetitions (A B A B ...),
+so drift on the machine hits all variants alike. Ratios against the reference variant are
+taken pair by pair, repetition by repetition."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.worker import MARK
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Variant:
+    label: str  # "(a) diffusers eager"
+    kind: str  # bench.variants.make_variant kind
+    path: str  # pipeline folder or artifact folder
+    python: str = sys.executable  # a variant may live in a virtual environment of its own
+
+
+@dataclass
+class Worker:
+    variant: Variant
+    proc: subprocess.Popen = field(repr=False)
+
+    @classmethod
+    def start(cls, variant: Variant, constants: dict) -> "Worker":
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen([variant.python, "-m", "bench.worker", variant.kind, variant.path,
+                                 json.dumps(constants)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env, cwd=REPO)
+        worker = cls(variant, proc)
+        worker.read()  # loaded
+        return worker
+
+    def ask(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"{self.variant.label}: worker exited with code {self.proc.wait()}")
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def interleaved(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> dict[str, dict]:
+    """Run `job` reps+1 times per variant, interleaved; the first round is a warm-up and dropped.
+    Returns per variant: {"samples": [job results...], "peak_rss_mib": ...}."""
+    workers = []
+    try:
+        for v in variants:
+            log(f"starting {v.label}")
+            workers.append(Worker.start(v, constants))
+        samples = {v.label: [] for v in variants}
+        for rep in range(reps + 1):
+            for w in workers:
+                result = w.ask(job)
+                if rep:
+                    samples[w.variant.label].append(result)
+            log(f"{job['job']} {job['height']}x{job['width']}: round {rep}/{reps}" + (" (warm-up)" if not rep else ""))
+        return {w.variant.label: {"samples": samples[w.variant.label],
+                                  "peak_rss_mib": w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"]}
+                for w in workers}
+    finally:
+        for w in workers:
+            w.stop()
+
+
+@dataclass
+class Stat:
+    median: float
+    ratio: float | None = None  # reference time / this time: > 1 is faster than the reference
+    ratio_lo: float | None = None
+    ratio_hi: float | None = None
+
+    def ratio_text(self) -> str:
+        if self.ratio is None:
+            return "1 (reference)"
+        return f"{self.ratio:.2f}x [{self.ratio_lo:.2f}-{self.ratio_hi:.2f}]"
+
+
+def stats(times: list[float], reference: list[float] | None) -> Stat:
+    s = Stat(statistics.median(times))
+    if reference is not None:
+        ratios = [r / t for r, t in zip(reference, times)]
+        s.ratio, s.ratio_lo, s.ratio_hi = statistics.median(ratios), min(ratios), max(ratios)
+    return s

@@ -1,0 +1,104 @@
+"""The variants a benchmark compares. Each loads once in its own worker process and answers two
+jobs: one call of each submodule, and a whole text-to-image run. Inputs are numpy arrays made
+from the same seeds in every variant, so every variant computes the same thing."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+PROMPT = "a photo of an astronaut riding a horse on the moon, detailed, golden light"
+NEGATIVE = "blurry, low quality"
+T5_LENGTH = 256  # diffusers' default max_sequence_length
+
+
+def submodule_inputs(constants: dict, height: int, width: int) -> dict[str, dict[str, np.ndarray]]:
+    """One representative call per submodule: text encoders at batch 1 (one per prompt), the
+    transformer at batch 2 (guidance), the VAE decoder at batch 1."""
+    rng = np.random.default_rng(0)
+    scale = constants["vae_scale_factor"]
+    h, w = height // scale, width // scale
+    clip_len = constants["clip_length"]
+    return {
+        "text_encoder": {"input_ids": rng.integers(0, constants["clip_vocab"], (1, clip_len))},
+        "text_encoder_2": {"input_ids": rng.integers(0, constants["clip2_vocab"], (1, clip_len))},
+        "text_encoder_3": {"input_ids": rng.integers(0, constants["t5_vocab"], (1, T5_LENGTH))},
+        "transformer": {
+            "hidden_states": rng.standard_normal((2, constants["in_channels"], h, w), dtype=np.float32),
+            "encoder_hidden_states": rng.standard_normal((2, clip_len + T5_LENGTH, constants["joint_dim"]),
+                                                         dtype=np.float32),
+            "pooled_projections": rng.standard_normal((2, constants["pooled_dim"]), dtype=np.float32),
+            "timestep": np.full(2, 500.0, dtype=np.float32),
+        },
+        "vae_decoder": {"latent": rng.standard_normal((1, constants["latent_channels"], h, w), dtype=np.float32)},
+    }
+
+
+def start_latents(constants: dict, height: int, width: int) -> np.ndarray:
+    scale = constants["vae_scale_factor"]
+    shape = (1, constants["latent_channels"], height // scale, width // scale)
+    return np.random.default_rng(42).standard_normal(shape, dtype=np.float32)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Ours:
+    """An artifact folder run by our numpy runner."""
+
+    def __init__(self, artifact: str):
+        from runners import Pipeline
+
+        self.pipe = Pipeline.load(artifact)
+
+    def call(self, name: str, feeds: dict) -> float:
+        return _timed(lambda: self.pipe.run(name, **feeds))
+
+    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
+        return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
+                                        num_inference_steps=steps, latents=latents, output_type="np",
+                                        max_sequence_length=T5_LENGTH))
+
+
+class Diffusers:
+    """diffusers' StableDiffusion3Pipeline in fp32, eager or with torch.compile."""
+
+    def __init__(self, folder: str, compile: bool = False):
+        import torch
+        from diffusers import StableDiffusion3Pipeline
+
+        self.torch = torch
+        torch.set_grad_enabled(False)
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(folder, torch_dtype=torch.float32)
+        self.pipe.set_progress_bar_config(disable=True)
+        if compile:
+            self.pipe.transformer = torch.compile(self.pipe.transformer)
+            self.pipe.vae.decoder = torch.compile(self.pipe.vae.decoder)
+
+    def call(self, name: str, feeds: dict) -> float:
+        t = {k: self.torch.from_numpy(v) for k, v in feeds.items()}
+        p = self.pipe
+        fn = {
+            "text_encoder": lambda: p.text_encoder(t["input_ids"], output_hidden_states=True),
+            "text_encoder_2": lambda: p.text_encoder_2(t["input_ids"], output_hidden_states=True),
+            "text_encoder_3": lambda: p.text_encoder_3(t["input_ids"]),
+            "transformer": lambda: p.transformer(**t, return_dict=False),
+            "vae_decoder": lambda: p.vae.decode(t["latent"], return_dict=False),
+        }[name]
+        return _timed(fn)
+
+    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
+        return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
+                                        num_inference_steps=steps, latents=self.torch.from_numpy(latents),
+                                        output_type="np", max_sequence_length=T5_LENGTH))
+
+
+def make_variant(kind: str, path: str):
+    if kind == "ours":
+        return Ours(path)
+    if kind in ("diffusers", "diffusers-compile"):
+        return Diffusers(path, compile=kind == "diffusers-compile")
+    raise ValueError(f"unknown variant kind {kind!r}")

@@ -1,0 +1,48 @@
+"""One variant in its own process: load it, then answer JSON jobs read from stdin, one per line.
+Results are written on stdout behind a marker, so library output cannot be mistaken for them.
+Peak RSS is this process's own: variants never share a process."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+MARK = "@@bench "
+
+
+def _reply(obj) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def peak_rss_mib() -> float:
+    """VmHWM: the peak resident set of this process image. (ru_maxrss is not used: Linux carries
+    it across fork and exec, so a worker would report its parent's peak.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main() -> None:
+    from bench.variants import make_variant, start_latents, submodule_inputs
+
+    kind, path, constants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    t0 = time.perf_counter()
+    variant = make_variant(kind, path)
+    _reply({"loaded_seconds": time.perf_counter() - t0})
+    for line in sys.stdin:
+        job = json.loads(line)
+        h, w = job["height"], job["width"]
+        if job["job"] == "submodules":
+            feeds = submodule_inputs(constants, h, w)
+            _reply({name: variant.call(name, f) for name, f in feeds.items()})
+        elif job["job"] == "e2e":
+            _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
+        elif job["job"] == "peak_rss":
+            _reply({"peak_rss_mib": peak_rss_mib()})
+
+
+if __name__ == "__main__":
+    main()
