@@ -17,7 +17,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv export engines image test bench clean
+.PHONY: venv optimum-venv export engines image test bench clean
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -46,9 +46,24 @@ image: engines
 test: venv
 	$(PY) -m pytest -q tests
 
-# Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers and our artifacts, writes BENCHMARKS.md.
-bench: venv
-	$(PY) -m bench --model sd3-bench $(BENCH_ARGS)
+# Optimum-ONNX pins transformers < 4.58, which current diffusers cannot use: it gets its own
+# environment, with the newest versions that resolve together (and the same CPU torch).
+OPTIMUM_VENV := .venv-optimum
+optimum-venv: $(OPTIMUM_VENV)/.installed
+$(OPTIMUM_VENV)/.installed: Makefile
+	test -x $(OPTIMUM_VENV)/bin/python || $(PYTHON) -m venv $(OPTIMUM_VENV)
+	$(OPTIMUM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OPTIMUM_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(OPTIMUM_VENV)/constraints.txt
+	$(OPTIMUM_VENV)/bin/python -m pip install -q -c $(OPTIMUM_VENV)/constraints.txt \
+	  "optimum-onnx[onnxruntime]==0.1.0" "optimum==2.1.0" "transformers==4.57.6" \
+	  "diffusers==0.39.0" "huggingface_hub==0.36.2"
+	touch $@
+
+# Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
+# artifacts on the same weights and latents, and writes BENCHMARKS.md.
+bench: venv optimum-venv
+	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python $(BENCH_ARGS)
 
 clean:
 	rm -rf build

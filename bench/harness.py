@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,27 +59,49 @@ class Worker:
             self.proc.kill()
 
 
-def interleaved(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> dict[str, dict]:
-    """Run `job` reps+1 times per variant, interleaved; the first round is a warm-up and dropped.
-    Returns per variant: {"samples": [job results...], "peak_rss_mib": ...}."""
+@contextmanager
+def running(variants: list[Variant], constants: dict, log):
+    """One loaded worker per variant, all alive for the jobs in the block."""
     workers = []
     try:
         for v in variants:
             log(f"starting {v.label}")
             workers.append(Worker.start(v, constants))
-        samples = {v.label: [] for v in variants}
-        for rep in range(reps + 1):
-            for w in workers:
-                result = w.ask(job)
-                if rep:
-                    samples[w.variant.label].append(result)
-            log(f"{job['job']} {job['height']}x{job['width']}: round {rep}/{reps}" + (" (warm-up)" if not rep else ""))
-        return {w.variant.label: {"samples": samples[w.variant.label],
-                                  "peak_rss_mib": w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"]}
-                for w in workers}
+        yield workers
     finally:
         for w in workers:
             w.stop()
+
+
+def interleaved(workers: list[Worker], job: dict, reps: int, log, warmup: bool = True) -> dict[str, list]:
+    """`reps` results per worker, taken in turn (A B A B ...), after one dropped warm-up round."""
+    samples = {w.variant.label: [] for w in workers}
+    for rep in range(-1 if warmup else 0, reps):
+        for w in workers:
+            result = w.ask(job)
+            if rep >= 0:
+                samples[w.variant.label].append(result)
+        log(f"{job['job']} {job['height']}x{job['width']}: " + ("warm-up" if rep < 0 else f"{rep + 1}/{reps}"))
+    return samples
+
+
+def peak_rss(workers: list[Worker]) -> dict[str, float]:
+    return {w.variant.label: w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"] for w in workers}
+
+
+def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> tuple[dict, dict]:
+    """Like `interleaved`, but each result comes from a fresh process that is stopped before the
+    next starts: for workloads whose pipelines cannot share the machine's memory. The runs are
+    cold (no warm-up), alike for every variant. Returns the samples and each variant's largest peak RSS."""
+    samples = {v.label: [] for v in variants}
+    peaks = {v.label: 0.0 for v in variants}
+    for rep in range(reps):
+        for v in variants:
+            with running([v], constants, log) as (w,):
+                samples[v.label].append(w.ask(job))
+                peaks[v.label] = max(peaks[v.label], peak_rss([w])[v.label])
+        log(f"{job['job']} {job['height']}x{job['width']}: {rep + 1}/{reps} (fresh processes)")
+    return samples, peaks
 
 
 @dataclass

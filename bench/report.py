@@ -33,7 +33,8 @@ def render(r: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
         "",
         f"Model: `{r['model']}` ({r['description']}). Same weights, same prompt, same starting latents in every "
-        f"variant. Medians of {r['reps']} interleaved repetitions after one warm-up round; speed-ups are "
+        f"variant. Medians of {r['reps']} interleaved repetitions (A B A B ...) after one warm-up round, which also "
+        "warms the first end-to-end workload; speed-ups are "
         "(reference time / variant time) per repetition, median and [min-max] over repetitions: the bracket is "
         "the noise. Peak RSS is each variant's own worker process.",
         "",
@@ -50,5 +51,5 @@ def render(r: dict) -> str:
     for table in r["tables"]:
         lines += [f"## {table['title']}", "", "| " + " | ".join(table["columns"]) + " |",
                   "|" + "---|" * len(table["columns"]), *("| " + " | ".join(row) + " |" for row in table["rows"]), ""]
-    lines += [f"{note}" for note in r["notes"]]
+    lines += [f"- {note}" for note in r["notes"]]
     return "\n".join(lines).rstrip() + "\n"

@@ -55,7 +55,7 @@ class Ours:
         self.pipe = Pipeline.load(artifact)
 
     def call(self, name: str, feeds: dict) -> float:
-        return _timed(lambda: self.pipe.run(name, **feeds))
+        return _timed(lambda: self.pipe.run(name, release=False, **feeds))  # steady state, as in the loop
 
     def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
         return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
@@ -63,7 +63,16 @@ class Ours:
                                         max_sequence_length=T5_LENGTH))
 
 
-class Diffusers:
+class _DiffusersCall:
+    """The end-to-end call of a diffusers-style pipeline (torch latents), shared by (a), (b), (c)."""
+
+    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
+        return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
+                                        num_inference_steps=steps, latents=self.torch.from_numpy(latents),
+                                        output_type="np", max_sequence_length=T5_LENGTH))
+
+
+class Diffusers(_DiffusersCall):
     """diffusers' StableDiffusion3Pipeline in fp32, eager or with torch.compile."""
 
     def __init__(self, folder: str, compile: bool = False):
@@ -90,10 +99,24 @@ class Diffusers:
         }[name]
         return _timed(fn)
 
-    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
-        return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
-                                        num_inference_steps=steps, latents=self.torch.from_numpy(latents),
-                                        output_type="np", max_sequence_length=T5_LENGTH))
+
+class Optimum(_DiffusersCall):
+    """Optimum-ONNX's ORTStableDiffusion3Pipeline on Optimum's own export (in .venv-optimum)."""
+
+    RENAMED_INPUTS = {"latent": "latent_sample"}
+
+    def __init__(self, folder: str):
+        import torch
+        from optimum.onnxruntime import ORTStableDiffusion3Pipeline
+
+        self.torch = torch
+        self.pipe = ORTStableDiffusion3Pipeline.from_pretrained(folder, provider="CPUExecutionProvider")
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def call(self, name: str, feeds: dict) -> float:
+        session = getattr(self.pipe, name).session
+        feeds = {self.RENAMED_INPUTS.get(k, k): v for k, v in feeds.items()}
+        return _timed(lambda: session.run(None, feeds))
 
 
 def make_variant(kind: str, path: str):
@@ -101,4 +124,6 @@ def make_variant(kind: str, path: str):
         return Ours(path)
     if kind in ("diffusers", "diffusers-compile"):
         return Diffusers(path, compile=kind == "diffusers-compile")
+    if kind == "optimum":
+        return Optimum(path)
     raise ValueError(f"unknown variant kind {kind!r}")

@@ -48,8 +48,10 @@ class Pipeline:
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
-    def run(self, submodule: str, **feeds):
-        return self.sessions[submodule].run(feeds)
+    def run(self, submodule: str, release: bool = True, **feeds):
+        """One engine call. `release` (default) frees its working memory afterwards; the denoising
+        loop keeps it between steps and releases it after the last one."""
+        return self.sessions[submodule].run(feeds, release=release)
 
     @contextmanager
     def _timed(self, stage: str):

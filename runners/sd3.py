@@ -53,7 +53,8 @@ class SD3Pipeline(Pipeline):
             timesteps, sigmas = self.scheduler.timesteps(num_inference_steps, mu)
             for i, t in enumerate(timesteps):
                 model_input = np.concatenate([latents, latents]) if cfg else latents
-                noise = self.run("transformer", hidden_states=model_input, encoder_hidden_states=embeds,
+                noise = self.run("transformer", release=i == len(timesteps) - 1,
+                                 hidden_states=model_input, encoder_hidden_states=embeds,
                                  pooled_projections=pooled,
                                  timestep=np.full(model_input.shape[0], t, dtype=np.float32))["noise_pred"]
                 if cfg:

@@ -12,7 +12,7 @@ ONE_LEVEL = 1 / 255
 LONG_PROMPT = "a watercolor painting of " + ", ".join(f"a tiny red castle number {i}" for i in range(30))
 CASES = {
     "square": dict(prompt="a photo of a cat", height=128, width=128),
-    "non_square": dict(prompt="a castle in the rain", height=64, width=160),
+    "non_square_odd_patches": dict(prompt="a castle in the rain", height=80, width=144),  # 5 x 9 patches
     "two_per_prompt_with_negative": dict(prompt="a dragon", negative_prompt="blurry, dark", num_images_per_prompt=2,
                                          height=64, width=64),
     "no_guidance": dict(prompt="an astronaut", guidance_scale=1.0, height=96, width=96),

@@ -5,6 +5,8 @@ throws away (CLIP's last hidden state, the VAE's posterior object, ...).
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
@@ -31,10 +33,31 @@ class _T5ForSD3(torch.nn.Module):
         return (self.t5(input_ids).last_hidden_state,)
 
 
+def _cropped_pos_embed(self, height, width):
+    """diffusers' PatchEmbed.cropped_pos_embed with the crop offset written so that it exports right.
+
+    diffusers computes top = (M - h) // 2. The tracer rewrites that as M // 2 + (-h) // 2, and the
+    ONNX graph divides the negative -h with truncation instead of floor: every odd patch count
+    (an image side of 16 mod 32 pixels) then crops the wrong window and fails to broadcast.
+    M // 2 - (h + 1 - M % 2) // 2 is the same integer with a non-negative numerator.
+    """
+    m = self.pos_embed_max_size
+    h, w = height // self.patch_size, width // self.patch_size
+    if h > m or w > m:
+        raise ValueError(f"latent of {h}x{w} patches exceeds pos_embed_max_size {m}")
+    top = m // 2 - (h + 1 - m % 2) // 2
+    left = m // 2 - (w + 1 - m % 2) // 2
+    grid = self.pos_embed.reshape(1, m, m, -1)[:, top : top + h, left : left + w, :]
+    return grid.reshape(1, -1, grid.shape[-1])
+
+
 class _TransformerForSD3(torch.nn.Module):
     def __init__(self, transformer):
         super().__init__()
         self.transformer = transformer
+        embed = transformer.pos_embed
+        if embed.pos_embed_max_size is not None:
+            embed.cropped_pos_embed = types.MethodType(_cropped_pos_embed, embed)
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         out = self.transformer(

@@ -1,5 +1,6 @@
-"""Runtime backends by target name: each opens one engine file as a session whose `run` maps
-input names to numpy arrays and returns the outputs by name."""
+"""Runtime backends by target name: each opens one engine file as a session whose
+`run(feeds, release=False)` maps input names to numpy arrays and returns the outputs by name;
+`release` frees the call's working memory when a stage is done."""
 from __future__ import annotations
 
 
