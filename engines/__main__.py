@@ -15,17 +15,11 @@ def main(argv=None) -> int:
 
     from engines.api import build_artifact
     from engines.targets import TargetError
+    from runners.cli import run_cli
     from runners.manifest import ManifestError
 
-    try:
-        build_artifact(args.build_dir, args.target, args.precision, force=args.force)
-    except (TargetError, ManifestError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: no artifact was written", file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(lambda: build_artifact(args.build_dir, args.target, args.precision, force=args.force),
+                   (TargetError, ManifestError), "no artifact was written")
 
 
 if __name__ == "__main__":

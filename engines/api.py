@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from engines.targets import get_target
-from runners.manifest import MANIFEST, ManifestError, atomic_folder, read_manifest, write_manifest
+from runners.manifest import MANIFEST, ManifestError, atomic_folder, is_current, read_manifest, write_manifest
 
 ARTIFACT_FORMAT = 1  # bump when the artifact this code writes changes for the same inputs
 
@@ -42,13 +42,9 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
     cache_key = _digest([ARTIFACT_FORMAT, source["files"], settings])
     dest = build_dir / f"{target}-{precision}"
-    if not force and (dest / MANIFEST).exists():
-        try:
-            if read_manifest(dest)["cache_key"] == cache_key:
-                _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
-                return dest
-        except (ManifestError, KeyError):
-            pass
+    if not force and is_current(dest, cache_key):
+        _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
+        return dest
     with atomic_folder(dest) as tmp:
         submodules = {}
         for name, sub in source["submodules"].items():

@@ -20,17 +20,11 @@ def main(argv=None) -> int:
 
     from export.api import export_model
     from export.source import SourceError
+    from runners.cli import run_cli
 
-    try:
-        sizes = args.image_size.split(",") if args.image_size else None
-        export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes)
-    except (SourceError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
-        return 130
-    return 0
+    sizes = args.image_size.split(",") if args.image_size else None
+    return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes),
+                   (SourceError, ValueError), "nothing was written")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 from export.onnx_export import DEFAULT_OPSET, export_submodule
 from export.shapes import dim_ranges, probe_dims
 from export.source import ModelSource, _digest, resolve
-from runners.manifest import MANIFEST, ManifestError, atomic_folder, read_manifest, write_manifest
+from runners.manifest import atomic_folder, is_current, write_manifest
 
 EXPORT_FORMAT = 1  # bump when the graphs this code writes change for the same inputs
 BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
@@ -96,13 +96,9 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     cache_key = _digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset,
                          [s.name for s in specs], package_versions()])
     dest = Path(out) / "onnx"
-    if not force and (dest / MANIFEST).exists():
-        try:
-            if read_manifest(dest)["cache_key"] == cache_key:
-                _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
-                return dest
-        except (ManifestError, KeyError):
-            pass
+    if not force and is_current(dest, cache_key):
+        _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
+        return dest
     _log(f"{entry.name}: {len(specs)} submodules from {src.folder}")
     dynamic = set(ranges)
     with atomic_folder(dest) as tmp:

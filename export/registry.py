@@ -31,30 +31,40 @@ _SD3_VAE = {  # the real SD3 VAE structure: 16 latent channels, 4 blocks (scale 
     "use_quant_conv": False, "use_post_quant_conv": False,
 }
 
-# SD3-medium at tiny widths: CLIP-L (32) + CLIP-G (48) < T5 (96), pooled 32 + 48 = 80.
-SD3_TINY = {
-    "transformer": {
-        "sample_size": 16, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
-        "attention_head_dim": 8, "num_attention_heads": 4, "joint_attention_dim": 96,
-        "caption_projection_dim": 32, "pooled_projection_dim": 80, "pos_embed_max_size": 96,
-    },
-    "vae": {**_SD3_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1,
-            "norm_num_groups": 4, "sample_size": 128},
-    "text_encoder": {  # CLIP-L: quick_gelu
-        "vocab_size": 49408, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 77, "projection_dim": 32,
-        "hidden_act": "quick_gelu", "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 1,
-    },
-    "text_encoder_2": {  # CLIP-G: gelu
-        "vocab_size": 49408, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 77, "projection_dim": 48,
-        "hidden_act": "gelu", "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 1,
-    },
-    "text_encoder_3": {  # T5 v1.1 encoder: gated-gelu
-        "d_model": 96, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 6,
+def _mmdit(heads: int, head_dim: int, joint: int, pooled: int, sample: int, pos_max: int) -> dict:
+    return {
+        "sample_size": sample, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
+        "attention_head_dim": head_dim, "num_attention_heads": heads, "joint_attention_dim": joint,
+        "caption_projection_dim": heads * head_dim, "pooled_projection_dim": pooled, "pos_embed_max_size": pos_max,
+    }
+
+
+def _clip(width: int, mlp: int, heads: int, act: str) -> dict:
+    """CLIP text encoder with projection; CLIP-L uses quick_gelu, CLIP-G gelu."""
+    return {
+        "vocab_size": 49408, "hidden_size": width, "intermediate_size": mlp, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "max_position_embeddings": 77, "projection_dim": width,
+        "hidden_act": act, "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 1,
+    }
+
+
+def _t5(width: int, head_dim: int, heads: int, mlp: int) -> dict:
+    """T5 v1.1 encoder: gated-gelu."""
+    return {
+        "d_model": width, "d_kv": head_dim, "d_ff": mlp, "num_layers": 2, "num_heads": heads,
         "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
         "relative_attention_max_distance": 128, "is_encoder_decoder": False, "use_cache": False,
-    },
+    }
+
+
+# SD3-medium at tiny widths: CLIP-L (32) + CLIP-G (48) < T5 (96), pooled 32 + 48 = 80.
+SD3_TINY = {
+    "transformer": _mmdit(heads=4, head_dim=8, joint=96, pooled=80, sample=16, pos_max=96),
+    "vae": {**_SD3_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1,
+            "norm_num_groups": 4, "sample_size": 128},
+    "text_encoder": _clip(32, 64, 4, "quick_gelu"),
+    "text_encoder_2": _clip(48, 96, 4, "gelu"),
+    "text_encoder_3": _t5(96, 16, 6, 128),
     "t5_vocab_pieces": 1000,
     "scheduler": _SD3_SCHEDULER,
 }
@@ -62,18 +72,12 @@ SD3_TINY = {
 # SD3-medium's real widths with 2 layers in the transformer and in each text encoder: the FLOPs
 # per layer are real, and a whole pipeline runs in minutes on a 2-core CPU (benchmarks).
 SD3_BENCH = {
-    "transformer": {
-        "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
-        "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
-        "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
-    },
+    "transformer": _mmdit(heads=24, head_dim=64, joint=4096, pooled=2048, sample=128, pos_max=192),
     "vae": {**_SD3_VAE, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
-            "norm_num_groups": 32, "sample_size": 1024},
-    "text_encoder": {**SD3_TINY["text_encoder"], "hidden_size": 768, "intermediate_size": 3072,
-                     "num_attention_heads": 12, "projection_dim": 768},
-    "text_encoder_2": {**SD3_TINY["text_encoder_2"], "hidden_size": 1280, "intermediate_size": 5120,
-                       "num_attention_heads": 20, "projection_dim": 1280},
-    "text_encoder_3": {**SD3_TINY["text_encoder_3"], "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64},
+            "norm_num_groups": 32, "sample_size": 1024},  # the real SD3 VAE
+    "text_encoder": _clip(768, 3072, 12, "quick_gelu"),
+    "text_encoder_2": _clip(1280, 5120, 20, "gelu"),
+    "text_encoder_3": _t5(4096, 64, 64, 10240),
     "t5_vocab_pieces": 1000,
     "scheduler": _SD3_SCHEDULER,
 }

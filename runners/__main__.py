@@ -24,26 +24,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from runners import Pipeline
+    from runners.cli import run_cli
     from runners.manifest import ManifestError
 
-    try:
+    def generate():
         t0 = time.perf_counter()
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True)
-        load = time.perf_counter() - t0
+        timings = {"load": time.perf_counter() - t0}
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                       num_images_per_prompt=args.num_images, max_sequence_length=args.max_sequence_length)
-    except (ManifestError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]
-    for image, path in zip(images, paths):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image.save(path)
-    stages = ", ".join(f"{k} {v:.2f} s" for k, v in pipe.timings.items())
-    print(f"load {load:.2f} s, {stages}; wrote {', '.join(map(str, paths))}")
-    return 0
+        timings.update(pipe.timings)
+        out = Path(args.out)
+        paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]
+        for image, path in zip(images, paths):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            image.save(path)
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
+        print(f"{stages}; wrote {', '.join(map(str, paths))}")
+
+    return run_cli(generate, (ManifestError, ValueError, RuntimeError), "no image was written")
 
 
 if __name__ == "__main__":

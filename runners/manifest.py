@@ -56,6 +56,16 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     return data
 
 
+def is_current(folder: Path, cache_key: str) -> bool:
+    """True when `folder` is a complete, intact output of the same inputs and settings."""
+    if not (Path(folder) / MANIFEST).exists():
+        return False
+    try:
+        return read_manifest(folder).get("cache_key") == cache_key
+    except ManifestError:
+        return False
+
+
 def verify_files(folder: Path, data: dict) -> None:
     for rel, digest in data.get("files", {}).items():
         path = folder / rel
