@@ -23,7 +23,7 @@ def _parse(argv):
     p.add_argument("--model", default="sd3-bench")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--size", type=int, default=512, help="image side of the per-submodule and first end-to-end runs")
-    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--steps", type=int, default=28, help="steps of the first end-to-end run (0: skip it)")
     p.add_argument("--large-size", type=int, default=1024, help="image side of the second end-to-end run (0: skip)")
     p.add_argument("--large-steps", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="add (b) diffusers + torch.compile (compiles for minutes)")
@@ -95,8 +95,9 @@ class Bench:
         job = {"height": size, "width": size}
         with running(self.variants, self.constants, _log) as workers:
             per_call = interleaved(workers, {"job": "submodules", **job}, a.reps, _log)
-            e2e = interleaved(workers, {"job": "e2e", "steps": a.steps, **job}, a.reps, _log, warmup=False)
-            peaks = peak_rss(workers)
+            if a.steps:
+                e2e = interleaved(workers, {"job": "e2e", "steps": a.steps, **job}, a.reps, _log, warmup=False)
+                peaks = peak_rss(workers)
         rows = []
         for name in SUBMODULES:
             for v in self.variants:
@@ -106,7 +107,7 @@ class Bench:
         self.tables.append({"title": f"One call per submodule at {size}x{size} (transformer: one step at batch 2)",
                             "columns": ["submodule", "variant", "GFLOP", "median ms", "speed-up vs (a)", "x bound"],
                             "rows": rows})
-        rows = self._e2e_rows(size, a.steps, f, e2e, peaks)
+        rows = self._e2e_rows(size, a.steps, f, e2e, peaks) if a.steps else []
         if a.large_size:
             large = {"job": "e2e", "height": a.large_size, "width": a.large_size, "steps": a.large_steps}
             samples, peaks = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
@@ -114,9 +115,10 @@ class Bench:
             self.notes.append(f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped "
                               "before the next starts, because the variants' pipelines at that size do not fit in "
                               "memory side by side.")
-        self.tables.append({"title": "End to end: prompt and negative prompt, guidance 7, VAE decode",
-                            "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)", "x bound",
-                                        "peak RSS MiB"], "rows": rows})
+        if rows:
+            self.tables.append({"title": "End to end: prompt and negative prompt, guidance 7, VAE decode",
+                                "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)",
+                                            "x bound", "peak RSS MiB"], "rows": rows})
 
     def _e2e_rows(self, size, steps, f, samples, peaks):
         total = 2 * sum(f[n] for n in SUBMODULES[:3]) + steps * f["transformer"] + f["vae_decoder"]
