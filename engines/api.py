@@ -6,24 +6,20 @@ reused when the input graphs, the settings and the backend version are unchanged
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
 
 from engines.targets import get_target
-from runners.manifest import MANIFEST, ManifestError, atomic_folder, is_current, read_manifest, write_manifest
+from runners.manifest import (
+    MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
+)
 
 ARTIFACT_FORMAT = 1  # bump when the artifact this code writes changes for the same inputs
 
 
 def _log(msg: str) -> None:
     print(f"[engines] {msg}", flush=True)
-
-
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _submodule_dims(sub: dict, dims: dict) -> dict:
@@ -40,7 +36,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
-    cache_key = _digest([ARTIFACT_FORMAT, source["files"], settings])
+    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings])
     dest = build_dir / f"{target}-{precision}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, export_submodule
 from export.shapes import dim_ranges, probe_dims
-from export.source import ModelSource, _digest, resolve
-from runners.manifest import atomic_folder, is_current, write_manifest
+from export.source import ModelSource, resolve
+from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
 EXPORT_FORMAT = 1  # bump when the graphs this code writes change for the same inputs
 BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
@@ -93,7 +93,7 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)
     specs = [s for s in family.submodules if src.has(s.component)]
-    cache_key = _digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset,
+    cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset,
                          [s.name for s in specs], package_versions()])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):

@@ -5,7 +5,6 @@ at a time through the components' own `from_pretrained`, as a user's folder woul
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from export.families import FAMILIES
 from export.registry import MODELS, ModelEntry
-from runners.manifest import atomic_folder
+from runners.manifest import atomic_folder, digest
 
 
 class SourceError(RuntimeError):
@@ -57,18 +56,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("DIFFUSION_AOT_CACHE", Path.home() / ".cache" / "diffusion-aot"))
 
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _folder_fingerprint(folder: Path) -> str:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return _digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
+    return digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
 
 
 def _build_random(entry: ModelEntry) -> Path:
     """Build (once) the random-weight pipeline folder of a registry entry, atomically."""
-    key = _digest(entry.random_configs)
+    key = digest(entry.random_configs)
     folder = cache_root() / "models" / f"{entry.name}-{key}"
     if (folder / "model_index.json").exists():
         return folder
@@ -115,7 +110,7 @@ def resolve(model: str) -> ModelSource:
         entry = MODELS[model]
         if entry.random_configs is not None:
             folder = _build_random(entry)
-            return ModelSource(entry, folder, _digest(entry.random_configs))
+            return ModelSource(entry, folder, digest(entry.random_configs))
         folder = _hub_snapshot(entry)
         _detect_family(folder)
         return ModelSource(entry, folder, _folder_fingerprint(folder))

@@ -27,6 +27,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def digest(obj) -> str:
+    """A short stable hash of JSON-able settings: the cache keys of every stage."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def write_manifest(folder: Path, data: dict) -> dict:
     """Write `data` as the folder's manifest, adding the checksums of every other file in it."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
