@@ -85,9 +85,12 @@ class Bench:
         return {n: graph_flops(self.onnx_dir / f"{n}.onnx", {**dims, "batch": 2 if n == "transformer" else 1})
                 for n in SUBMODULES}
 
-    def _row(self, samples: dict, key, label: str) -> tuple:
+    def _row(self, samples: dict, key, label: str):
         ref = [key(s) for s in samples[self.reference]]
-        return stats([key(s) for s in samples[label]], None if label == self.reference else ref)
+        return stats([key(s) for s in samples[label]], None if label == self.reference or not ref else ref)
+
+    def _ratio(self, st, v) -> str:
+        return "1 (reference)" if v.label == self.reference else st.ratio_text()
 
     def measure(self):
         a = self.args
@@ -102,7 +105,7 @@ class Bench:
         for name in SUBMODULES:
             for v in self.variants:
                 st = self._row(per_call, lambda s: s[name], v.label)
-                rows.append([name, v.label, f"{f[name] / 1e9:.1f}", f"{st.median * 1e3:.0f}", st.ratio_text(),
+                rows.append([name, v.label, f"{f[name] / 1e9:.1f}", f"{st.median * 1e3:.0f}", self._ratio(st, v),
                              f"{st.median / (f[name] / self.rate):.2f}"])
         self.tables.append({"title": f"One call per submodule at {size}x{size} (transformer: one step at batch 2)",
                             "columns": ["submodule", "variant", "GFLOP", "median ms", "speed-up vs (a)", "x bound"],
@@ -110,8 +113,8 @@ class Bench:
         rows = self._e2e_rows(size, a.steps, f, e2e, peaks) if a.steps else []
         if a.large_size:
             large = {"job": "e2e", "height": a.large_size, "width": a.large_size, "steps": a.large_steps}
-            samples, peaks = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
-            rows += self._e2e_rows(a.large_size, a.large_steps, self.flops(a.large_size), samples, peaks)
+            samples, peaks, failed = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
+            rows += self._e2e_rows(a.large_size, a.large_steps, self.flops(a.large_size), samples, peaks, failed)
             self.notes.append(f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped "
                               "before the next starts, because the variants' pipelines at that size do not fit in "
                               "memory side by side.")
@@ -120,13 +123,17 @@ class Bench:
                                 "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)",
                                             "x bound", "peak RSS MiB"], "rows": rows})
 
-    def _e2e_rows(self, size, steps, f, samples, peaks):
+    def _e2e_rows(self, size, steps, f, samples, peaks, failed=None):
         total = 2 * sum(f[n] for n in SUBMODULES[:3]) + steps * f["transformer"] + f["vae_decoder"]
         rows = []
         for v in self.variants:
+            if v.label in (failed or {}):
+                rows.append([f"{size}x{size}, {steps} steps", v.label, f"{total / 1e12:.2f}", "failed", "-", "-",
+                             failed[v.label].split(": ", 1)[1]])
+                continue
             st = self._row(samples, lambda s: s["seconds"], v.label)
             rows.append([f"{size}x{size}, {steps} steps", v.label, f"{total / 1e12:.2f}", f"{st.median:.1f}",
-                         st.ratio_text(), f"{st.median / (total / self.rate):.2f}", f"{peaks[v.label]:.0f}"])
+                         self._ratio(st, v), f"{st.median / (total / self.rate):.2f}", f"{peaks[v.label]:.0f}"])
         return rows
 
     def export_table(self):

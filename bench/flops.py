@@ -10,9 +10,20 @@ from pathlib import Path
 import onnx
 
 
+def _weights_as_inputs(model: onnx.ModelProto, min_elements: int = 4096) -> None:
+    """Shape inference needs the weights' shapes, not their values: turn large initializers into
+    graph inputs of the same type and shape, so counting a 1.5 GB graph costs kilobytes."""
+    graph = model.graph
+    large = [i for i in graph.initializer if math.prod(i.dims) >= min_elements]
+    for init in large:
+        graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        graph.initializer.remove(init)
+
+
 def _concrete_shapes(model: onnx.ModelProto, dims: dict[str, int]) -> dict[str, list]:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+    _weights_as_inputs(model)
     for value in model.graph.input:
         for d in value.type.tensor_type.shape.dim:
             if d.dim_param in dims:

@@ -17,6 +17,10 @@ from bench.worker import MARK
 REPO = Path(__file__).resolve().parent.parent
 
 
+class WorkerDied(RuntimeError):
+    """A variant's process ended mid-job (e.g. killed out of memory): recorded, not fatal."""
+
+
 @dataclass
 class Variant:
     label: str  # "(a) diffusers eager"
@@ -49,7 +53,9 @@ class Worker:
         for line in self.proc.stdout:
             if line.startswith(MARK):
                 return json.loads(line[len(MARK):])
-        raise RuntimeError(f"{self.variant.label}: worker exited with code {self.proc.wait()}")
+        code = self.proc.wait()
+        raise WorkerDied(f"{self.variant.label}: worker exited with code {code}"
+                         + (" (killed: out of memory on this machine)" if code == -9 else ""))
 
     def stop(self) -> None:
         try:
@@ -89,19 +95,27 @@ def peak_rss(workers: list[Worker]) -> dict[str, float]:
     return {w.variant.label: w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"] for w in workers}
 
 
-def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> tuple[dict, dict]:
+def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> tuple[dict, dict, dict]:
     """Like `interleaved`, but each result comes from a fresh process that is stopped before the
     next starts: for workloads whose pipelines cannot share the machine's memory. The runs are
-    cold (no warm-up), alike for every variant. Returns the samples and each variant's largest peak RSS."""
+    cold (no warm-up), alike for every variant. A variant whose process dies is not run again.
+    Returns the samples, each variant's largest peak RSS, and the failures by variant."""
     samples = {v.label: [] for v in variants}
     peaks = {v.label: 0.0 for v in variants}
+    failed: dict[str, str] = {}
     for rep in range(reps):
         for v in variants:
-            with running([v], constants, log) as (w,):
-                samples[v.label].append(w.ask(job))
-                peaks[v.label] = max(peaks[v.label], peak_rss([w])[v.label])
+            if v.label in failed:
+                continue
+            try:
+                with running([v], constants, log) as (w,):
+                    samples[v.label].append(w.ask(job))
+                    peaks[v.label] = max(peaks[v.label], peak_rss([w])[v.label])
+            except WorkerDied as e:
+                log(str(e))
+                failed[v.label] = str(e)
         log(f"{job['job']} {job['height']}x{job['width']}: {rep + 1}/{reps} (fresh processes)")
-    return samples, peaks
+    return samples, peaks, failed
 
 
 @dataclass
@@ -113,7 +127,7 @@ class Stat:
 
     def ratio_text(self) -> str:
         if self.ratio is None:
-            return "1 (reference)"
+            return "- (no reference samples)"
         return f"{self.ratio:.2f}x [{self.ratio_lo:.2f}-{self.ratio_hi:.2f}]"
 
 
