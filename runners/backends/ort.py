@@ -11,7 +11,7 @@ class OrtSession:
 
         options = ort.SessionOptions()
         # The memory pattern plans one block per input shape and keeps the arena's buffers from the
-        # first run beside it: measured on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
+        # first run beside it: measured once by hand on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
         # on its second run with it and 9.2 GB without, at the same speed (4.9 vs 9.4 GB for the VAE).
         options.enable_mem_pattern = False
         if threads:
