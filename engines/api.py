@@ -6,10 +6,14 @@ reused when the input graphs, the settings and the backend version are unchanged
 """
 from __future__ import annotations
 
+import inspect
 import shutil
 import time
 from pathlib import Path
 
+import onnx_ir as ir
+
+from engines.passes import PASSES, PassPipeline
 from engines.targets import get_target
 from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
@@ -27,16 +31,29 @@ def _submodule_dims(sub: dict, dims: dict) -> dict:
     return {d: dims[d] for d in sorted(used)}
 
 
-def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False) -> Path:
-    """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder."""
+def _passes_fingerprint(names: list[str]) -> str:
+    """The pass list and the code of those passes: a changed pass rebuilds the artifact."""
+    import engines.passes.base
+    import engines.passes.pipeline
+
+    modules = [engines.passes.base, engines.passes.pipeline] + [inspect.getmodule(PASSES[n]) for n in names]
+    return digest([names] + [Path(m.__file__).read_text() for m in modules])
+
+
+def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
+                   passes: list[str] | None = None) -> Path:
+    """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder.
+
+    `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none)."""
     build_dir = Path(build_dir)
     tgt = get_target(target, precision)  # unknown target/precision or missing backend: fail first
+    pipeline = PassPipeline(tgt.passes if passes is None else passes)
     onnx_dir = build_dir / "onnx"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
-    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings])
+    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, _passes_fingerprint(pipeline.names)])
     dest = build_dir / f"{target}-{precision}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
@@ -45,7 +62,10 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         submodules = {}
         for name, sub in source["submodules"].items():
             t0 = time.perf_counter()
-            files = tgt.build_submodule(onnx_dir / sub["file"], tmp, name)
+            model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
+            model, reports = pipeline(model, name, log=_log)
+            files = tgt.build_submodule(model, tmp, name)
+            del model
             size = sum((tmp / f).stat().st_size for f in files)
             seconds = round(time.perf_counter() - t0, 2)
             _log(f"{name}: {target}-{precision} in {seconds:.1f} s, {size / 2**20:.1f} MiB")
@@ -55,6 +75,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
                 "outputs": sub["outputs"],
                 "dims": _submodule_dims(sub, source["dims"]),
                 "build_seconds": seconds,
+                "passes": reports,
             }
         for entry in list(source["tokenizers"].values()) + [source["scheduler"]]:
             (tmp / entry["file"]).parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +85,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             "cache_key": cache_key,
             "model": source["model"],
             **settings,
-            "passes": [],
+            "passes": pipeline.names,
             "pipeline": source["pipeline"],
             "dims": source["dims"],
             "tokenizers": source["tokenizers"],

@@ -8,7 +8,7 @@ import importlib.util
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 
 class TargetError(ValueError):
@@ -22,8 +22,10 @@ class Target:
     backend_distributions: tuple[str, ...]  # where its version is read from (first installed wins)
     install_hint: str
     precisions: tuple[str, ...]
-    # (onnx path in, artifact folder, submodule name) -> list of files written (relative to the folder)
-    build_submodule: Callable[[Path, Path, str], list[str]]
+    # The graph passes run before building, in order (names from engines.passes.PASSES).
+    passes: tuple[str, ...]
+    # (prepared onnx-ir model, artifact folder, submodule name) -> files written, relative to the folder
+    build_submodule: Callable[[Any, Path, str], list[str]]
 
     def backend_version(self) -> str:
         for dist in self.backend_distributions:
@@ -52,3 +54,8 @@ def get_target(name: str, precision: str) -> Target:
         raise TargetError(f"target '{name}' needs the '{target.backend_module}' module, which is not "
                           f"installed: {target.install_hint}")
     return target
+
+
+def describe_targets() -> str:
+    return "\n".join(f"target {t.name} ({', '.join(t.precisions)}): passes {', '.join(t.passes) or 'none'}"
+                     for t in _targets().values())

@@ -12,17 +12,20 @@ from engines.targets import Target
 _TWO_GB = 2**31
 
 
-def build_submodule(onnx_path: Path, out_dir: Path, name: str) -> list[str]:
-    import onnx
+def weight_bytes(model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def build_submodule(model, out_dir: Path, name: str) -> list[str]:
+    import onnx_ir as ir
     import onnxruntime as ort
 
-    model = onnx.load(str(onnx_path), load_external_data=True)
     out = out_dir / f"{name}.onnx"
-    large = model.ByteSize() > _TWO_GB
-    onnx.save_model(model, str(out), save_as_external_data=large, location=f"{name}.onnx.data")
-    del model
+    data = f"{name}.onnx.data" if weight_bytes(model) > _TWO_GB else None
+    # Weights are written one at a time from where they live (memory-mapped or computed lazily).
+    ir.save(model, out, external_data=data)
     ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])  # fails here, not at deploy time
-    return [out.name] + ([f"{name}.onnx.data"] if large else [])
+    return [out.name] + ([data] if data else [])
 
 
 TARGET = Target(
@@ -31,5 +34,6 @@ TARGET = Target(
     backend_distributions=("onnxruntime", "onnxruntime-gpu"),
     install_hint="pip install 'diffusion-aot[cpu]' (or [gpu] for onnxruntime-gpu)",
     precisions=("fp32",),
+    passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
 )

@@ -1,0 +1,220 @@
+"""Attention fusion for ONNX Runtime: the exported attention subgraph becomes one
+`com.microsoft.MultiHeadAttention` node.
+
+Matched (BNSH = batch, heads, sequence, head dim):
+
+    Q' = Q * s1   Kt' = Kt * s2                 (either scale optional)
+    scores = MatMul(Q', Kt') [* s3] [+ bias ...]
+    P = Softmax(scores, axis=-1)  [Where(IsNaN(P), 0, P)]
+    out = Reshape(Transpose(MatMul(P, V), (0,2,1,3)), (B, S, N*D))
+
+where Kt is K transposed, either as Transpose(K, (0,1,3,2)), Transpose(K_bsnh, (0,2,3,1)) or the
+Reshape/Transpose(0,2,1)/Reshape chain the dynamo exporter writes for SDPA. ONNX Runtime's
+CPU kernel runs it blockwise (flash attention), so the (S, L) score matrix of every head is
+never stored. TensorRT targets keep the plain pattern: TensorRT fuses it itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from engines.passes.base import GraphPass
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _only_use(value: ir.Value) -> ir.Node | None:
+    uses = value.uses()
+    return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
+
+
+def _is(node: ir.Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain == ""
+
+
+def _perm(node: ir.Node) -> tuple[int, ...]:
+    attr = node.attributes.get("perm")
+    return tuple(attr.value) if attr is not None else ()
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    c = None if value is None else value.const_value
+    if c is None or c.size != 1:
+        return None
+    return float(c.numpy().reshape(()))
+
+
+def _strip_scale(value: ir.Value) -> tuple[ir.Value, float]:
+    """x * s (or s * x, or x / s) with a scalar constant s -> (x, s)."""
+    node = value.producer()
+    if _is(node, "Mul") or _is(node, "Div"):
+        for i in (1, 0) if node.op_type == "Mul" else (1,):
+            s = _scalar(node.inputs[i])
+            if s is not None:
+                return node.inputs[1 - i], (s if node.op_type == "Mul" else 1.0 / s)
+    return value, 1.0
+
+
+def _reaches_matmul(value: ir.Value, depth: int = 4) -> bool:
+    """Whether `value` is the Q.Kt product, possibly scaled and with biases already added."""
+    node = value.producer()
+    if depth == 0 or node is None:
+        return False
+    if _is(node, "MatMul"):
+        return True
+    if _is(node, "Add"):
+        return any(_reaches_matmul(i, depth - 1) for i in node.inputs)
+    inner, scale = _strip_scale(value)
+    return inner is not value and _reaches_matmul(inner, depth - 1)
+
+
+@dataclass
+class _Heads:
+    """One attention operand in the forms MultiHeadAttention takes: BNSH (4-D) or BSH (3-D)."""
+
+    bnsh: ir.Value | None = None
+    bsnh: ir.Value | None = None  # reshaped to BSH for free (a view)
+
+
+def _from_bnsh(value: ir.Value) -> _Heads:
+    node = value.producer()
+    if _is(node, "Transpose") and _perm(node) == (0, 2, 1, 3):
+        return _Heads(bnsh=value, bsnh=node.inputs[0])
+    return _Heads(bnsh=value)
+
+
+def _key_from_transposed(kt: ir.Value) -> _Heads | None:
+    node = kt.producer()
+    if _is(node, "Transpose") and _perm(node) == (0, 1, 3, 2):
+        return _from_bnsh(node.inputs[0])
+    if _is(node, "Transpose") and _perm(node) == (0, 2, 3, 1):
+        return _Heads(bsnh=node.inputs[0])
+    # SDPA's decomposition: Reshape(K, (B*N, L, D)) -> Transpose(0,2,1) -> Reshape(B, N, D, L)
+    if _is(node, "Reshape"):
+        t = node.inputs[0].producer()
+        if _is(t, "Transpose") and _perm(t) == (0, 2, 1):
+            r = t.inputs[0].producer()
+            if _is(r, "Reshape") and r.inputs[0].shape is not None and len(r.inputs[0].shape) == 4:
+                return _from_bnsh(r.inputs[0])
+    return None
+
+
+@dataclass
+class _Match:
+    softmax: ir.Node
+    query: _Heads
+    key: _Heads
+    value: _Heads
+    biases: list[ir.Value]
+    scale: float
+    num_heads: int
+    output: ir.Value  # the (B, S, N*D) tensor the fused node produces
+
+
+def _match(softmax: ir.Node) -> _Match | None:
+    axis = softmax.attributes.get("axis")
+    if (axis.value if axis is not None else -1) not in (-1, 3):
+        return None
+    # Upstream: additive biases, an optional scale, the Q.Kt MatMul.
+    biases, scores = [], softmax.inputs[0]
+    while _is(scores.producer(), "Add") and _only_use(scores) is not None:
+        add = scores.producer()
+        on_path = [i for i in add.inputs if _reaches_matmul(i)]
+        if len(on_path) != 1:
+            return None
+        biases.append(add.inputs[1] if add.inputs[0] is on_path[0] else add.inputs[0])
+        scores = on_path[0]
+    scores, scale = _strip_scale(scores)
+    qk = scores.producer()
+    if not _is(qk, "MatMul") or _only_use(scores) is None:
+        return None
+    q4, s1 = _strip_scale(qk.inputs[0])
+    kt, s2 = _strip_scale(qk.inputs[1])
+    key = _key_from_transposed(kt)
+    if key is None or q4.shape is None or len(q4.shape) != 4 or not isinstance(q4.shape[1], int):
+        return None
+    # Downstream: optional NaN guard, P.V, back to (B, S, N*D).
+    probs = softmax.outputs[0]
+    users = {u.node.op_type: u.node for u in probs.uses()}
+    if len(probs.uses()) == 2 and set(users) == {"IsNaN", "Where"} and users["Where"].inputs[2] is probs:
+        # SDPA guards fully masked rows (NaN -> 0); causal and text masks never mask a whole row.
+        probs = users["Where"].outputs[0]
+    use = _only_use(probs)
+    if not _is(use, "MatMul") or use.inputs[0] is not probs:
+        return None
+    transpose = _only_use(use.outputs[0])
+    if not _is(transpose, "Transpose") or _perm(transpose) != (0, 2, 1, 3):
+        return None
+    reshape = _only_use(transpose.outputs[0])
+    out = reshape.outputs[0] if _is(reshape, "Reshape") else None
+    if out is None or out.shape is None or len(out.shape) != 3:
+        return None
+    return _Match(softmax, _from_bnsh(q4), key, _from_bnsh(use.inputs[1]), biases, s1 * s2 * scale,
+                  q4.shape[1], out)
+
+
+class _Builder:
+    """Appends the nodes a replacement needs, with constants registered once per graph."""
+
+    def __init__(self, graph: ir.Graph, prefix: str):
+        self.graph, self.prefix, self.nodes = graph, prefix, []
+
+    def op(self, op_type: str, inputs, **attrs) -> ir.Value:
+        node = ir.node(op_type, inputs, attributes=attrs or None, name=f"{self.prefix}.{op_type}_{len(self.nodes)}")
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def to_bsh(self, heads: _Heads) -> ir.Value:
+        if heads.bsnh is None:
+            heads.bsnh = self.op("Transpose", [heads.bnsh], perm=[0, 2, 1, 3])
+        return self.op("Reshape", [heads.bsnh, self.const("bsh_shape", [0, 0, -1])])
+
+    def to_bnsh(self, heads: _Heads) -> ir.Value:
+        return heads.bnsh if heads.bnsh is not None else self.op("Transpose", [heads.bsnh], perm=[0, 2, 1, 3])
+
+    def const(self, name: str, values) -> ir.Value:
+        full = f"attention_fused.{name}"
+        if full not in self.graph.initializers:
+            t = ir.tensor(np.array(values, np.int64), name=full)
+            self.graph.register_initializer(ir.Value(name=full, shape=t.shape, type=ir.TensorType(t.dtype),
+                                                     const_value=t))
+        return self.graph.initializers[full]
+
+
+def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
+    b = _Builder(graph, f"attention_fused_{index}")
+    q = b.to_bsh(m.query)
+    if m.key.bsnh is not None and m.value.bsnh is not None:  # both as free (B, L, N*D) views
+        k, v = b.to_bsh(m.key), b.to_bsh(m.value)
+    else:
+        k, v = b.to_bnsh(m.key), b.to_bnsh(m.value)
+    bias = m.biases[0] if m.biases else None
+    for extra in m.biases[1:]:
+        bias = b.op("Add", [bias, extra])
+    inputs = [q, k, v] + (["", "", bias] if bias is not None else [])
+    mha = ir.node("MultiHeadAttention", [i if i != "" else None for i in inputs], domain=MS_DOMAIN,
+                  attributes={"num_heads": m.num_heads, "scale": m.scale}, name=f"attention_fused_{index}.mha")
+    b.nodes.append(mha)
+    out = mha.outputs[0]
+    out.name, out.shape, out.type = f"attention_fused_{index}.out", m.output.shape, m.output.type
+    graph.insert_before(m.softmax, b.nodes)
+    ir.convenience.replace_all_uses_with(m.output, out, replace_graph_outputs=True)
+
+
+class FuseAttention(GraphPass):
+    name = "fuse_attention"
+    summary = "MatMul/Softmax/MatMul attention becomes ONNX Runtime's fused MultiHeadAttention (ORT only)"
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        graph = model.graph
+        matches = [m for m in (_match(n) for n in graph if _is(n, "Softmax")) if m is not None]
+        before = graph.num_nodes()
+        for i, m in enumerate(matches):
+            _replace(graph, m, i)
+        if matches:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+            RemoveUnusedNodesPass()(model)  # the replaced subgraphs, now unread
+        return {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes()}

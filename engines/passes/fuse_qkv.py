@@ -1,0 +1,171 @@
+"""QKV fusion: projections that read the same tensor become one MatMul, one bias Add and a Split.
+
+A group is every MatMul (or Gemm) that reads the same activation with a constant 2-D weight
+of the same input width and dtype: q/k/v of an attention, the two gate projections of T5's
+gated FFN, the adaLN projections of an MMDiT that all read silu(temb). One GEMM over the
+concatenated weights reads the activation once and runs at a larger, more efficient N.
+
+The split happens right after the projection, so whatever follows each member (per-head
+RMS norm of q and k, a second attention in the same block) sees exactly the tensor it saw.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from engines.passes.base import GraphPass
+
+
+@dataclass
+class _Member:
+    node: ir.Node  # the MatMul or Gemm
+    weight: ir.Value  # (K, N) for MatMul, (N, K) for Gemm with transB=1
+    bias: ir.Value | None  # 1-D constant of length N, from a following Add or Gemm's C
+    bias_add: ir.Node | None  # the Add that applied it, removed with the node
+    width: int  # N
+
+    @property
+    def output(self) -> ir.Value:
+        return (self.bias_add or self.node).outputs[0]
+
+
+def _const(value: ir.Value | None) -> ir.TensorProtocol | None:
+    return None if value is None or not value.is_initializer() else value.const_value
+
+
+def _bias_add(out: ir.Value, width: int) -> tuple[ir.Value, ir.Node] | tuple[None, None]:
+    """The Add that adds a constant (width,) bias to `out`, if that is its only use."""
+    uses = out.uses()
+    if len(uses) != 1 or out.is_graph_output():
+        return None, None
+    add = uses[0].node
+    if add.op_type != "Add" or add.domain != "":
+        return None, None
+    other = add.inputs[1 - uses[0].idx]
+    c = _const(other)
+    if c is None or tuple(c.shape) != (width,):
+        return None, None
+    return other, add
+
+
+def _member(node: ir.Node, x: ir.Value) -> _Member | None:
+    if node.domain != "" or node.inputs[0] is not x or len(node.inputs) < 2:
+        return None
+    w = _const(node.inputs[1])
+    if w is None or len(w.shape) != 2:
+        return None
+    if node.op_type == "MatMul":
+        width = w.shape[1]
+        bias, add = _bias_add(node.outputs[0], width)
+        return _Member(node, node.inputs[1], bias, add, width)
+    if node.op_type == "Gemm":
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            return None
+        trans_b = attrs.get("transB", 0)
+        width = w.shape[0] if trans_b else w.shape[1]
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if c is not None and (_const(c) is None or tuple(_const(c).shape) != (width,)):
+            return None
+        return _Member(node, node.inputs[1], c, None, width)
+    return None
+
+
+def _key(m: _Member) -> tuple:
+    """Members fuse when they are the same op with the same input width, layout and dtype."""
+    w = m.weight.const_value
+    attrs = {k: a.value for k, a in m.node.attributes.items()}
+    trans_b = attrs.get("transB", 0)
+    return m.node.op_type, trans_b, w.shape[1] if trans_b else w.shape[0], w.dtype
+
+
+def find_groups(graph: ir.Graph) -> list[list[_Member]]:
+    """Every group of two or more fusable projections of one tensor, in graph order."""
+    groups = []
+    seen: set[int] = set()
+    for node in graph:
+        for x in node.inputs[:1]:
+            if x is None or id(x) in seen:
+                continue
+            seen.add(id(x))
+            by_key = defaultdict(list)
+            for use in x.uses():
+                m = _member(use.node, x) if use.idx == 0 else None
+                if m is not None:
+                    by_key[_key(m)].append(m)
+            groups.extend(g for g in by_key.values() if len(g) > 1)
+    return groups
+
+
+def _lazy_concat(tensors: list, axis: int, name: str) -> ir.LazyTensor:
+    """The concatenation, computed when the model is saved: no fused copy is held in memory."""
+    shape = list(tensors[0].shape)
+    shape[axis] = sum(t.shape[axis] for t in tensors)
+    return ir.LazyTensor(lambda: ir.tensor(np.concatenate([t.numpy() for t in tensors], axis=axis)),
+                         dtype=tensors[0].dtype, shape=ir.Shape(shape), name=name)
+
+
+def _initializer(graph: ir.Graph, tensor) -> ir.Value:
+    value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def _fuse(graph: ir.Graph, group: list[_Member], index: int) -> int:
+    """Replace one group; return how many nodes the graph lost."""
+    first = group[0]
+    x, op, dtype = first.node.inputs[0], first.node.op_type, first.weight.const_value.dtype
+    trans_b = op == "Gemm" and _key(first)[1]
+    prefix = f"qkv_fused_{index}"
+    weight = _initializer(graph, _lazy_concat([m.weight.const_value for m in group], 0 if trans_b else 1,
+                                              f"{prefix}.weight"))
+    bias = None
+    if any(m.bias is not None for m in group):
+        parts = [m.bias.const_value if m.bias is not None else ir.tensor(np.zeros(m.width, dtype.numpy()))
+                 for m in group]
+        bias = _initializer(graph, _lazy_concat(parts, 0, f"{prefix}.bias"))
+    new_nodes = []
+    if op == "Gemm":
+        gemm = ir.node("Gemm", [x, weight] + ([bias] if bias is not None else []),
+                       attributes={"transB": int(trans_b)}, name=f"{prefix}.gemm")
+        new_nodes.append(gemm)
+        fused = gemm.outputs[0]
+    else:
+        matmul = ir.node("MatMul", [x, weight], name=f"{prefix}.matmul")
+        new_nodes.append(matmul)
+        fused = matmul.outputs[0]
+        if bias is not None:
+            add = ir.node("Add", [fused, bias], name=f"{prefix}.bias_add")
+            new_nodes.append(add)
+            fused = add.outputs[0]
+    widths = _initializer(graph, ir.tensor(np.array([m.width for m in group], np.int64), name=f"{prefix}.widths"))
+    split = ir.node("Split", [fused, widths], attributes={"axis": -1}, num_outputs=len(group), name=f"{prefix}.split")
+    new_nodes.append(split)
+    old_outputs = [m.output for m in group]
+    for old, new in zip(old_outputs, split.outputs):
+        new.name, new.shape, new.type = f"{prefix}.{old.name}", old.shape, old.type
+    fused.type = old_outputs[0].type
+    if old_outputs[0].shape is not None:
+        fused.shape = ir.Shape(list(old_outputs[0].shape)[:-1] + [sum(m.width for m in group)])
+    graph.insert_before(min((m.node for m in group), key=graph.index), new_nodes)
+    ir.convenience.replace_all_uses_with(old_outputs, list(split.outputs), replace_graph_outputs=True)
+    old_nodes = [n for m in group for n in (m.node, m.bias_add) if n is not None]
+    graph.remove(old_nodes, safe=True)
+    for value in {id(v): v for m in group for v in (m.weight, m.bias) if v is not None}.values():
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(value.name)
+    return len(old_nodes) - len(new_nodes)
+
+
+class FuseQKV(GraphPass):
+    name = "fuse_qkv"
+    summary = "projections of one tensor (q/k/v, gates, adaLN) become one MatMul + bias Add + Split"
+
+    def apply(self, model: ir.Model) -> dict[str, int]:
+        groups = find_groups(model.graph)
+        nodes_removed = sum(_fuse(model.graph, group, i) for i, group in enumerate(groups))
+        return {"groups": len(groups), "projections_fused": sum(len(g) for g in groups),
+                "nodes_removed": nodes_removed}

@@ -1,0 +1,44 @@
+"""A pass pipeline: a list of pass names run in order, each one's report kept.
+
+`PassPipeline(names)` is the lazy form a target holds; `run_passes(model, names)` the eager
+one for scripts. A failure says which pass, on which submodule, after which others.
+"""
+from __future__ import annotations
+
+import time
+
+import onnx_ir as ir
+
+
+class PassFailed(RuntimeError):
+    pass
+
+
+class PassPipeline:
+    def __init__(self, names: list[str] | tuple[str, ...]):
+        from engines.passes import PASSES, check_pass_names
+
+        self.names = check_pass_names(names)
+        self._passes = [PASSES[n]() for n in self.names]
+
+    def __call__(self, model: ir.Model, submodule: str = "model", log=None) -> tuple[ir.Model, list[dict]]:
+        reports = []
+        for p in self._passes:
+            t0 = time.perf_counter()
+            try:
+                result = p(model)
+            except Exception as e:
+                done = ", ".join(r["name"] for r in reports) or "none"
+                raise PassFailed(f"pass '{p.name}' failed on {submodule} (passes already run: {done}): "
+                                 f"{type(e).__name__}: {e}") from e
+            model = result.model
+            reports.append({"name": p.name, "modified": result.modified, "counts": result.counts,
+                            "seconds": round(time.perf_counter() - t0, 2)})
+            if log:
+                counts = ", ".join(f"{k} {v}" for k, v in result.counts.items()) or "nothing to report"
+                log(f"{submodule}: {p.name}: {counts}")
+        return model, reports
+
+
+def run_passes(model: ir.Model, names, submodule: str = "model", log=None) -> tuple[ir.Model, list[dict]]:
+    return PassPipeline(names)(model, submodule, log)
