@@ -31,11 +31,14 @@ _SD3_VAE = {  # the real SD3 VAE structure: 16 latent channels, 4 blocks (scale 
     "use_quant_conv": False, "use_post_quant_conv": False,
 }
 
-def _mmdit(heads: int, head_dim: int, joint: int, pooled: int, sample: int, pos_max: int) -> dict:
+def _mmdit(heads: int, head_dim: int, joint: int, pooled: int, sample: int, pos_max: int, **sd35) -> dict:
+    """SD3's MMDiT; SD3.5 adds `qk_norm="rms_norm"` and `dual_attention_layers` (a second
+    self-attention on the image stream in those blocks)."""
     return {
         "sample_size": sample, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
         "attention_head_dim": head_dim, "num_attention_heads": heads, "joint_attention_dim": joint,
         "caption_projection_dim": heads * head_dim, "pooled_projection_dim": pooled, "pos_embed_max_size": pos_max,
+        **sd35,
     }
 
 
@@ -69,6 +72,14 @@ SD3_TINY = {
     "scheduler": _SD3_SCHEDULER,
 }
 
+# SD3.5-medium's transformer at tiny widths: per-head RMS norm of q and k, and a second attention
+# in the first block.
+SD35_TINY = {
+    **SD3_TINY,
+    "transformer": _mmdit(heads=4, head_dim=8, joint=96, pooled=80, sample=16, pos_max=96,
+                          qk_norm="rms_norm", dual_attention_layers=[0]),
+}
+
 # SD3-medium's real widths with 2 layers in the transformer and in each text encoder: the FLOPs
 # per layer are real, and a whole pipeline runs in minutes on a 2-core CPU (benchmarks).
 SD3_BENCH = {
@@ -93,6 +104,8 @@ MODELS: dict[str, ModelEntry] = {
                    description="Stable Diffusion 3.5 large"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
                    description="SD3 architecture at tiny widths, random seeded weights, built offline"),
+        ModelEntry("sd3.5-tiny", "sd3", random_configs=SD35_TINY, image_size=(64, 128, 512),
+                   description="SD3.5-medium architecture (q/k RMS norm, dual attention) at tiny widths, built offline"),
         ModelEntry("sd3-bench", "sd3", random_configs=SD3_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    description="SD3-medium widths, 2 layers per stack, random seeded weights (benchmarks)"),
     )

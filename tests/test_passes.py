@@ -1,0 +1,168 @@
+"""Every graph pass: outputs agree before and after (fp32, 1e-5 of the output scale), and the
+report's counts are what the model's configs say they must be."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from engines.passes import PASSES, PassFailed, run_passes
+from export.families import FAMILIES
+from export.onnx_export import example_inputs
+from passes_oracle import expected_counts
+
+PASS_RTOL = 1e-5
+COMPONENT = {"vae_decoder": "vae", "vae_encoder": "vae"}
+
+
+def _run(model: ir.Model, feeds: dict, tmp_path) -> list[np.ndarray]:
+    path = tmp_path / "model.onnx"
+    ir.save(model, path)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _check(onnx_dir, source, names, tmp_path) -> dict[str, dict]:
+    """Run `names` on every submodule of `onnx_dir`; assert parity; return {submodule: {pass: counts}}."""
+    manifest = json.loads((onnx_dir / "manifest.json").read_text())
+    counts = {}
+    for spec in FAMILIES[manifest["model"]["family"]].submodules:
+        sub = manifest["submodules"][spec.name]
+        for probe in sub["export"]["parity"]:
+            arrays = example_inputs(spec, probe["dims"], manifest["constants"], seed=1)
+            feeds = {t.name: a for t, a in zip(spec.inputs, arrays)}
+            ref = _run(ir.load(onnx_dir / sub["file"]), feeds, tmp_path)
+            model, reports = run_passes(ir.load(onnx_dir / sub["file"]), names, spec.name)
+            out = _run(model, feeds, tmp_path)
+            for r, o in zip(ref, out):
+                scale = max(1.0, float(np.abs(r).max()))
+                assert np.abs(r - o).max() <= PASS_RTOL * scale, (spec.name, names, probe["dims"])
+        counts[spec.name] = {r["name"]: r["counts"] for r in reports}
+        counts[spec.name]["config"] = source.config(COMPONENT.get(spec.name, spec.name))
+    return counts
+
+
+@pytest.mark.parametrize("name", ["fold_constants", "infer_shapes", "remove_dead_nodes"])
+def test_library_pass_parity(tiny_build, tiny_source, name, tmp_path):
+    counts = _check(tiny_build / "onnx", tiny_source, [name], tmp_path)
+    for sub, c in counts.items():
+        assert all(v >= 0 for v in c[name].values()), (sub, c[name])
+    if name == "fold_constants":  # CLIP's position ids and causal mask are computed from constants
+        assert counts["text_encoder"][name]["nodes_removed"] > 0
+
+
+@pytest.mark.parametrize("name", ["fuse_qkv", "fuse_attention"])
+def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
+    counts = _check(tiny_build / "onnx", tiny_source, [name], tmp_path)
+    assert set(counts) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
+                           "vae_decoder", "vae_encoder"}
+    for sub, c in counts.items():
+        for key, value in expected_counts(sub, c["config"])[name].items():
+            assert c[name][key] == value, (sub, name, key)
+        assert c[name]["nodes_removed"] > 0
+
+
+@pytest.fixture(scope="module")
+def sd35_onnx(tmp_path_factory):
+    """SD3.5's transformer: per-head RMS norm of q and k, and a second attention in block 0."""
+    from export.api import export_model
+    from export.source import resolve
+
+    source = resolve("sd3.5-tiny")
+    return export_model(source, tmp_path_factory.mktemp("sd3.5-tiny")), source
+
+
+def test_fusions_with_qk_norm_and_dual_attention(sd35_onnx, tmp_path):
+    onnx_dir, source = sd35_onnx
+    assert source.config("transformer")["qk_norm"] == "rms_norm"
+    counts = _check(onnx_dir, source, ["fuse_qkv", "fuse_attention"], tmp_path)["transformer"]
+    expected = expected_counts("transformer", counts["config"])
+    assert expected["fuse_qkv"]["groups"] == 2 * 2 + 1 + 1  # the dual-attention block adds one group
+    assert counts["fuse_qkv"] == {**counts["fuse_qkv"], **expected["fuse_qkv"]}
+    assert counts["fuse_attention"] == {**counts["fuse_attention"], **expected["fuse_attention"]}
+
+
+def test_qkv_weights_stay_lazy_and_external(tiny_build, tmp_path):
+    """A graph whose weights are external data goes through every pass without them being
+    read: they stay memory-mapped references, and fused weights are computed at save time."""
+    import onnx
+
+    src = tmp_path / "src"
+    src.mkdir()
+    proto = onnx.load(str(tiny_build / "onnx" / "transformer.onnx"))
+    onnx.save_model(proto, str(src / "transformer.onnx"), save_as_external_data=True,
+                    location="transformer.onnx.data", size_threshold=1024)
+    del proto
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a library that read the data relative to the working dir would fail here
+    try:
+        model, reports = run_passes(ir.load(src / "transformer.onnx"), list(PASSES))
+    finally:
+        os.chdir(cwd)
+    big = [v.const_value for v in model.graph.initializers.values() if v.const_value.nbytes > 1024]
+    kinds = {type(t).__name__ for t in big}
+    assert kinds <= {"ExternalTensor", "LazyTensor"}, kinds
+    assert "LazyTensor" in kinds  # the fused weights
+    assert {r["name"]: r["counts"]["groups"] for r in reports if r["name"] == "fuse_qkv"} == {"fuse_qkv": 5}
+
+
+def test_failure_names_pass_submodule_and_previous(tiny_build, monkeypatch):
+    def boom(self, model):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(PASSES["fuse_qkv"], "apply", boom)
+    model = ir.load(tiny_build / "onnx" / "vae_decoder.onnx")
+    with pytest.raises(PassFailed, match=r"pass 'fuse_qkv' failed on vae_decoder "
+                                         r"\(passes already run: remove_dead_nodes\): RuntimeError: injected"):
+        run_passes(model, ["remove_dead_nodes", "fuse_qkv"], "vae_decoder")
+
+
+def _engines(*args):
+    return subprocess.run([sys.executable, "-m", "engines", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_lists_passes_and_refuses_unknown(tiny_build):
+    listed = _engines("--list-passes")
+    assert listed.returncode == 0
+    for name in PASSES:
+        assert name in listed.stdout
+    assert "target ort (fp32): passes fold_constants" in listed.stdout
+    bad = _engines(tiny_build, "--passes", "fuse_qkv,fuse_everything")
+    assert bad.returncode == 2
+    assert "unknown pass 'fuse_everything'; known passes: fold_constants" in bad.stderr
+
+
+def test_cli_passes_override_is_recorded(tiny_build, tmp_path):
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(tiny_build / "onnx", build / "onnx")
+    done = _engines(build, "--passes", "fuse_qkv")
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((build / "ort-fp32" / "manifest.json").read_text())
+    assert manifest["passes"] == ["fuse_qkv"]
+    assert manifest["submodules"]["transformer"]["passes"][0]["counts"]["groups"] == 5
+    none = _engines(build, "--passes", "", "--force")
+    assert none.returncode == 0, none.stderr
+    manifest = json.loads((build / "ort-fp32" / "manifest.json").read_text())
+    assert manifest["passes"] == [] and manifest["submodules"]["transformer"]["passes"] == []
+
+
+def test_default_artifact_records_every_pass(tiny_artifact, tiny_source):
+    """The ORT target builds through its pass pipeline by default; the manifest keeps each report."""
+    from engines.targets import get_target
+
+    manifest = json.loads((tiny_artifact / "manifest.json").read_text())
+    assert manifest["passes"] == list(get_target("ort", "fp32").passes)
+    assert "fuse_attention" in manifest["passes"]
+    for sub, entry in manifest["submodules"].items():
+        assert [r["name"] for r in entry["passes"]] == manifest["passes"]
+        counts = {r["name"]: r["counts"] for r in entry["passes"]}
+        config = tiny_source.config(COMPONENT.get(sub, sub))
+        for name, expected in expected_counts(sub, config).items():
+            assert {k: counts[name][k] for k in expected} == expected, (sub, name)
