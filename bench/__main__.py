@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import Variant, interleaved, interleaved_fresh, peak_rss, running, stats
+from bench.harness import Variant, in_child, interleaved, interleaved_fresh, peak_rss, running, stats
 from bench.report import render
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
+TABLES = ("submodules", "e2e", "passes", "profile", "export")
 
 
 def _log(msg: str) -> None:
@@ -29,28 +30,33 @@ def _parse(argv):
     p.add_argument("--compile", action="store_true", help="add (b) diffusers + torch.compile (compiles for minutes)")
     p.add_argument("--optimum-python", default=None,
                    help="python of an environment with optimum-onnx (make optimum-venv): adds (c)")
+    p.add_argument("--tables", default=",".join(TABLES),
+                   help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
+                        "--out are kept as they are, each with the command that produced it")
     p.add_argument("--out", default="BENCHMARKS.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.tables = [t for t in args.tables.split(",") if t]
+    unknown = [t for t in args.tables if t not in TABLES]
+    if unknown:
+        p.error(f"unknown table {', '.join(unknown)}: choose from {', '.join(TABLES)}")
+    return args
 
 
 class Bench:
     def __init__(self, args, command: str):
-        from export.source import resolve
-
         self.args, self.command = args, command
-        self.src = resolve(args.model)
-        self.build = Path("build") / self.src.entry.name
         self.tables, self.notes = [], []
         self.started = time.perf_counter()
 
     def prepare(self):
         """Export and build our artifact (cached), and Optimum's export when asked for."""
-        from engines.api import build_artifact
-        from export.api import export_model
+        from bench.prepare import export_and_build
+        from export.source import resolve
         from runners.manifest import read_manifest
 
-        self.onnx_dir = export_model(self.src, self.build)
-        build_artifact(self.build, "ort", "fp32")
+        self.build = in_child(export_and_build, self.args.model)
+        self.src = resolve(self.args.model)  # built by the child: only read here
+        self.onnx_dir = self.build / "onnx"
         self.onnx_manifest = read_manifest(self.onnx_dir, verify=False)  # export_model just verified it
         self.constants = self.onnx_manifest["constants"]
         self.artifacts = sorted(d for d in self.build.iterdir()
@@ -58,11 +64,12 @@ class Bench:
         self.variants = [Variant("(a) diffusers eager", "diffusers", str(self.src.folder))]
         if self.args.compile:
             self.variants.append(Variant("(b) diffusers torch.compile", "diffusers-compile", str(self.src.folder)))
-        self.optimum_seconds = None
+        self.optimum_seconds = self.optimum_folder = None
         if self.args.optimum_python:
             from bench.optimum import optimum_export
 
             folder, self.optimum_seconds = optimum_export(self.args.optimum_python, self.src.folder, self.build, _log)
+            self.optimum_folder = folder
             self.variants.append(Variant("(c) optimum-onnx", "optimum", str(folder), self.args.optimum_python))
         else:
             self.notes.append("(c) Optimum-ONNX was not measured in this run: pass --optimum-python (make bench does).")
@@ -76,14 +83,17 @@ class Bench:
         self.gemm = gemm_gflops()
         self.rate = max(self.gemm.values()) * 1e9
 
+    def dims(self, size: int, submodule: str) -> dict[str, int]:
+        """The dynamic dims of one benchmark call (bench.variants.submodule_inputs makes its inputs)."""
+        c, scale = self.constants, self.constants["vae_scale_factor"]
+        return {"latent_height": size // scale, "latent_width": size // scale, "image_height": size,
+                "image_width": size, "t5_length": 256, "joint_length": c["clip_length"] + 256,
+                "batch": 2 if submodule == "transformer" else 1}
+
     def flops(self, size: int) -> dict[str, int]:
         from bench.flops import graph_flops
 
-        c, scale = self.constants, self.constants["vae_scale_factor"]
-        dims = {"latent_height": size // scale, "latent_width": size // scale, "image_height": size,
-                "image_width": size, "t5_length": 256, "joint_length": c["clip_length"] + 256}
-        return {n: graph_flops(self.onnx_dir / f"{n}.onnx", {**dims, "batch": 2 if n == "transformer" else 1})
-                for n in SUBMODULES}
+        return {n: graph_flops(self.onnx_dir / f"{n}.onnx", self.dims(size, n)) for n in SUBMODULES}
 
     def _row(self, samples: dict, key, label: str):
         ref = [key(s) for s in samples[self.reference]]
@@ -96,11 +106,20 @@ class Bench:
         a = self.args
         size, f = a.size, self.flops(a.size)
         job = {"height": size, "width": size}
+        e2e_here = "e2e" in a.tables and a.steps
+        if "submodules" not in a.tables and not e2e_here:
+            return self.measure_large()
         with running(self.variants, self.constants, _log) as workers:
             per_call = interleaved(workers, {"job": "submodules", **job}, a.reps, _log)
-            if a.steps:
+            if e2e_here:
                 e2e = interleaved(workers, {"job": "e2e", "steps": a.steps, **job}, a.reps, _log, warmup=False)
                 peaks = peak_rss(workers)
+        if "submodules" in a.tables:
+            self.submodule_table(size, f, per_call)
+        self.e2e_rows = self._e2e_rows(size, a.steps, f, e2e, peaks) if e2e_here else []
+        self.measure_large()
+
+    def submodule_table(self, size, f, per_call):
         rows = []
         for name in SUBMODULES:
             for v in self.variants:
@@ -110,18 +129,60 @@ class Bench:
         self.tables.append({"title": f"One call per submodule at {size}x{size} (transformer: one step at batch 2)",
                             "columns": ["submodule", "variant", "GFLOP", "median ms", "speed-up vs (a)", "x bound"],
                             "rows": rows})
-        rows = self._e2e_rows(size, a.steps, f, e2e, peaks) if a.steps else []
-        if a.large_size:
+
+    def measure_large(self):
+        a = self.args
+        rows = getattr(self, "e2e_rows", [])
+        if "e2e" in a.tables and a.large_size:
             large = {"job": "e2e", "height": a.large_size, "width": a.large_size, "steps": a.large_steps}
             samples, peaks, failed = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
             rows += self._e2e_rows(a.large_size, a.large_steps, self.flops(a.large_size), samples, peaks, failed)
-            self.notes.append(f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped "
-                              "before the next starts, because the variants' pipelines at that size do not fit in "
-                              "memory side by side.")
+            note = (f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped before "
+                    "the next starts, because the variants' pipelines at that size do not fit in memory side by side.")
         if rows:
             self.tables.append({"title": "End to end: prompt and negative prompt, guidance 7, VAE decode",
                                 "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)",
-                                            "x bound", "peak RSS MiB"], "rows": rows})
+                                            "x bound", "peak RSS MiB"], "rows": rows,
+                                "notes": [note] if a.large_size else []})
+
+    def measure_passes(self):
+        """The transformer step through each pass list, against the peers' graphs of the same weights."""
+        from bench.passes import build_with_passes, ort_optimizer
+
+        if "passes" not in self.args.tables:
+            return
+        a, root = self.args, self.build / "passes"
+        graphs = in_child(build_with_passes, self.onnx_dir, root, "transformer")
+        variants = [Variant(f"ours, {label}", "graph", str(path)) for label, (path, _) in graphs.items()]
+        changed = {f"ours, {label}": _what_changed(reports) for label, (_, reports) in graphs.items()}
+        path, fused = in_child(ort_optimizer, self.onnx_dir, root, "transformer", "mmdit")
+        variants.append(Variant("ONNX Runtime optimizer (mmdit) on our export", "graph", str(path)))
+        changed[variants[-1].label] = ", ".join(f"{k} {v}" for k, v in fused.items()) or "fused nothing"
+        if self.optimum_folder is not None:
+            variants.append(Variant("Optimum-ONNX export", "graph", str(self.optimum_folder / "transformer" / "model.onnx")))
+            changed[variants[-1].label] = "legacy exporter, no ORT optimizer"
+        job = {"job": "submodules", "names": ["transformer"], "calls": 3, "height": a.size, "width": a.size}
+        # One graph in memory at a time (seven transformers and their arenas do not fit side by side),
+        # each timed in steady state after a warm-up call, as in the denoising loop.
+        samples, peaks, failed = interleaved_fresh(variants, self.constants, job, a.reps, _log, warmup=True)
+        if failed:
+            raise RuntimeError(f"pass table: {'; '.join(failed.values())}")
+        flops = self.flops(a.size)["transformer"]
+        ref = [s["transformer"] for s in samples[variants[0].label]]
+        rows = []
+        for v in variants:
+            st = stats([s["transformer"] for s in samples[v.label]], None if v is variants[0] else ref)
+            rows.append([v.label, changed[v.label], f"{st.median * 1e3:.0f}",
+                         "1 (reference)" if v is variants[0] else st.ratio_text(),
+                         f"{st.median / (flops / self.rate):.2f}", f"{peaks[v.label]:.0f}"])
+        self.tables.append({
+            "title": f"Transformer step by graph pass at {a.size}x{a.size}, batch 2 ({flops / 1e9:.1f} GFLOP)",
+            "columns": ["graph", "what the passes did", "median ms", "speed-up vs no passes", "x bound",
+                        "peak RSS MiB"],
+            "rows": rows,
+            "notes": ["Each graph runs in the runner's ONNX Runtime session (CPU, memory pattern off), so only the "
+                      "graph differs. Every repetition starts a fresh process, makes one untimed warm-up call and "
+                      "takes the median of the next three; the graphs take turns (A B C ... A B C ...)."]})
 
     def _e2e_rows(self, size, steps, f, samples, peaks, failed=None):
         total = 2 * sum(f[n] for n in SUBMODULES[:3]) + steps * f["transformer"] + f["vae_decoder"]
@@ -136,9 +197,41 @@ class Bench:
                          self._ratio(st, v), f"{st.median / (total / self.rate):.2f}", f"{peaks[v.label]:.0f}"])
         return rows
 
+    def profile(self):
+        """Where the step's time goes in the graph the ORT target builds: per op type, its time, its
+        FLOPs and how far it runs from its own FLOP bound."""
+        from bench.flops import graph_flops_by_op
+        from bench.passes import build_with_passes, op_profile
+
+        if "profile" not in self.args.tables:
+            return
+        size = self.args.size
+        graph = in_child(build_with_passes, self.onnx_dir, self.build / "passes", "transformer")["all (ort default)"][0]
+        seconds = in_child(op_profile, graph, self.constants, size)
+        flops = in_child(graph_flops_by_op, graph, self.dims(size, "transformer"))
+        total = sum(seconds.values())
+        rows, shown = [], 0.0
+        for op, t in seconds.items():
+            if shown >= 0.97 * total:
+                break
+            shown += t
+            f = flops.get(op)
+            rows.append([op, f"{t * 1e3:.0f}", f"{100 * t / total:.1f}%", f"{f / 1e9:.1f}" if f else "-",
+                         f"{f / t / 1e9:.0f}" if f else "-", f"{t / (f / self.rate):.2f}" if f else "-"])
+        rows.append(["all ops", f"{total * 1e3:.0f}", "100%", f"{sum(flops.values()) / 1e9:.1f}",
+                     f"{sum(flops.values()) / total / 1e9:.0f}", f"{total / (sum(flops.values()) / self.rate):.2f}"])
+        self.tables.append({
+            "title": f"Transformer step at {size}x{size}, batch 2, by op type (ort target, all passes)",
+            "columns": ["op type", "ms", "share", "GFLOP", "GFLOP/s", "x own bound"], "rows": rows,
+            "notes": ["ONNX Runtime's profiler, one steady-state call (the second) in the runner's session settings; "
+                      "ops are listed until 97% of the kernel time is covered. Rows without FLOPs are memory-bound "
+                      "ops (Add, Gelu, LayerNorm, reshapes)."]})
+
     def export_table(self):
         from runners.manifest import read_manifest
 
+        if "export" not in self.args.tables:
+            return
         built = {a.name: read_manifest(a, verify=False)["submodules"] for a in self.artifacts}
         rows = [[name, f"{sub['export']['export_seconds']:.1f}", f"{sub['export']['seconds_with_checks']:.1f}",
                  f"{sub['export']['bytes'] / 2**20:.0f}", *(f"{built[a][name]['build_seconds']:.1f}" for a in built)]
@@ -159,14 +252,25 @@ class Bench:
         report = {"command": self.command, "model": self.src.entry.name, "description": self.src.entry.description,
                   "versions": package_versions(("torch", "diffusers", "transformers", "onnxruntime")),
                   "reps": self.args.reps, "gemm": self.gemm, "tables": self.tables, "notes": self.notes}
-        Path(self.args.out).write_text(render(report))
+        out = Path(self.args.out)
+        previous = out.read_text() if out.exists() else ""
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(render(report, previous))
+        tmp.replace(out)
         _log(f"wrote {self.args.out}")
+
+
+def _what_changed(reports: list[dict]) -> str:
+    done = [f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["counts"].items() if v)
+            for r in reports if r["modified"]]
+    return "; ".join(done) or "nothing (no passes)"
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
-    for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.export_table, bench.write):
+    for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
+                  bench.export_table, bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

@@ -1,7 +1,8 @@
 """FLOPs of an exported graph at concrete dims, counted from the graph itself: ONNX Runtime's
 symbolic shape inference resolves every shape, then MatMul, Gemm and Conv are counted
-(2 FLOPs per multiply-add). Attention's two matmuls are MatMuls in our opset-20 graphs, so
-they are counted too, unlike torch's FlopCounterMode with the CPU SDPA kernel."""
+(2 FLOPs per multiply-add), and so are the two matmuls inside a fused MultiHeadAttention.
+Attention's matmuls are MatMuls in our opset-20 exports, so they are counted too, unlike
+torch's FlopCounterMode with the CPU SDPA kernel."""
 from __future__ import annotations
 
 import math
@@ -36,20 +37,31 @@ def _concrete_shapes(model: onnx.ModelProto, dims: dict[str, int]) -> dict[str, 
     return shapes, inferred
 
 
-def graph_flops(onnx_path: Path, dims: dict[str, int]) -> int:
-    """Multiply-add FLOPs of one call of the graph with the given dynamic dims."""
-    shapes, model = _concrete_shapes(onnx.load(str(onnx_path)), dims)
-    total = 0
+def graph_flops_by_op(onnx_path: Path, dims: dict[str, int]) -> dict[str, int]:
+    """Multiply-add FLOPs of one call of the graph with the given dynamic dims, by op type."""
+    shapes, model = _concrete_shapes(onnx.load(str(onnx_path), load_external_data=False), dims)
+    per_op: dict[str, int] = {}
     for node in model.graph.node:
         out = shapes.get(node.output[0])
-        if node.op_type not in ("MatMul", "Gemm", "Conv") or not out or None in out:
+        if not out or None in out:
             continue
         if node.op_type == "MatMul":
-            total += 2 * math.prod(out) * shapes[node.input[0]][-1]
+            flops = 2 * math.prod(out) * shapes[node.input[0]][-1]
         elif node.op_type == "Gemm":
             transposed = any(a.name == "transA" and a.i for a in node.attribute)
             a = shapes[node.input[0]]
-            total += 2 * math.prod(out) * (a[0] if transposed else a[1])
-        else:  # Conv: weight (Cout, Cin/groups, kh, kw)
-            total += 2 * math.prod(out) * math.prod(shapes[node.input[1]][1:])
-    return total
+            flops = 2 * math.prod(out) * (a[0] if transposed else a[1])
+        elif node.op_type == "Conv":  # weight (Cout, Cin/groups, kh, kw)
+            flops = 2 * math.prod(out) * math.prod(shapes[node.input[1]][1:])
+        elif node.op_type == "MultiHeadAttention":  # Q.Kt and P.V over out (B, S, hidden), key length L
+            key = shapes[node.input[1]]
+            flops = 4 * math.prod(out) * (key[1] if len(key) == 3 else key[2])
+        else:
+            continue
+        per_op[node.op_type] = per_op.get(node.op_type, 0) + flops
+    return per_op
+
+
+def graph_flops(onnx_path: Path, dims: dict[str, int]) -> int:
+    """Multiply-add FLOPs of one call of the graph with the given dynamic dims."""
+    return sum(graph_flops_by_op(onnx_path, dims).values())

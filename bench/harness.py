@@ -21,6 +21,17 @@ class WorkerDied(RuntimeError):
     """A variant's process ended mid-job (e.g. killed out of memory): recorded, not fatal."""
 
 
+def in_child(fn, *args):
+    """fn(*args) in a fresh process, returning its result. Preparation (export, builds, passes)
+    leaves gigabytes of freed-but-kept heap in whichever process ran it; the parent, which then
+    holds every worker's pipe while they measure, must stay small."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 @dataclass
 class Variant:
     label: str  # "(a) diffusers eager"
@@ -95,10 +106,12 @@ def peak_rss(workers: list[Worker]) -> dict[str, float]:
     return {w.variant.label: w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"] for w in workers}
 
 
-def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log) -> tuple[dict, dict, dict]:
+def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log,
+                      warmup: bool = False) -> tuple[dict, dict, dict]:
     """Like `interleaved`, but each result comes from a fresh process that is stopped before the
     next starts: for workloads whose pipelines cannot share the machine's memory. The runs are
-    cold (no warm-up), alike for every variant. A variant whose process dies is not run again.
+    cold unless `warmup` (then each process answers the job once untimed first), alike for every
+    variant. A variant whose process dies is not run again.
     Returns the samples, each variant's largest peak RSS, and the failures by variant."""
     samples = {v.label: [] for v in variants}
     peaks = {v.label: 0.0 for v in variants}
@@ -109,6 +122,8 @@ def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps:
                 continue
             try:
                 with running([v], constants, log) as (w,):
+                    if warmup:
+                        w.ask(job)
                     samples[v.label].append(w.ask(job))
                     peaks[v.label] = max(peaks[v.label], peak_rss([w])[v.label])
             except WorkerDied as e:

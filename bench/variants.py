@@ -119,9 +119,24 @@ class Optimum(_DiffusersCall):
         return _timed(lambda: session.run(None, feeds))
 
 
+class Graph:
+    """One ONNX graph in a session with the runner's settings, whoever exported it: the unit of the
+    pass table, where only the graph differs."""
+
+    def __init__(self, path: str):
+        from runners.backends.ort import OrtSession
+
+        self.session = OrtSession(path)
+
+    def call(self, name: str, feeds: dict) -> float:
+        return _timed(lambda: self.session.run(feeds))  # steady state, as in the denoising loop
+
+
 def make_variant(kind: str, path: str):
     if kind == "ours":
         return Ours(path)
+    if kind == "graph":
+        return Graph(path)
     if kind in ("diffusers", "diffusers-compile"):
         return Diffusers(path, compile=kind == "diffusers-compile")
     if kind == "optimum":

@@ -4,6 +4,7 @@ Peak RSS is this process's own: variants never share a process."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -37,7 +38,8 @@ def main() -> None:
         h, w = job["height"], job["width"]
         if job["job"] == "submodules":
             feeds = submodule_inputs(constants, h, w)
-            _reply({name: variant.call(name, f) for name, f in feeds.items()})
+            names, calls = job.get("names", list(feeds)), job.get("calls", 1)
+            _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in names})
         elif job["job"] == "e2e":
             _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
         elif job["job"] == "peak_rss":

@@ -31,7 +31,7 @@ def _submodule_dims(sub: dict, dims: dict) -> dict:
     return {d: dims[d] for d in sorted(used)}
 
 
-def _passes_fingerprint(names: list[str]) -> str:
+def passes_fingerprint(names: list[str]) -> str:
     """The pass list and the code of those passes: a changed pass rebuilds the artifact."""
     import engines.passes.base
     import engines.passes.pipeline
@@ -53,7 +53,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
-    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, _passes_fingerprint(pipeline.names)])
+    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, passes_fingerprint(pipeline.names)])
     dest = build_dir / f"{target}-{precision}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")

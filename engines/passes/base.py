@@ -7,7 +7,6 @@ which the manifest records and the tests assert.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import onnx_ir as ir
 from onnx_ir.passes import FunctionalPass, InPlacePass, PassResult
@@ -44,22 +43,30 @@ class GraphPass(InPlacePass):
 class LibraryPass(FunctionalPass):
     """A pass done by onnx-graphsurgeon or polygraphy, which work on `onnx.ModelProto`.
 
-    The model crosses over without its weights: initializers held in external data stay
-    references in the proto (the libraries copy them through untouched), and come back as
-    the same memory-mapped tensors.
+    The model crosses over without its weights: every initializer over `HELD_BYTES` goes into
+    the proto as an external-data reference to a file that does not exist, so the libraries
+    copy it through untouched and cannot read it, and it comes back as the same tensor object
+    (memory-mapped, lazy or in memory, as it was). Without this, a 1.5 GB graph was copied
+    several times over on its way through polygraphy.
     """
 
     name: str = ""
     summary: str = ""
+    HELD_BYTES = 2**20  # smaller constants cross over as data: the libraries fold and inspect those
 
     def call(self, model: ir.Model) -> Report:
-        base_dir = _base_dir(model)
-        proto = ir.to_proto(model)
+        held = {name: v.const_value for name, v in model.graph.initializers.items()
+                if v.const_value is not None and v.const_value.nbytes > self.HELD_BYTES}
+        proto = _to_proto_without(model, held)
         before = len(proto.graph.node)
         proto, counts = self.transform(proto)
         out = ir.from_proto(proto)
-        if base_dir is not None:
-            ir.external_data.set_base_dir(out.graph, base_dir)
+        for name, value in out.graph.initializers.items():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location == _HELD:
+                if name not in held:  # a library renamed or made a reference: never silently lose a weight
+                    raise RuntimeError(f"{self.name}: initializer '{name}' came back as a reference to no weight")
+                value.const_value = held[name]
         counts = {"nodes_removed": before - len(proto.graph.node), **counts}
         return Report(out, modified=any(counts.values()), counts=counts)
 
@@ -67,11 +74,21 @@ class LibraryPass(FunctionalPass):
         raise NotImplementedError
 
 
-def _base_dir(model: ir.Model) -> Path | None:
-    for value in model.graph.initializers.values():
-        if isinstance(value.const_value, ir.ExternalTensor):
-            return Path(value.const_value.base_dir)
-    return None
+_HELD = "__weight_held_by_diffusion_aot__"
+
+
+def _to_proto_without(model: ir.Model, held: dict):
+    """`ir.to_proto(model)` with the `held` initializers as references to `_HELD`; the model is
+    left as it was."""
+    values = model.graph.initializers
+    try:
+        for name, tensor in held.items():
+            values[name].const_value = ir.ExternalTensor(_HELD, 0, tensor.nbytes, tensor.dtype,
+                                                         shape=tensor.shape, name=name)
+        return ir.to_proto(model)
+    finally:
+        for name, tensor in held.items():
+            values[name].const_value = tensor
 
 
 def quiet_polygraphy() -> None:

@@ -1,0 +1,109 @@
+"""The transformer graphs the pass table compares: our export through different pass lists, ONNX
+Runtime's own transformer optimizer (`mmdit`) on our export, and Optimum's export.
+
+Each of ours is built by the ORT target itself (passes, then `build_submodule`), cached by the
+input graph and the passes' code, and written complete or not at all."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engines.targets import get_target
+
+CLEANUP = ["fold_constants", "infer_shapes", "remove_dead_nodes"]
+
+
+def pass_lists() -> dict[str, list[str]]:
+    """Label -> pass list: without any pass, then each fusion added alone, then the target's list."""
+    default = list(get_target("ort", "fp32").passes)
+    return {
+        "no passes": [],
+        "clean-up": CLEANUP,
+        "clean-up + fuse_qkv": CLEANUP + ["fuse_qkv"],
+        "clean-up + fuse_attention": CLEANUP + ["fuse_attention"],
+        "all (ort default)": default,
+    }
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label).strip("-")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str) -> dict[str, tuple[Path, list]]:
+    """label -> (graph path, pass reports), one folder per pass list under `out_root`."""
+    import onnx_ir as ir
+
+    from engines.api import passes_fingerprint
+    from engines.passes import run_passes
+    from engines.targets.ort import build_submodule
+    from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
+
+    source = read_manifest(onnx_dir, verify=False)["files"][f"{submodule}.onnx"]
+    out = {}
+    for label, names in pass_lists().items():
+        dest = out_root / _slug(label)
+        key = digest([source, passes_fingerprint(names)])
+        if not is_current(dest, key):
+            _log(f"{submodule} with passes [{', '.join(names)}]")
+            with atomic_folder(dest) as tmp:
+                model, reports = run_passes(ir.load(onnx_dir / f"{submodule}.onnx"), names, submodule)
+                files = build_submodule(model, tmp, submodule)
+                write_manifest(tmp, {"cache_key": key, "passes": reports, "file": files[0]})
+        record = read_manifest(dest, verify=False)
+        out[label] = (dest / record["file"], record["passes"])
+    return out
+
+
+def ort_optimizer(onnx_dir: Path, out_root: Path, submodule: str, model_type: str) -> tuple[Path, dict]:
+    """ONNX Runtime's transformer optimizer on our export; returns the graph and what it fused."""
+    import logging
+
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
+
+    source = read_manifest(onnx_dir, verify=False)["files"][f"{submodule}.onnx"]
+    dest = out_root / f"ort-optimizer-{model_type}"
+    key = digest([source, model_type])
+    if not is_current(dest, key):
+        _log(f"{submodule} through onnxruntime.transformers.optimizer (model_type={model_type})")
+        logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.ERROR)
+        with atomic_folder(dest) as tmp:
+            model = optimize_model(str(onnx_dir / f"{submodule}.onnx"), model_type=model_type)
+            fused = {k: v for k, v in model.get_fused_operator_statistics().items() if v}
+            model.save_model_to_file(str(tmp / f"{submodule}.onnx"),
+                                     use_external_data_format=model.model.ByteSize() > 2**31)
+            write_manifest(tmp, {"cache_key": key, "fused": fused})
+    return dest / f"{submodule}.onnx", read_manifest(dest, verify=False)["fused"]
+
+
+def op_profile(graph: Path, constants: dict, size: int) -> dict[str, float]:
+    """Seconds per op type of one transformer step in steady state, from ONNX Runtime's profiler
+    (the runner's session settings, profiling on; the second call is the one read)."""
+    import json
+    import os
+    import tempfile
+
+    import onnxruntime as ort
+
+    from bench.variants import submodule_inputs
+
+    feeds = submodule_inputs(constants, size, size)[graph.stem]
+    options = ort.SessionOptions()
+    options.enable_mem_pattern = False  # as runners.backends.ort
+    options.enable_profiling = True
+    with tempfile.TemporaryDirectory() as tmp:
+        options.profile_file_prefix = os.path.join(tmp, "step")
+        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    last_run = [e for e in events if e.get("name") == "model_run"][-1]
+    per_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last_run["ts"]:
+            per_op[e["args"]["op_name"]] = per_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e6
+    return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))

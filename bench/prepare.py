@@ -1,0 +1,17 @@
+"""Our export and default artifact for the benchmark model (cached), run in a child process by
+`python -m bench` (functions sent to a child must live in an importable module)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def export_and_build(model: str) -> Path:
+    from engines.api import build_artifact
+    from export.api import export_model
+    from export.source import resolve
+
+    src = resolve(model)
+    build = Path("build") / src.entry.name
+    export_model(src, build)
+    build_artifact(build, "ort", "fp32")
+    return build
