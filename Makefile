@@ -4,6 +4,7 @@ TARGET    ?= ort
 PRECISION ?= fp32
 PROMPT    ?= a photo of a cat
 OUT       ?= out.png
+IMAGE_ARGS ?=
 IMAGE_SIZE ?=
 PYTHON    ?= python3
 
@@ -41,7 +42,7 @@ engines: export
 	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION)
 
 image: engines
-	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT)
+	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from bench.harness import Variant, in_child, interleaved, interleaved_fresh, peak_rss, running, stats
 from bench.report import render
+from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
-TABLES = ("submodules", "e2e", "passes", "profile", "export")
+TABLES = ("submodules", "e2e", "passes", "profile", "profiling", "tiling", "export")
 
 
 def _log(msg: str) -> None:
@@ -27,6 +28,8 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=28, help="steps of the first end-to-end run (0: skip it)")
     p.add_argument("--large-size", type=int, default=1024, help="image side of the second end-to-end run (0: skip)")
     p.add_argument("--large-steps", type=int, default=2)
+    p.add_argument("--profiling-steps", type=int, default=4, help="steps of the profiling-cost runs")
+    p.add_argument("--tiling-sizes", default="1024,2048", help="image sides of the tiled-decode table")
     p.add_argument("--compile", action="store_true", help="add (b) diffusers + torch.compile (compiles for minutes)")
     p.add_argument("--optimum-python", default=None,
                    help="python of an environment with optimum-onnx (make optimum-venv): adds (c)")
@@ -45,15 +48,13 @@ def _parse(argv):
 class Bench:
     def __init__(self, args, command: str):
         self.args, self.command = args, command
-        self.tables, self.notes = [], []
+        self.tables = []
         self.started = time.perf_counter()
 
     def prepare(self):
         """Export and build our artifact (cached), and Optimum's export when asked for."""
         from bench.prepare import export_and_build
         from export.source import resolve
-        from runners.manifest import read_manifest
-
         self.build = in_child(export_and_build, self.args.model)
         self.src = resolve(self.args.model)  # built by the child: only read here
         self.onnx_dir = self.build / "onnx"
@@ -71,8 +72,6 @@ class Bench:
             folder, self.optimum_seconds = optimum_export(self.args.optimum_python, self.src.folder, self.build, _log)
             self.optimum_folder = folder
             self.variants.append(Variant("(c) optimum-onnx", "optimum", str(folder), self.args.optimum_python))
-        else:
-            self.notes.append("(c) Optimum-ONNX was not measured in this run: pass --optimum-python (make bench does).")
         self.variants += [Variant(f"(d) ours {a.name}", "ours", str(a)) for a in self.artifacts]
         self.reference = self.variants[0].label
 
@@ -227,31 +226,79 @@ class Bench:
                       "ops are listed until 97% of the kernel time is covered. Rows without FLOPs are memory-bound "
                       "ops (Add, Gelu, LayerNorm, reshapes)."]})
 
-    def export_table(self):
-        from runners.manifest import read_manifest
+    def measure_profiling(self):
+        """What `profile=` costs end to end, and what the runner costs with it off."""
+        if "profiling" not in self.args.tables:
+            return
+        a, artifact = self.args, str(self.build / "ort-fp32")
+        variants = [Variant("ours, profiling off", "ours", artifact), Variant("ours, profile=DIR", "ours-profiled", artifact)]
+        job = {"job": "e2e", "steps": a.profiling_steps, "height": a.size, "width": a.size}
+        with running(variants, self.constants, _log) as workers:
+            samples = interleaved(workers, job, a.reps, _log)
+        ref = [s["seconds"] for s in samples[variants[0].label]]
+        rows = []
+        for v in variants:
+            st = stats([s["seconds"] for s in samples[v.label]], None if v is variants[0] else ref)
+            rows.append([v.label, f"{st.median:.2f}", "1 (reference)" if v is variants[0] else st.ratio_text()])
+        self.tables.append({
+            "title": f"Profiling cost, end to end at {a.size}x{a.size}, {a.profiling_steps} steps (ort-fp32)",
+            "columns": ["runner", "median s", "speed vs off"], "rows": rows,
+            "notes": ["With profiling off the runner's only extra work per engine call is one `is None` check. "
+                      "With it on, the call reopens every session with ONNX Runtime's profiler (inside the timed "
+                      "call), records each operator, and writes one trace file per engine call."]})
 
+    def measure_tiling(self):
+        """Peak memory and time of the VAE decode, whole and tiled, each in a fresh process."""
+        if "tiling" not in self.args.tables:
+            return
+        artifact = self.build / "ort-fp32"
+        vae = Variant("vae_decoder", "vae-decoder", str(artifact))
+        scale = self.constants["vae_scale_factor"]
+        hi = read_manifest(artifact, verify=False)["submodules"]["vae_decoder"]["dims"]["latent_height"][2]
+        rows = []
+        for size in (int(s) for s in self.args.tiling_sizes.split(",")):
+            # Tiles of half the engine's largest side when the image fits it whole, else the largest side.
+            tile = hi // 2 if size // scale <= hi else hi
+            for tiling in (False, True):
+                job = {"job": "vae_decode", "height": size, "width": size, "tiling": tiling, "tile": tile}
+                samples, peaks, failed = interleaved_fresh([vae], self.constants, job, 1, _log)
+                label = f"tiled, {tile * scale}-px tiles" if tiling else "whole"
+                if failed:
+                    rows.append([f"{size}x{size}", label, "failed", failed[vae.label].split(": ", 1)[1]])
+                else:
+                    rows.append([f"{size}x{size}", label, f"{samples[vae.label][0]['seconds']:.1f}",
+                                 f"{peaks[vae.label]:.0f}"])
+        self.tables.append({
+            "title": "VAE decode, whole and tiled (ort-fp32)",
+            "columns": ["image", "decode", "seconds", "peak RSS MiB"], "rows": rows,
+            "notes": [f"The decoder engine was built for latents up to {hi} ({hi * scale} px). One run each, every "
+                      "one in a fresh process that loads only the VAE decoder (`Pipeline.load(..., "
+                      "submodules=['vae_decoder'])`): peak RSS is that process's. A whole decode past that range "
+                      "calls the engine directly (the runner would tile it): ONNX Runtime accepts any size, so this "
+                      "row shows what decoding it whole would take."]})
+
+    def export_table(self):
         if "export" not in self.args.tables:
             return
         built = {a.name: read_manifest(a, verify=False)["submodules"] for a in self.artifacts}
         rows = [[name, f"{sub['export']['export_seconds']:.1f}", f"{sub['export']['seconds_with_checks']:.1f}",
                  f"{sub['export']['bytes'] / 2**20:.0f}", *(f"{built[a][name]['build_seconds']:.1f}" for a in built)]
                 for name, sub in self.onnx_manifest["submodules"].items()]
+        notes = []
+        if self.optimum_seconds is not None:
+            notes.append(f"Optimum-ONNX's export of the same folder (`optimum-cli export onnx --task text-to-image`, "
+                         f"legacy exporter, with its own validation) took {self.optimum_seconds:.0f} s.")
         self.tables.append({"title": "Export and build, seconds (recorded in the manifests by the run that built them)",
                             "columns": ["submodule", "export", "export + parity at 2 shapes", "MiB",
-                                        *(f"build {a}" for a in built)], "rows": rows})
-        if self.optimum_seconds is not None:
-            self.notes.append(f"Optimum-ONNX's export of the same folder (`optimum-cli export onnx --task "
-                              f"text-to-image`, legacy exporter, with its own validation) took "
-                              f"{self.optimum_seconds:.0f} s.")
+                                        *(f"build {a}" for a in built)], "rows": rows, "notes": notes})
 
     def write(self):
         from export.api import package_versions
 
-        self.notes.append(f"This run took {(time.perf_counter() - self.started) / 60:.1f} minutes, "
-                          "preparation included.")
         report = {"command": self.command, "model": self.src.entry.name, "description": self.src.entry.description,
                   "versions": package_versions(("torch", "diffusers", "transformers", "onnxruntime")),
-                  "reps": self.args.reps, "gemm": self.gemm, "tables": self.tables, "notes": self.notes}
+                  "reps": self.args.reps, "gemm": self.gemm, "tables": self.tables,
+                  "minutes": (time.perf_counter() - self.started) / 60}
         out = Path(self.args.out)
         previous = out.read_text() if out.exists() else ""
         tmp = out.with_name(out.name + ".tmp")
@@ -270,7 +317,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
-                  bench.export_table, bench.write):
+                  bench.measure_profiling, bench.measure_tiling, bench.export_table, bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

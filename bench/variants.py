@@ -63,6 +63,32 @@ class Ours:
                                         max_sequence_length=T5_LENGTH))
 
 
+class OursProfiled(Ours):
+    """The same, with `profile=` on every end-to-end run (what profiling costs)."""
+
+    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as out:
+            return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
+                                            num_inference_steps=steps, latents=latents, output_type="np",
+                                            max_sequence_length=T5_LENGTH, profile=out))
+
+
+class VaeDecoder:
+    """Only an artifact's VAE decoder, decoding whole or in tiles (`runners.tiling`)."""
+
+    def __init__(self, artifact: str):
+        from runners import Pipeline
+
+        self.pipe = Pipeline.load(artifact, submodules=["vae_decoder"])
+
+    def vae_decode(self, z: np.ndarray, tiling: bool, tile: int | None) -> float:
+        if not tiling:  # whole, even past the engine's declared range: what tiling saves
+            return _timed(lambda: self.pipe.run("vae_decoder", latent=z))
+        return _timed(lambda: self.pipe.vae_decode(z, tiling=True, tile_size=tile))
+
+
 class _DiffusersCall:
     """The end-to-end call of a diffusers-style pipeline (torch latents), shared by (a), (b), (c)."""
 
@@ -137,6 +163,10 @@ def make_variant(kind: str, path: str):
         return Ours(path)
     if kind == "graph":
         return Graph(path)
+    if kind == "ours-profiled":
+        return OursProfiled(path)
+    if kind == "vae-decoder":
+        return VaeDecoder(path)
     if kind in ("diffusers", "diffusers-compile"):
         return Diffusers(path, compile=kind == "diffusers-compile")
     if kind == "optimum":

@@ -42,6 +42,9 @@ def main() -> None:
             _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in names})
         elif job["job"] == "e2e":
             _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
+        elif job["job"] == "vae_decode":
+            z = start_latents(constants, h, w)
+            _reply({"seconds": variant.vae_decode(z, job["tiling"], job.get("tile"))})
         elif job["job"] == "peak_rss":
             _reply({"peak_rss_mib": peak_rss_mib()})
 

@@ -20,6 +20,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--max-sequence-length", type=int, default=256)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="decode in overlapping tiles even when the image fits the VAE engine (it is automatic "
+                        "when the image is larger than the engine's range)")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="write a Chrome trace per engine call, one of the whole run (DIR/trace.json, opens in "
+                        "Perfetto) and a summary; --steps 1 makes a quick profile")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
@@ -33,7 +39,8 @@ def main(argv=None) -> int:
         timings = {"load": time.perf_counter() - t0}
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
-                      num_images_per_prompt=args.num_images, max_sequence_length=args.max_sequence_length)
+                      num_images_per_prompt=args.num_images, max_sequence_length=args.max_sequence_length,
+                      vae_tiling=True if args.vae_tiling else None, profile=args.profile)
         timings.update(pipe.timings)
         out = Path(args.out)
         paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from runners.backends import open_session
 from runners.manifest import read_manifest
+from runners.profile import Profiler
 from runners.scheduler import load_scheduler
 from runners.text import TextTokenizer
 
@@ -19,9 +20,10 @@ class Pipeline:
 
     @classmethod
     def load(cls, artifact_dir, *, threads: int | None = None, providers: list[str] | None = None,
-             verify: bool = True, progress: bool = False) -> "Pipeline":
+             verify: bool = True, progress: bool = False, submodules: list[str] | None = None) -> "Pipeline":
         """Open an artifact folder. `threads` sets each session's intra-op threads, `providers`
-        the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files."""
+        the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files;
+        `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents)."""
         from runners.sd3 import SD3Pipeline
 
         families = {p.family: p for p in (SD3Pipeline,)}
@@ -30,28 +32,68 @@ class Pipeline:
         family = manifest["model"]["family"]
         if family not in families:
             raise ValueError(f"{folder}: model family {family!r} has no runner; known: {', '.join(families)}")
-        return families[family](folder, manifest, threads=threads, providers=providers, progress=progress)
+        unknown = set(submodules or ()) - set(manifest["submodules"])
+        if unknown:
+            raise ValueError(f"{folder} has no submodule {', '.join(sorted(unknown))}; "
+                             f"it has: {', '.join(manifest['submodules'])}")
+        return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
+                                submodules=submodules)
 
-    def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False):
+    def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False, submodules=None):
         self.folder, self.manifest = folder, manifest
+        self.opened = list(submodules or manifest["submodules"])
         self.constants = manifest["pipeline"]
         self.dims = manifest["dims"]
         self.progress = progress
         self.timings: dict[str, float] = {}  # seconds per stage of the last call
-        self.sessions = {
-            name: open_session(manifest["target"], folder / sub["file"], threads=threads, providers=providers)
-            for name, sub in manifest["submodules"].items()
-        }
+        self._session_options = {"threads": threads, "providers": providers}
+        self.sessions = self._open_sessions()
+        self.profiler: Profiler | None = None
         self.tokenizers = {
             name: TextTokenizer(folder / t["file"], t["pad_token_id"], name)
             for name, t in manifest["tokenizers"].items()
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
+    def _open_sessions(self, profile: bool = False) -> dict:
+        return {name: open_session(self.manifest["target"], self.folder / sub["file"], profile=profile,
+                                   **self._session_options)
+                for name, sub in self.manifest["submodules"].items() if name in self.opened}
+
+    def __call__(self, *args, profile=None, **kwargs):
+        """Run the family's `generate`. `profile=DIR` writes a trace of every engine call, one of
+        the whole run and a summary into DIR (see runners/profile.py), and prints the summary."""
+        if profile is None:
+            return self.generate(*args, **kwargs)
+        with self._profiling(profile):
+            return self.generate(*args, **kwargs)
+
+    @contextmanager
+    def _profiling(self, out_dir):
+        """Sessions that record ONNX Runtime's operator profile for this run, then the usual ones back."""
+        self.sessions = None  # one set of weights in memory at a time
+        self.sessions = self._open_sessions(profile=True)
+        self.profiler = Profiler(out_dir)
+        try:
+            yield
+            ort_events = {name: s.end_profiling() for name, s in self.sessions.items()
+                          if hasattr(s, "end_profiling")}
+            print(self.profiler.finish(ort_events), flush=True)
+        finally:
+            self.profiler = None
+            self.sessions = None
+            self.sessions = self._open_sessions()
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError
+
     def run(self, submodule: str, release: bool = True, **feeds):
         """One engine call. `release` (default) frees its working memory afterwards; the denoising
         loop keeps it between steps and releases it after the last one."""
-        return self.sessions[submodule].run(feeds, release=release)
+        session = self.sessions[submodule]
+        if self.profiler is None:
+            return session.run(feeds, release=release)
+        return self.profiler.call(submodule, lambda: session.run(feeds, release=release))
 
     @contextmanager
     def _timed(self, stage: str):

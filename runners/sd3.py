@@ -7,6 +7,7 @@ import numpy as np
 
 from runners.images import to_output
 from runners.pipeline import Pipeline
+from runners.tiling import tiled
 
 OUTPUT_TYPES = ("pil", "np", "latent")
 
@@ -14,12 +15,17 @@ OUTPUT_TYPES = ("pil", "np", "latent")
 class SD3Pipeline(Pipeline):
     family = "sd3"
 
-    def __call__(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=28,
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=28,
                  guidance_scale=7.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 max_sequence_length=256):
-        """Generate images. `seed` seeds numpy's generator (not torch's noise: the same seed gives
-        other images than diffusers); pass `latents` for exact comparison across frameworks."""
+                 max_sequence_length=256, vae_tiling=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
+        `seed` seeds numpy's generator (not torch's noise: the same seed gives other images than
+        diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`."""
         c = self.constants
+        missing = [n for n in self.manifest["submodules"] if n != "vae_encoder" and n not in self.sessions]
+        if missing:
+            raise ValueError(f"text to image needs {', '.join(missing)}, which this pipeline was loaded without "
+                             "(Pipeline.load(..., submodules=...))")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         default = c["default_image_size"]
         height, width = height or default, width or default
@@ -67,8 +73,40 @@ class SD3Pipeline(Pipeline):
             return latents
         with self._timed("vae_decode"):
             z = latents / np.float32(c["vae_scaling_factor"]) + np.float32(c["vae_shift_factor"])
-            image = self.run("vae_decoder", latent=z)["image"]
+            image = self.vae_decode(z, tiling=vae_tiling)
         return to_output(image, output_type)
+
+    def vae_decode(self, z: np.ndarray, tiling: bool | None = None, tile_size: int | None = None) -> np.ndarray:
+        """Unscaled latents -> images in [-1, 1]. Latents larger than the decoder engine's range are
+        decoded in overlapping tiles (`runners.tiling`); `tiling=True` forces it, `False` forbids
+        it. `tile_size` is the tile's side in latent pixels (default: the engine's largest)."""
+        lo, _, hi = self.manifest["submodules"]["vae_decoder"]["dims"]["latent_height"]
+        return self._vae("vae_decoder", "latent", z, lo, hi, self.constants["vae_scale_factor"], tiling, tile_size)[0]
+
+    def vae_encode(self, image: np.ndarray, tiling: bool | None = None, tile_size: int | None = None):
+        """Images in [-1, 1] -> (mean, log-variance) of the latent posterior, tiled past the encoder
+        engine's range as `vae_decode` is; `tile_size` in image pixels."""
+        lo, _, hi = self.manifest["submodules"]["vae_encoder"]["dims"]["image_height"]
+        return self._vae("vae_encoder", "image", image, lo, hi, 1 / self.constants["vae_scale_factor"], tiling,
+                         tile_size)
+
+    def _vae(self, name, input_name, x, lo, hi, scale, tiling, tile_size) -> list[np.ndarray]:
+        if name not in self.sessions:
+            raise ValueError(f"this artifact has no {name}")
+        outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
+        fn = lambda tile: [self.run(name, **{input_name: tile})[o] for o in outputs]  # noqa: E731
+        too_big = max(x.shape[2:]) > hi
+        if tiling is False and too_big:
+            raise ValueError(f"{name}: input side {max(x.shape[2:])} exceeds the engine's maximum {hi}; "
+                             "allow tiling (tiling=None or True) or build the engines for a larger image size")
+        if min(x.shape[2:]) < lo:
+            raise ValueError(f"{name}: input side {min(x.shape[2:])} is below the engine's minimum {lo}")
+        if not (tiling or too_big):
+            return fn(x)
+        tile = tile_size or hi
+        if not lo <= tile <= hi:
+            raise ValueError(f"{name}: tile_size={tile} is outside the engine's range {lo}..{hi}")
+        return tiled(fn, x, tile, scale, min_side=lo)
 
     def _encode(self, prompts: list[str], per_prompt: int, t5_length: int):
         """diffusers' encode_prompt: penultimate CLIP-L and CLIP-G states side by side, zero-padded

@@ -2,14 +2,24 @@
 without CUDA falls back to the CPU) is an error here, never a quiet fallback."""
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 
 
 class OrtSession:
-    def __init__(self, path, threads: int | None = None, providers: list[str] | None = None):
+    def __init__(self, path, threads: int | None = None, providers: list[str] | None = None,
+                 profile: bool = False):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        if profile:  # ONNX Runtime's per-operator profile of every run, read back by `end_profiling`
+            self._profile_dir = tempfile.TemporaryDirectory(prefix="ort-profile-")
+            options.enable_profiling = True
+            options.profile_file_prefix = os.path.join(self._profile_dir.name, Path(path).stem)
         # The memory pattern plans one block per input shape and keeps the arena's buffers from the
         # first run beside it: measured once by hand on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
         # on its second run with it and 9.2 GB without, at the same speed (4.9 vs 9.4 GB for the VAE).
@@ -33,6 +43,13 @@ class OrtSession:
         # 1024x1024: the transformer's arena stays at 8 GB after its last step without it).
         self._release = ort.RunOptions()
         self._release.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+    def end_profiling(self) -> list[dict]:
+        """The trace events ONNX Runtime recorded since the session opened (profiling sessions only)."""
+        path = Path(self.session.end_profiling())
+        events = json.loads(path.read_text())
+        self._profile_dir.cleanup()
+        return events
 
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release=True` on a stage's last call frees the working memory it leaves behind."""
