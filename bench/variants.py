@@ -63,6 +63,16 @@ class Ours:
                                         max_sequence_length=T5_LENGTH))
 
 
+class OursWithoutHook(Ours):
+    """The same, with `Pipeline.run` as it was before profiling existed (no profiler check): the
+    A/B that shows what profiling costs when it is off."""
+
+    def __init__(self, artifact: str):
+        super().__init__(artifact)
+        sessions = self.pipe.sessions
+        self.pipe.run = lambda submodule, release=True, **feeds: sessions[submodule].run(feeds, release=release)
+
+
 class OursProfiled(Ours):
     """The same, with `profile=` on every end-to-end run (what profiling costs)."""
 
@@ -165,6 +175,8 @@ def make_variant(kind: str, path: str):
         return Graph(path)
     if kind == "ours-profiled":
         return OursProfiled(path)
+    if kind == "ours-without-hook":
+        return OursWithoutHook(path)
     if kind == "vae-decoder":
         return VaeDecoder(path)
     if kind in ("diffusers", "diffusers-compile"):
