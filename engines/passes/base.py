@@ -47,7 +47,9 @@ class LibraryPass(FunctionalPass):
     the proto as an external-data reference to a file that does not exist, so the libraries
     copy it through untouched and cannot read it, and it comes back as the same tensor object
     (memory-mapped, lazy or in memory, as it was). Without this, a 1.5 GB graph was copied
-    several times over on its way through polygraphy.
+    several times over on its way through polygraphy. A library step that needs a held weight's
+    values (folding a Transpose of a weight, say) cannot read it and fails loudly; the dynamo
+    exporter's optimizer has already folded those in our graphs.
     """
 
     name: str = ""
