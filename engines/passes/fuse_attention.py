@@ -67,8 +67,14 @@ def _reaches_matmul(value: ir.Value, depth: int = 4) -> bool:
         return True
     if _is(node, "Add"):
         return any(_reaches_matmul(i, depth - 1) for i in node.inputs)
-    inner, scale = _strip_scale(value)
+    inner, _ = _strip_scale(value)
     return inner is not value and _reaches_matmul(inner, depth - 1)
+
+
+def _per_query(bias: ir.Value) -> bool:
+    """Whether a bias is (B|1, N|1, S, L), the shape attention_bias takes (not a (B, 1, 1, L) mask)."""
+    shape = bias.shape
+    return shape is not None and len(shape) == 4 and shape[2] != 1
 
 
 @dataclass
@@ -127,6 +133,8 @@ def _match(softmax: ir.Node) -> _Match | None:
             return None
         biases.append(add.inputs[1] if add.inputs[0] is on_path[0] else add.inputs[0])
         scores = on_path[0]
+    if len(biases) == 1 and not _per_query(biases[0]):
+        return None  # MultiHeadAttention's attention_bias must span the query axis: leave it unfused
     scores, scale = _strip_scale(scores)
     qk = scores.producer()
     if not _is(qk, "MatMul") or _only_use(scores) is None:
