@@ -55,6 +55,7 @@ class Bench:
         """Export and build our artifact (cached), and Optimum's export when asked for."""
         from bench.prepare import export_and_build
         from export.source import resolve
+
         self.build = in_child(export_and_build, self.args.model)
         self.src = resolve(self.args.model)  # built by the child: only read here
         self.onnx_dir = self.build / "onnx"
@@ -102,21 +103,33 @@ class Bench:
         return "1 (reference)" if v.label == self.reference else st.ratio_text()
 
     def measure(self):
+        """Per-submodule calls and end-to-end runs of every variant: one table each."""
         a = self.args
         size, f = a.size, self.flops(a.size)
         job = {"height": size, "width": size}
         e2e_here = "e2e" in a.tables and a.steps
-        if "submodules" not in a.tables and not e2e_here:
-            return self.measure_large()
-        with running(self.variants, self.constants, _log) as workers:
-            per_call = interleaved(workers, {"job": "submodules", **job}, a.reps, _log)
-            if e2e_here:
-                e2e = interleaved(workers, {"job": "e2e", "steps": a.steps, **job}, a.reps, _log, warmup=False)
-                peaks = peak_rss(workers)
-        if "submodules" in a.tables:
-            self.submodule_table(size, f, per_call)
-        self.e2e_rows = self._e2e_rows(size, a.steps, f, e2e, peaks) if e2e_here else []
-        self.measure_large()
+        rows = []
+        if "submodules" in a.tables or e2e_here:
+            with running(self.variants, self.constants, _log) as workers:
+                # Also the warm-up of the end-to-end runs.
+                per_call = interleaved(workers, {"job": "submodules", **job}, a.reps, _log)
+                if e2e_here:
+                    e2e = interleaved(workers, {"job": "e2e", "steps": a.steps, **job}, a.reps, _log, warmup=False)
+                    rows = self._e2e_rows(size, a.steps, f, e2e, peak_rss(workers))
+            if "submodules" in a.tables:
+                self.submodule_table(size, f, per_call)
+        notes = []
+        if "e2e" in a.tables and a.large_size:
+            large = {"job": "e2e", "height": a.large_size, "width": a.large_size, "steps": a.large_steps}
+            samples, peaks, failed = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
+            rows += self._e2e_rows(a.large_size, a.large_steps, self.flops(a.large_size), samples, peaks, failed)
+            notes.append(f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped "
+                         "before the next starts, because the variants' pipelines at that size do not fit in "
+                         "memory side by side.")
+        if rows:
+            self.tables.append({"title": "End to end: prompt and negative prompt, guidance 7, VAE decode",
+                                "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)",
+                                            "x bound", "peak RSS MiB"], "rows": rows, "notes": notes})
 
     def submodule_table(self, size, f, per_call):
         rows = []
@@ -128,21 +141,6 @@ class Bench:
         self.tables.append({"title": f"One call per submodule at {size}x{size} (transformer: one step at batch 2)",
                             "columns": ["submodule", "variant", "GFLOP", "median ms", "speed-up vs (a)", "x bound"],
                             "rows": rows})
-
-    def measure_large(self):
-        a = self.args
-        rows = getattr(self, "e2e_rows", [])
-        if "e2e" in a.tables and a.large_size:
-            large = {"job": "e2e", "height": a.large_size, "width": a.large_size, "steps": a.large_steps}
-            samples, peaks, failed = interleaved_fresh(self.variants, self.constants, large, a.reps, _log)
-            rows += self._e2e_rows(a.large_size, a.large_steps, self.flops(a.large_size), samples, peaks, failed)
-            note = (f"{a.large_size}x{a.large_size} runs are cold: each comes from a fresh process, stopped before "
-                    "the next starts, because the variants' pipelines at that size do not fit in memory side by side.")
-        if rows:
-            self.tables.append({"title": "End to end: prompt and negative prompt, guidance 7, VAE decode",
-                                "columns": ["workload", "variant", "TFLOP", "median s", "speed-up vs (a)",
-                                            "x bound", "peak RSS MiB"], "rows": rows,
-                                "notes": [note] if a.large_size else []})
 
     def measure_passes(self):
         """The transformer step through each pass list, against the peers' graphs of the same weights."""
@@ -167,13 +165,9 @@ class Bench:
         if failed:
             raise RuntimeError(f"pass table: {'; '.join(failed.values())}")
         flops = self.flops(a.size)["transformer"]
-        ref = [s["transformer"] for s in samples[variants[0].label]]
-        rows = []
-        for v in variants:
-            st = stats([s["transformer"] for s in samples[v.label]], None if v is variants[0] else ref)
-            rows.append([v.label, changed[v.label], f"{st.median * 1e3:.0f}",
-                         "1 (reference)" if v is variants[0] else st.ratio_text(),
-                         f"{st.median / (flops / self.rate):.2f}", f"{peaks[v.label]:.0f}"])
+        rows = [[v.label, changed[v.label], f"{st.median * 1e3:.0f}", ratio, f"{st.median / (flops / self.rate):.2f}",
+                 f"{peaks[v.label]:.0f}"]
+                for v, st, ratio in _against_first(variants, samples, lambda s: s["transformer"])]
         self.tables.append({
             "title": f"Transformer step by graph pass at {a.size}x{a.size}, batch 2 ({flops / 1e9:.1f} GFLOP)",
             "columns": ["graph", "what the passes did", "median ms", "speed-up vs no passes", "x bound",
@@ -205,7 +199,8 @@ class Bench:
         if "profile" not in self.args.tables:
             return
         size = self.args.size
-        graph = in_child(build_with_passes, self.onnx_dir, self.build / "passes", "transformer")["all (ort default)"][0]
+        label = "all (ort default)"
+        graph = in_child(build_with_passes, self.onnx_dir, self.build / "passes", "transformer", [label])[label][0]
         seconds = in_child(op_profile, graph, self.constants, size)
         flops = in_child(graph_flops_by_op, graph, self.dims(size, "transformer"))
         total = sum(seconds.values())
@@ -237,11 +232,8 @@ class Bench:
         job = {"job": "e2e", "steps": a.profiling_steps, "height": a.size, "width": a.size}
         with running(variants, self.constants, _log) as workers:
             samples = interleaved(workers, job, a.reps, _log)
-        ref = [s["seconds"] for s in samples[variants[0].label]]
-        rows = []
-        for v in variants:
-            st = stats([s["seconds"] for s in samples[v.label]], None if v is variants[0] else ref)
-            rows.append([v.label, f"{st.median:.2f}", "1 (reference)" if v is variants[0] else st.ratio_text()])
+        rows = [[v.label, f"{st.median:.2f}", ratio]
+                for v, st, ratio in _against_first(variants, samples, lambda s: s["seconds"])]
         self.tables.append({
             "title": f"Profiling cost, end to end at {a.size}x{a.size}, {a.profiling_steps} steps (ort-fp32)",
             "columns": ["runner", "median s", "speed vs without the hook"], "rows": rows,
@@ -309,6 +301,17 @@ class Bench:
         tmp.write_text(render(report, previous))
         tmp.replace(out)
         _log(f"wrote {self.args.out}")
+
+
+def _against_first(variants: list[Variant], samples: dict, key) -> list[tuple]:
+    """(variant, Stat, ratio text) for each variant, the first one being the reference."""
+    ref = [key(s) for s in samples[variants[0].label]]
+    out = []
+    for v in variants:
+        first = v is variants[0]
+        st = stats([key(s) for s in samples[v.label]], None if first else ref)
+        out.append((v, st, "1 (reference)" if first else st.ratio_text()))
+    return out
 
 
 def _what_changed(reports: list[dict]) -> str:

@@ -32,8 +32,10 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str) -> dict[str, tuple[Path, list]]:
-    """label -> (graph path, pass reports), one folder per pass list under `out_root`."""
+def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
+                      labels: list[str] | None = None) -> dict[str, tuple[Path, list]]:
+    """label -> (graph path, pass reports), one folder per pass list under `out_root` (the lists
+    of `pass_lists()`, or only `labels`)."""
     import onnx_ir as ir
 
     from engines.api import passes_fingerprint
@@ -44,6 +46,8 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str) -> dict[st
     source = read_manifest(onnx_dir, verify=False)["files"][f"{submodule}.onnx"]
     out = {}
     for label, names in pass_lists().items():
+        if labels is not None and label not in labels:
+            continue
         dest = out_root / _slug(label)
         key = digest([source, passes_fingerprint(names)])
         if not is_current(dest, key):
@@ -81,29 +85,18 @@ def ort_optimizer(onnx_dir: Path, out_root: Path, submodule: str, model_type: st
 
 
 def op_profile(graph: Path, constants: dict, size: int) -> dict[str, float]:
-    """Seconds per op type of one transformer step in steady state, from ONNX Runtime's profiler
-    (the runner's session settings, profiling on; the second call is the one read)."""
-    import json
-    import os
-    import tempfile
-
-    import onnxruntime as ort
-
+    """Seconds per op type of one transformer step in steady state: the runner's profiling session
+    (`runners.backends.ort`), two calls, the second one read."""
     from bench.variants import submodule_inputs
+    from runners.backends.ort import OrtSession
+    from runners.profile import ort_runs
 
     feeds = submodule_inputs(constants, size, size)[graph.stem]
-    options = ort.SessionOptions()
-    options.enable_mem_pattern = False  # as runners.backends.ort
-    options.enable_profiling = True
-    with tempfile.TemporaryDirectory() as tmp:
-        options.profile_file_prefix = os.path.join(tmp, "step")
-        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-        session.run(None, feeds)
-        session.run(None, feeds)
-        events = json.loads(Path(session.end_profiling()).read_text())
-    last_run = [e for e in events if e.get("name") == "model_run"][-1]
+    session = OrtSession(graph, profile=True)
+    session.run(feeds)
+    session.run(feeds)
+    _, kernels = ort_runs(session.end_profiling())[-1]
     per_op: dict[str, float] = {}
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last_run["ts"]:
-            per_op[e["args"]["op_name"]] = per_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e6
+    for e in kernels:
+        per_op[e["args"]["op_name"]] = per_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e6
     return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))

@@ -57,10 +57,10 @@ class Ours:
     def call(self, name: str, feeds: dict) -> float:
         return _timed(lambda: self.pipe.run(name, release=False, **feeds))  # steady state, as in the loop
 
-    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
+    def e2e(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> float:
         return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
                                         num_inference_steps=steps, latents=latents, output_type="np",
-                                        max_sequence_length=T5_LENGTH))
+                                        max_sequence_length=T5_LENGTH, **options))
 
 
 class OursWithoutHook(Ours):
@@ -80,9 +80,7 @@ class OursProfiled(Ours):
         import tempfile
 
         with tempfile.TemporaryDirectory() as out:
-            return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
-                                            num_inference_steps=steps, latents=latents, output_type="np",
-                                            max_sequence_length=T5_LENGTH, profile=out))
+            return super().e2e(latents, height, width, steps, profile=out)
 
 
 class VaeDecoder:

@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
     args = p.parse_args(argv)
 
-    from engines.passes import describe_passes
+    from engines.passes import PassFailed, UnknownPass, describe_passes
     from engines.targets import TargetError, describe_targets
 
     if args.list_passes:
@@ -25,7 +25,6 @@ def main(argv=None) -> int:
         p.error("BUILD_DIR is required (or --list-passes)")
 
     from engines.api import build_artifact
-    from engines.passes import PassFailed, UnknownPass
     from runners.cli import run_cli
     from runners.manifest import ManifestError
 

@@ -80,20 +80,24 @@ class Profiler:
         return "\n".join(lines)
 
 
+def ort_runs(events: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """An ONNX Runtime session profile cut into its runs, in order: each `model_run` event with
+    the kernel events inside it."""
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    return [(run, [e for e in kernels if run["ts"] <= e["ts"] <= run["ts"] + run["dur"]]) for run in runs]
+
+
 def _ops_per_call(calls: list[dict], ort_events: dict[str, list[dict]]) -> list[list[dict]]:
     """Each call's ONNX Runtime kernel events, moved onto our clock and centred inside the call."""
-    runs = {s: iter(sorted((e for e in evs if e.get("name") == "model_run"), key=lambda e: e["ts"]))
-            for s, evs in ort_events.items()}
-    kernels = {s: [e for e in evs if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-               for s, evs in ort_events.items()}
+    runs = {s: iter(ort_runs(evs)) for s, evs in ort_events.items()}
     out = []
     for call in calls:
-        run = next(runs[call["submodule"]], None) if call["submodule"] in runs else None
+        run, inside = next(runs[call["submodule"]], (None, [])) if call["submodule"] in runs else (None, [])
         if run is None:
             out.append([])
             continue
         shift = call["ts"] + max(0.0, call["dur"] - run["dur"]) / 2 - run["ts"]
-        inside = [e for e in kernels[call["submodule"]] if run["ts"] <= e["ts"] <= run["ts"] + run["dur"]]
         out.append([{"ph": "X", "name": e["name"][: -len("_kernel_time")], "ts": e["ts"] + shift,
                      "dur": min(e["dur"], run["ts"] + run["dur"] - e["ts"]), "cat": "op",
                      "args": {"op_name": e["args"].get("op_name", "?")}} for e in inside])

@@ -92,7 +92,7 @@ class SD3Pipeline(Pipeline):
 
     def _vae(self, name, input_name, x, lo, hi, scale, tiling, tile_size) -> list[np.ndarray]:
         if name not in self.sessions:
-            raise ValueError(f"this artifact has no {name}")
+            raise ValueError(f"{name} is not open: the artifact has none, or the pipeline was loaded without it")
         outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
         fn = lambda tile: [self.run(name, **{input_name: tile})[o] for o in outputs]  # noqa: E731
         too_big = max(x.shape[2:]) > hi

@@ -9,9 +9,9 @@ Matched (BNSH = batch, heads, sequence, head dim):
     out = Reshape(Transpose(MatMul(P, V), (0,2,1,3)), (B, S, N*D))
 
 where Kt is K transposed, either as Transpose(K, (0,1,3,2)), Transpose(K_bsnh, (0,2,3,1)) or the
-Reshape/Transpose(0,2,1)/Reshape chain the dynamo exporter writes for SDPA. ONNX Runtime's
-CPU kernel runs it blockwise (flash attention), so the (S, L) score matrix of every head is
-never stored. TensorRT targets keep the plain pattern: TensorRT fuses it itself.
+Reshape/Transpose(0,2,1)/Reshape chain the dynamo exporter writes for SDPA. The score matrices
+are no longer graph tensors that ONNX Runtime allocates (the pass table in BENCHMARKS.md shows the
+lower peak). TensorRT targets keep the plain pattern: TensorRT fuses it itself.
 """
 from __future__ import annotations
 
@@ -202,8 +202,8 @@ def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
     bias = m.biases[0] if m.biases else None
     for extra in m.biases[1:]:
         bias = b.op("Add", [bias, extra])
-    inputs = [q, k, v] + (["", "", bias] if bias is not None else [])
-    mha = ir.node("MultiHeadAttention", [i if i != "" else None for i in inputs], domain=MS_DOMAIN,
+    inputs = [q, k, v] + ([None, None, bias] if bias is not None else [])  # attention_bias is input 5
+    mha = ir.node("MultiHeadAttention", inputs, domain=MS_DOMAIN,
                   attributes={"num_heads": m.num_heads, "scale": m.scale}, name=f"attention_fused_{index}.mha")
     b.nodes.append(mha)
     out = mha.outputs[0]

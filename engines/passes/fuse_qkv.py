@@ -26,6 +26,7 @@ class _Member:
     bias: ir.Value | None  # 1-D constant of length N, from a following Add or Gemm's C
     bias_add: ir.Node | None  # the Add that applied it, removed with the node
     width: int  # N
+    trans_b: int = 0  # Gemm's transB: the weight is (N, K)
 
     @property
     def output(self) -> ir.Value:
@@ -70,16 +71,14 @@ def _member(node: ir.Node, x: ir.Value) -> _Member | None:
         c = node.inputs[2] if len(node.inputs) > 2 else None
         if c is not None and (_const(c) is None or tuple(_const(c).shape) != (width,)):
             return None
-        return _Member(node, node.inputs[1], c, None, width)
+        return _Member(node, node.inputs[1], c, None, width, trans_b)
     return None
 
 
 def _key(m: _Member) -> tuple:
     """Members fuse when they are the same op with the same input width, layout and dtype."""
     w = m.weight.const_value
-    attrs = {k: a.value for k, a in m.node.attributes.items()}
-    trans_b = attrs.get("transB", 0)
-    return m.node.op_type, trans_b, w.shape[1] if trans_b else w.shape[0], w.dtype
+    return m.node.op_type, m.trans_b, w.shape[1] if m.trans_b else w.shape[0], w.dtype
 
 
 def find_groups(graph: ir.Graph) -> list[list[_Member]]:
@@ -117,8 +116,7 @@ def _initializer(graph: ir.Graph, tensor) -> ir.Value:
 def _fuse(graph: ir.Graph, group: list[_Member], index: int) -> int:
     """Replace one group; return how many nodes the graph lost."""
     first = group[0]
-    x, op, dtype = first.node.inputs[0], first.node.op_type, first.weight.const_value.dtype
-    trans_b = op == "Gemm" and _key(first)[1]
+    x, op, dtype, trans_b = first.node.inputs[0], first.node.op_type, first.weight.const_value.dtype, first.trans_b
     prefix = f"qkv_fused_{index}"
     weight = _initializer(graph, _lazy_concat([m.weight.const_value for m in group], 0 if trans_b else 1,
                                               f"{prefix}.weight"))

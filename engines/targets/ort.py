@@ -12,7 +12,7 @@ from engines.targets import Target
 _TWO_GB = 2**31
 
 
-def weight_bytes(model) -> int:
+def _weight_bytes(model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
@@ -21,7 +21,7 @@ def build_submodule(model, out_dir: Path, name: str) -> list[str]:
     import onnxruntime as ort
 
     out = out_dir / f"{name}.onnx"
-    data = f"{name}.onnx.data" if weight_bytes(model) > _TWO_GB else None
+    data = f"{name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
     # Weights are written one at a time from where they live (memory-mapped or computed lazily).
     ir.save(model, out, external_data=data)
     ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])  # fails here, not at deploy time
