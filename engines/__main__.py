@@ -4,22 +4,34 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engines.calibration import CalibrationSettings
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m engines", description=__doc__)
     p.add_argument("build_dir", nargs="?", help="the export's output folder (holds onnx/)")
     p.add_argument("--target", default="ort")
     p.add_argument("--precision", default="fp32")
-    p.add_argument("--passes", help="comma-separated pass names replacing the target's own list ('' for none)")
-    p.add_argument("--list-passes", action="store_true", help="print every pass and each target's list, then exit")
+    p.add_argument("--passes", help="comma-separated pass names replacing the target's own list ('' for none); "
+                                     "the precision's passes still run after them")
+    p.add_argument("--list-passes", action="store_true",
+                   help="print every pass, each target's list and each precision's passes, then exit")
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
+    calib = p.add_argument_group("calibration (fp16 and fp8 measure the fp32 pipeline's activations first)")
+    calib.add_argument("--calibration-prompts", type=int, default=CalibrationSettings.prompts,
+                       help="how many of the fixed calibration prompts to run (default: %(default)s)")
+    calib.add_argument("--calibration-steps", type=int, default=CalibrationSettings.steps,
+                       help="denoising steps per prompt, all recorded (default: %(default)s)")
+    calib.add_argument("--calibration-size", type=int, default=None,
+                       help="image side in pixels (default: the model's default size)")
     args = p.parse_args(argv)
 
     from engines.passes import PassFailed, UnknownPass, describe_passes
+    from engines.precisions import describe_precisions
     from engines.targets import TargetError, describe_targets
 
     if args.list_passes:
-        print(describe_passes() + "\n\n" + describe_targets())
+        print(describe_passes() + "\n\n" + describe_targets() + "\n" + describe_precisions())
         return 0
     if args.build_dir is None:
         p.error("BUILD_DIR is required (or --list-passes)")
@@ -29,9 +41,10 @@ def main(argv=None) -> int:
     from runners.manifest import ManifestError
 
     passes = None if args.passes is None else args.passes.split(",")
-    return run_cli(lambda: build_artifact(args.build_dir, args.target, args.precision, force=args.force,
-                                          passes=passes),
-                   (TargetError, ManifestError, PassFailed, UnknownPass), "no artifact was written")
+    return run_cli(lambda: build_artifact(
+        args.build_dir, args.target, args.precision, force=args.force, passes=passes,
+        calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size)),
+        (TargetError, ManifestError, PassFailed, UnknownPass, ValueError), "no artifact was written")
 
 
 if __name__ == "__main__":

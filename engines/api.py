@@ -6,14 +6,18 @@ reused when the input graphs, the settings and the backend version are unchanged
 """
 from __future__ import annotations
 
-import inspect
+import json
 import shutil
 import time
 from pathlib import Path
 
 import onnx_ir as ir
 
-from engines.passes import PASSES, PassPipeline
+from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
+from engines.calibration import describe as describe_calibration
+from engines.passes import PassContext, PassPipeline, check_pass_names
+from engines.passes.ort_tools import SESSION_CONFIG_KEY
+from engines.precisions import RECIPES
 from engines.targets import get_target
 from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
@@ -32,28 +36,35 @@ def _submodule_dims(sub: dict, dims: dict) -> dict:
 
 
 def passes_fingerprint(names: list[str]) -> str:
-    """The pass list and the code of those passes: a changed pass rebuilds the artifact."""
-    import engines.passes.base
-    import engines.passes.pipeline
+    """The pass lists and the code of the passes: a changed pass rebuilds the artifact."""
+    import engines.passes
 
-    modules = [engines.passes.base, engines.passes.pipeline] + [inspect.getmodule(PASSES[n]) for n in names]
-    return digest([names] + [Path(m.__file__).read_text() for m in modules])
+    code = sorted(p.read_text() for p in Path(engines.passes.__file__).parent.glob("*.py"))
+    return digest([names, code])
 
 
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
-                   passes: list[str] | None = None) -> Path:
+                   passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings()) -> Path:
     """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder.
 
-    `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none)."""
+    `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none);
+    the precision's passes (`engines.precisions`) run after it. Precisions that measure the model
+    first record `calibration` inputs from the fp32 artifact (`engines.calibration`)."""
     build_dir = Path(build_dir)
     tgt = get_target(target, precision)  # unknown target/precision or missing backend: fail first
-    pipeline = PassPipeline(tgt.passes if passes is None else passes)
     onnx_dir = build_dir / "onnx"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
+    base = check_pass_names(tgt.passes if passes is None else passes)
+    pipelines = {name: PassPipeline(base + list(RECIPES[precision].for_submodule(sub)))
+                 for name, sub in source["submodules"].items()}
+    calibration_dir = None
+    if any(p.needs_calibration for p in pipelines.values()):
+        calibration_dir = collect(build_dir, calibration)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
-    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, passes_fingerprint(pipeline.names)])
+    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
+                        passes_fingerprint({n: p.names for n, p in pipelines.items()})])
     dest = build_dir / f"{target}-{precision}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
@@ -63,7 +74,9 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         for name, sub in source["submodules"].items():
             t0 = time.perf_counter()
             model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
-            model, reports = pipeline(model, name, log=_log)
+            context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name))
+            model, reports = pipelines[name](model, name, log=_log, context=context)
+            session_config = json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}"))
             files = tgt.build_submodule(model, tmp, name)
             del model
             size = sum((tmp / f).stat().st_size for f in files)
@@ -76,6 +89,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
                 "dims": _submodule_dims(sub, source["dims"]),
                 "build_seconds": seconds,
                 "passes": reports,
+                **({"session_config": session_config} if session_config else {}),
             }
         for entry in list(source["tokenizers"].values()) + [source["scheduler"]]:
             (tmp / entry["file"]).parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +99,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             "cache_key": cache_key,
             "model": source["model"],
             **settings,
-            "passes": pipeline.names,
+            "passes": base,
+            **({"calibration": describe_calibration(calibration_dir)} if calibration_dir else {}),
             "pipeline": source["pipeline"],
             "dims": source["dims"],
             "tokenizers": source["tokenizers"],

@@ -19,7 +19,7 @@ from export.shapes import dim_ranges, probe_dims
 from export.source import ModelSource, resolve
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
-EXPORT_FORMAT = 1  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 2  # bump when the graphs this code writes change for the same inputs
 BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
 
 
@@ -118,6 +118,7 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
                 "file": f"{spec.name}.onnx",
                 "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.inputs],
                 "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.outputs],
+                "quantization": spec.quantization,
                 "export": report,
             }
         tokenizers, scheduler = _copy_tokenizers_and_scheduler(src, tmp)

@@ -33,6 +33,10 @@ class SubmoduleSpec:
     # positionally and returns the outputs as a tuple, in the order declared above.
     wrap: Callable[[Any], Any]
     load_kwargs: dict = field(default_factory=dict)  # e.g. T5 needs eager attention to export
+    # How the precision passes treat it (engines/precisions.py): "denoiser": True marks the
+    # submodule run at every step (fp8 quantizes only it); "keep_scopes" names the modules (path
+    # components of the exporter's name scopes) whose linear layers stay in float when quantized.
+    quantization: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ class Pipeline:
         self._session_options = {"threads": threads, "providers": providers}
         self.sessions = self._open_sessions()
         self.profiler: Profiler | None = None
+        # Sees the inputs of every engine call: (submodule, feeds) -> None. The build's calibration
+        # step records with it (engines/calibration.py).
+        self.recorder = None
         self.tokenizers = {
             name: TextTokenizer(folder / t["file"], t["pad_token_id"], name)
             for name, t in manifest["tokenizers"].items()
@@ -57,7 +60,7 @@ class Pipeline:
 
     def _open_sessions(self, profile: bool = False) -> dict:
         return {name: open_session(self.manifest["target"], self.folder / sub["file"], profile=profile,
-                                   **self._session_options)
+                                   session_config=sub.get("session_config"), **self._session_options)
                 for name, sub in self.manifest["submodules"].items() if name in self.opened}
 
     def __call__(self, *args, profile=None, **kwargs):
@@ -91,6 +94,8 @@ class Pipeline:
         """One engine call. `release` (default) frees its working memory afterwards; the denoising
         loop keeps it between steps and releases it after the last one."""
         session = self.sessions[submodule]
+        if self.recorder is not None:
+            self.recorder(submodule, feeds)
         if self.profiler is None:
             return session.run(feeds, release=release)
         return self.profiler.call(submodule, lambda: session.run(feeds, release=release))

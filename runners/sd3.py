@@ -94,7 +94,11 @@ class SD3Pipeline(Pipeline):
         if name not in self.sessions:
             raise ValueError(f"{name} is not open: the artifact has none, or the pipeline was loaded without it")
         outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
-        fn = lambda tile: [self.run(name, **{input_name: tile})[o] for o in outputs]  # noqa: E731
+
+        def fn(tile):  # one engine call per tile, all its outputs
+            result = self.run(name, **{input_name: tile})
+            return [result[o] for o in outputs]
+
         too_big = max(x.shape[2:]) > hi
         if tiling is False and too_big:
             raise ValueError(f"{name}: input side {max(x.shape[2:])} exceeds the engine's maximum {hi}; "

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from engines.passes import PASSES, PassFailed, run_passes
+from engines.targets import get_target
 from export.families import FAMILIES
 from export.onnx_export import example_inputs
 from passes_oracle import expected_counts
@@ -88,8 +89,9 @@ def test_fusions_with_qk_norm_and_dual_attention(sd35_onnx, tmp_path):
 
 
 def test_qkv_weights_stay_lazy_and_external(tiny_build, tmp_path):
-    """A graph whose weights are external data goes through every pass without them being
-    read: they stay memory-mapped references, and fused weights are computed at save time."""
+    """A graph whose weights are external data goes through every graph pass without them being
+    read: they stay memory-mapped references, and fused weights are computed at save time. (The
+    precision passes convert the weights themselves, so they read them: tests/test_precision.py.)"""
     import onnx
 
     src = tmp_path / "src"
@@ -101,7 +103,7 @@ def test_qkv_weights_stay_lazy_and_external(tiny_build, tmp_path):
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a library that read the data relative to the working dir would fail here
     try:
-        model, reports = run_passes(ir.load(src / "transformer.onnx"), list(PASSES))
+        model, reports = run_passes(ir.load(src / "transformer.onnx"), get_target("ort", "fp32").passes)
     finally:
         os.chdir(cwd)
     big = [v.const_value for v in model.graph.initializers.values() if v.const_value.nbytes > 1024]
@@ -131,7 +133,8 @@ def test_cli_lists_passes_and_refuses_unknown(tiny_build):
     assert listed.returncode == 0
     for name in PASSES:
         assert name in listed.stdout
-    assert "target ort (fp32): passes fold_constants" in listed.stdout
+    assert "target ort (fp32, fp16, int8, fp8): passes fold_constants" in listed.stdout
+    assert "precision fp8: passes to_fp16; the denoiser: quantize_fp8" in listed.stdout
     bad = _engines(tiny_build, "--passes", "fuse_qkv,fuse_everything")
     assert bad.returncode == 2
     assert "unknown pass 'fuse_everything'; known passes: fold_constants" in bad.stderr

@@ -11,14 +11,28 @@ import dataclasses
 import onnx_ir as ir
 from onnx_ir.passes import FunctionalPass, InPlacePass, PassResult
 
-__all__ = ["GraphPass", "LibraryPass", "Report"]
+__all__ = ["GraphPass", "LibraryPass", "PassContext", "Report"]
 
 
 @dataclasses.dataclass
 class Report(PassResult):
-    """`PassResult` plus counts of what changed ({"groups": 12, "nodes_removed": 24})."""
+    """`PassResult` plus counts of what changed ({"groups": 12, "nodes_removed": 24}) and, where a
+    pass made choices the user should see (the nodes kept in fp32, the scales it calibrated),
+    `details` that the manifest records beside the counts."""
 
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    details: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may know beyond the graph: the submodule's entry in the export manifest (its
+    I/O and quantization hints) and, for passes that measure, calibration inputs recorded from the
+    fp32 pipeline (`engines/calibration.py`). The pipeline sets it on every pass before a call."""
+
+    submodule: str = "model"
+    entry: dict = dataclasses.field(default_factory=dict)
+    calibration: object | None = None  # engines.calibration.CalibrationFeeds
 
 
 class GraphPass(InPlacePass):
@@ -31,6 +45,8 @@ class GraphPass(InPlacePass):
 
     name: str = ""
     summary: str = ""
+    needs_calibration = False
+    context = PassContext()
 
     def call(self, model: ir.Model) -> Report:
         counts = self.apply(model)
@@ -54,26 +70,46 @@ class LibraryPass(FunctionalPass):
 
     name: str = ""
     summary: str = ""
+    needs_calibration = False
+    context = PassContext()
     HELD_BYTES = 2**20  # smaller constants cross over as data: the libraries fold and inspect those
+    # Precision passes convert or quantize the weights themselves, so they must see them all. They
+    # hold one submodule's weights in memory while they run.
+    READS_WEIGHTS = False
 
     def call(self, model: ir.Model) -> Report:
-        held = {name: v.const_value for name, v in model.graph.initializers.items()
-                if v.const_value is not None and v.const_value.nbytes > self.HELD_BYTES}
+        if self.READS_WEIGHTS:  # the weights cross over as data (the model's own tensors become in-memory ones)
+            ir.external_data.load_to_model(model)
+        held = {} if self.READS_WEIGHTS else {
+            name: v.const_value for name, v in model.graph.initializers.items()
+            if v.const_value is not None and v.const_value.nbytes > self.HELD_BYTES}
         proto = _to_proto_without(model, held)
         before = len(proto.graph.node)
-        proto, counts = self.transform(proto)
+        result = self.transform(proto)
+        proto, counts, details = result if len(result) == 3 else (*result, {})
         out = ir.from_proto(proto)
+        _restore_node_metadata(model, out)
         for name, value in out.graph.initializers.items():
             tensor = value.const_value
             if isinstance(tensor, ir.ExternalTensor) and tensor.location == _HELD:
                 if name not in held:  # a library renamed or made a reference: never silently lose a weight
                     raise RuntimeError(f"{self.name}: initializer '{name}' came back as a reference to no weight")
                 value.const_value = held[name]
-        counts = {"nodes_removed": before - len(proto.graph.node), **counts}
-        return Report(out, modified=any(counts.values()), counts=counts)
+        delta = before - len(proto.graph.node)
+        counts = {("nodes_removed" if delta >= 0 else "nodes_added"): abs(delta), **counts}
+        return Report(out, modified=any(counts.values()), counts=counts, details=details)
 
-    def transform(self, proto):  # -> (onnx.ModelProto, counts)
+    def transform(self, proto):  # -> (onnx.ModelProto, counts) or (onnx.ModelProto, counts, details)
         raise NotImplementedError
+
+
+def _restore_node_metadata(before: ir.Model, after: ir.Model) -> None:
+    """onnx-graphsurgeon drops node metadata; give every node that kept its name its metadata back
+    (the exporter's module name scopes, which say what a node belongs to: quantization reads them)."""
+    metadata = {n.name: n.metadata_props for n in before.graph if n.name and n.metadata_props}
+    for node in after.graph:
+        if node.name in metadata and not node.metadata_props:
+            node.metadata_props.update(metadata[node.name])
 
 
 _HELD = "__weight_held_by_diffusion_aot__"

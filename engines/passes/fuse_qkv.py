@@ -142,6 +142,8 @@ def _fuse(graph: ir.Graph, group: list[_Member], index: int) -> int:
     widths = _initializer(graph, ir.tensor(np.array([m.width for m in group], np.int64), name=f"{prefix}.widths"))
     split = ir.node("Split", [fused, widths], attributes={"axis": -1}, num_outputs=len(group), name=f"{prefix}.split")
     new_nodes.append(split)
+    for node in new_nodes:  # what module the fused nodes came from (quantization keeps some modules in float)
+        node.metadata_props.update(first.node.metadata_props)
     old_outputs = [m.output for m in group]
     for old, new in zip(old_outputs, split.outputs):
         new.name, new.shape, new.type = f"{prefix}.{old.name}", old.shape, old.type

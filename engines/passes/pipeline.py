@@ -9,6 +9,8 @@ import time
 
 import onnx_ir as ir
 
+from engines.passes.base import PassContext
+
 
 class PassFailed(RuntimeError):
     pass
@@ -21,9 +23,19 @@ class PassPipeline:
         self.names = check_pass_names(names)
         self._passes = [PASSES[n]() for n in self.names]
 
-    def __call__(self, model: ir.Model, submodule: str = "model", log=None) -> tuple[ir.Model, list[dict]]:
+    @property
+    def needs_calibration(self) -> bool:
+        return any(p.needs_calibration for p in self._passes)
+
+    def __call__(self, model: ir.Model, submodule: str = "model", log=None,
+                 context: PassContext | None = None) -> tuple[ir.Model, list[dict]]:
+        context = context or PassContext(submodule)
         reports = []
         for p in self._passes:
+            if p.needs_calibration and context.calibration is None:
+                raise PassFailed(f"pass '{p.name}' measures the model on calibration inputs, and none were "
+                                 f"given for {submodule} (engines.calibration.collect records them)")
+            p.context = context
             t0 = time.perf_counter()
             try:
                 result = p(model)
@@ -33,6 +45,7 @@ class PassPipeline:
                                  f"{type(e).__name__}: {e}") from e
             model = result.model
             reports.append({"name": p.name, "modified": result.modified, "counts": result.counts,
+                            **({"details": result.details} if getattr(result, "details", None) else {}),
                             "seconds": round(time.perf_counter() - t0, 2)})
             if log:
                 counts = ", ".join(f"{k} {v}" for k, v in result.counts.items()) or "nothing to report"
@@ -40,5 +53,6 @@ class PassPipeline:
         return model, reports
 
 
-def run_passes(model: ir.Model, names, submodule: str = "model", log=None) -> tuple[ir.Model, list[dict]]:
-    return PassPipeline(names)(model, submodule, log)
+def run_passes(model: ir.Model, names, submodule: str = "model", log=None,
+               context: PassContext | None = None) -> tuple[ir.Model, list[dict]]:
+    return PassPipeline(names)(model, submodule, log, context)

@@ -17,14 +17,21 @@ def _weight_bytes(model) -> int:
 
 
 def build_submodule(model, out_dir: Path, name: str) -> list[str]:
+    import json
+
     import onnx_ir as ir
     import onnxruntime as ort
+
+    from engines.passes.ort_tools import SESSION_CONFIG_KEY
 
     out = out_dir / f"{name}.onnx"
     data = f"{name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
     # Weights are written one at a time from where they live (memory-mapped or computed lazily).
     ir.save(model, out, external_data=data)
-    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])  # fails here, not at deploy time
+    options = ort.SessionOptions()  # with the config entries a pass asked for, as the runner will
+    for key, value in json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}")).items():
+        options.add_session_config_entry(key, value)
+    ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])  # fails here, not at deploy time
     return [out.name] + ([data] if data else [])
 
 
@@ -33,7 +40,7 @@ TARGET = Target(
     backend_module="onnxruntime",
     backend_distributions=("onnxruntime", "onnxruntime-gpu"),
     install_hint="pip install 'diffusion-aot[cpu]' (or [gpu] for onnxruntime-gpu)",
-    precisions=("fp32",),
+    precisions=("fp32", "fp16", "int8", "fp8"),
     passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
 )

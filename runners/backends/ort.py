@@ -12,7 +12,9 @@ import numpy as np
 
 class OrtSession:
     def __init__(self, path, threads: int | None = None, providers: list[str] | None = None,
-                 profile: bool = False):
+                 profile: bool = False, session_config: dict[str, str] | None = None):
+        """`session_config`: ONNX Runtime session config entries the artifact's manifest asks for
+        (fp8 graphs need `session.disable_quant_qdq`: ONNX Runtime's QDQ fusions are int8 only)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -24,6 +26,8 @@ class OrtSession:
         # first run beside it: measured once by hand on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
         # on its second run with it and 9.2 GB without, at the same speed (4.9 vs 9.4 GB for the VAE).
         options.enable_mem_pattern = False
+        for key, value in (session_config or {}).items():
+            options.add_session_config_entry(key, value)
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])

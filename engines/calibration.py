@@ -1,0 +1,174 @@
+"""Calibration inputs: what every engine receives while the fp32 artifact makes images from a
+fixed set of prompts, recorded once and cached by hash under <build>/calibration/<key>/.
+
+Precision passes measure the model on them: `to_fp16` the activation ranges that decide its fp32
+islands, `quantize_fp8` the activation scales. Every denoising step of every prompt is recorded,
+so the transformer is measured at every timestep it will see. The VAE encoder, which text to
+image does not call, is fed the images the pipeline made.
+
+The run is deterministic (prompt i uses seed i), and the key covers the fp32 artifact, the
+settings and the prompts, so the same build reuses the same calibration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
+
+PROMPTS = (
+    "a photograph of an astronaut riding a horse",
+    "a red fox in fresh snow, telephoto, golden hour",
+    "an oil painting of a lighthouse in a storm",
+    "a bowl of ramen with a soft-boiled egg, top view",
+    "a city street at night in the rain, neon signs reflected in puddles",
+    "a watercolor of cherry blossoms over a river",
+    "a close-up portrait of an old fisherman with a grey beard",
+    "a cozy reading nook with a cat asleep on a pile of books",
+    "a futuristic train crossing a desert canyon",
+    "a macro photo of a dew drop on a spider web",
+    "a medieval castle on a cliff above the sea, fantasy art",
+    "a minimalist logo of a mountain and the sun, flat vector",
+    "a sign that says 'OPEN 24 HOURS' above a diner door",
+    "a golden retriever puppy playing in autumn leaves",
+    "an isometric illustration of a tiny island with a windmill",
+    "a bustling market in Marrakech, vivid colors",
+    "a black and white photo of a jazz trio on stage",
+    "a glass of iced coffee on a marble table, product photo",
+    "a snowy mountain range under the northern lights",
+    "a pixel art knight fighting a dragon",
+    "an architectural rendering of a wooden house in a forest",
+    "a hummingbird feeding from a red flower, high shutter speed",
+    "a stack of pancakes with blueberries and maple syrup",
+    "a child's crayon drawing of a family and a house",
+    "an underwater coral reef with a sea turtle",
+    "a steampunk airship above Victorian London",
+    "a bonsai tree in a ceramic pot, studio lighting",
+    "a vintage poster for a trip to the moon",
+    "a field of sunflowers under a thunderstorm sky",
+    "a robot barista pouring latte art",
+    "a detailed pencil sketch of a human hand",
+    "",  # the empty prompt: what the negative branch of guidance sees
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationSettings:
+    prompts: int = 32  # the first N of PROMPTS
+    steps: int = 8  # denoising steps per prompt: all of them are recorded
+    size: int | None = None  # image side in pixels; None: the model's default size
+    guidance_scale: float = 7.0
+
+    def __post_init__(self):
+        if not 1 <= self.prompts <= len(PROMPTS):
+            raise ValueError(f"calibration prompts={self.prompts}: use 1 to {len(PROMPTS)}")
+        if self.steps < 1:
+            raise ValueError(f"calibration steps={self.steps}: use 1 or more")
+
+
+def _log(msg: str) -> None:
+    print(f"[calibration] {msg}", flush=True)
+
+
+def collect(build_dir: Path, settings: CalibrationSettings = CalibrationSettings()) -> Path:
+    """Record every engine call of the fp32 ORT artifact over the calibration prompts (building the
+    artifact if needed) and return the folder that holds them."""
+    from engines.api import build_artifact
+    from runners.pipeline import Pipeline
+
+    artifact = build_artifact(build_dir, "ort", "fp32")
+    prompts = PROMPTS[:settings.prompts]
+    key = digest([read_manifest(artifact, verify=False)["cache_key"], dataclasses.asdict(settings), prompts])
+    dest = Path(build_dir) / "calibration" / key
+    if is_current(dest, key):
+        _log(f"{dest} is up to date: reusing it")
+        return dest
+    with atomic_folder(dest) as tmp:
+        store = _FeedStore(tmp)
+        pipe = Pipeline.load(artifact, verify=False)
+        pipe.recorder = store.record
+        size = settings.size or pipe.constants["default_image_size"]
+        for i, prompt in enumerate(prompts):
+            image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
+                         guidance_scale=settings.guidance_scale, output_type="np")
+            if "vae_encoder" in pipe.sessions:
+                pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
+            _log(f"prompt {i + 1}/{len(prompts)} recorded")
+        calls = store.finish()
+        write_manifest(tmp, {"stage": "calibration", "cache_key": key,
+                             "settings": {**dataclasses.asdict(settings), "size": size},
+                             "prompts": list(prompts), "seeds": list(range(len(prompts))), "calls": calls})
+    _log(f"wrote {dest}")
+    return dest
+
+
+def describe(folder: Path) -> dict:
+    """What the manifest of an artifact built from this calibration records about it."""
+    data = read_manifest(folder, verify=False)
+    return {"key": data["cache_key"], "settings": data["settings"], "prompts": data["prompts"],
+            "seeds": data["seeds"], "calls": data["calls"]}
+
+
+class _FeedStore:
+    """Each distinct input array is stored once (the text embeddings repeat at every step)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        (folder / "arrays").mkdir(parents=True)
+        self.calls: dict[str, list[dict[str, str]]] = {}
+
+    def record(self, submodule: str, feeds: dict[str, np.ndarray]) -> None:
+        names = {}
+        for name, array in feeds.items():
+            array = np.ascontiguousarray(array)
+            h = hashlib.sha1(array.tobytes() + str((array.dtype, array.shape)).encode()).hexdigest()
+            path = self.folder / "arrays" / f"{h}.npy"
+            if not path.exists():
+                np.save(path, array)
+            names[name] = h
+        self.calls.setdefault(submodule, []).append(names)
+
+    def finish(self) -> dict[str, int]:
+        (self.folder / "calls.json").write_text(json.dumps(self.calls))
+        return {name: len(calls) for name, calls in self.calls.items()}
+
+
+class CalibrationFeeds:
+    """The recorded inputs of one submodule, read lazily: `for feeds in CalibrationFeeds(...)`."""
+
+    def __init__(self, folder: Path, submodule: str):
+        self.folder = Path(folder)
+        self.submodule = submodule
+        calls = json.loads((self.folder / "calls.json").read_text())
+        if submodule not in calls:
+            raise ValueError(f"{self.folder} recorded no calls of {submodule} (it has: {', '.join(calls)})")
+        self._calls = calls[submodule]
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __iter__(self):
+        for call in self._calls:
+            yield {name: np.load(self.folder / "arrays" / f"{h}.npy") for name, h in call.items()}
+
+    def reader(self):
+        """The same feeds as ONNX Runtime's quantization tools read them."""
+        from onnxruntime.quantization import CalibrationDataReader
+
+        feeds = self
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self._it = iter(feeds)
+
+            def get_next(self):
+                return next(self._it, None)
+
+            def rewind(self):
+                self._it = iter(feeds)
+
+        return Reader()

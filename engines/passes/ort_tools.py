@@ -1,0 +1,70 @@
+"""What the precision passes share: ONNX Runtime's quantization tools read and write model files,
+and its calibrator measures activations by running the model on calibration inputs."""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def model_file(proto):
+    """`proto` saved in a temporary folder (weights as external data, so any size works); yields
+    (path, folder) and removes both afterwards."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="diffusion-aot-") as folder:
+        path = Path(folder) / "model.onnx"
+        onnx.save_model(proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+        # Saving moved the weights out of `proto` into the file: read them back, so the caller's
+        # model stays whole after the folder is gone.
+        onnx.load_external_data_for_model(proto, str(folder))
+        yield path, Path(folder)
+
+
+def load_model(path: Path):
+    """A model written by a tool, with its weights read into memory before the folder goes."""
+    import onnx
+
+    return onnx.load(path, load_external_data=True)
+
+
+def activation_ranges(proto, feeds) -> dict[str, float]:
+    """{tensor: largest absolute value} for every float tensor a node reads or writes, over all
+    `feeds` (an engines.calibration.CalibrationFeeds), by ONNX Runtime's min-max calibrator."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    with model_file(proto) as (path, folder):
+        calibrator = create_calibrator(path, [], augmented_model_path=folder / "augmented.onnx",
+                                       calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True)
+        calibrator.collect_data(feeds.reader())
+        data = calibrator.compute_data()
+    return {name: float(np.abs(np.asarray(t.range_value, dtype=np.float64)).max()) for name, t in data.data.items()}
+
+
+# Model metadata through which a pass tells the ORT target and runner which session config entries
+# its graph needs (recorded per submodule in the artifact manifest as "session_config").
+SESSION_CONFIG_KEY = "diffusion_aot.ort_session_config"
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's module path of every node
+
+
+def nodes_in_scopes(proto, scopes, op_types) -> list[str]:
+    """The `op_types` nodes exported from a module whose dotted path has one of `scopes` as a
+    component ("norm_out" matches transformer.norm_out.linear), read from the exporter's metadata."""
+    import ast
+
+    scopes = set(scopes)
+    found = []
+    for node in proto.graph.node:
+        if node.op_type not in op_types:
+            continue
+        meta = {p.key: p.value for p in node.metadata_props}
+        if NAME_SCOPES_KEY not in meta:
+            continue
+        paths = ast.literal_eval(meta[NAME_SCOPES_KEY])
+        if any(scopes & set(path.split(".")) for path in paths):
+            found.append(node.name)
+    return found

@@ -1,0 +1,93 @@
+"""Quantized linear layers by ONNX Runtime's quantization tools: int8 for CPUs (dynamic W8A8,
+for its VNNI kernels) and fp8 E4M3 as QuantizeLinear/DequantizeLinear pairs for GPUs (per-channel
+weight scales, per-tensor activation scales calibrated on the pipeline's own activations).
+
+Layers under the submodule's `keep_scopes` (from the export manifest: for SD3's transformer the
+embedders and the final norm and projection, as NVIDIA's recipe keeps them) stay in float.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from engines.passes.base import LibraryPass
+from engines.passes.ort_tools import SESSION_CONFIG_KEY, load_model, model_file, nodes_in_scopes
+
+LINEAR_OPS = ["MatMul"]
+
+
+def _select(proto, context) -> tuple[list[str], list[str]]:
+    """(layers to quantize, layers kept in float): the MatMuls with a constant weight, minus those
+    under the submodule's keep_scopes.
+
+    Gemms stay in float: in these graphs they multiply per-sample vectors (timestep and pooled-text
+    embeddings, adaLN modulation), a negligible share of the FLOPs, and fuse_qkv merges the adaLN
+    Gemms that read one embedding, the final norm's included. The list is passed to the tools as
+    `nodes_to_quantize`, as quantize_dynamic renames a Gemm to a MatMul before it reads exclusions."""
+    weights = {i.name for i in proto.graph.initializer}
+    linear = [n.name for n in proto.graph.node if n.op_type in LINEAR_OPS and n.input[1] in weights]
+    kept = set(nodes_in_scopes(proto, context.entry.get("quantization", {}).get("keep_scopes", ()), LINEAR_OPS))
+    return [n for n in linear if n not in kept], [n for n in linear if n in kept]
+
+
+class QuantizeInt8(LibraryPass):
+    name = "quantize_int8"
+    summary = "ONNX Runtime quantize_dynamic: int8 weights per channel, uint8 activations per call"
+    READS_WEIGHTS = True
+
+    def transform(self, proto):
+        from onnx import TensorProto
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        chosen, kept = _select(proto, self.context)
+        if not chosen:  # the tools read an empty list as "quantize every node"
+            return proto, {"linear_int8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept}
+        # quantize_dynamic re-runs ONNX shape inference, which rejects a shape recorded in the value_info
+        # of our graphs (sd3-tiny's transformer: 80 vs 32); without value_info it infers them afresh.
+        del proto.graph.value_info[:]
+        with model_file(proto) as (path, folder):
+            quantize_dynamic(path, folder / "int8.onnx", op_types_to_quantize=LINEAR_OPS, per_channel=True,
+                             weight_type=QuantType.QInt8, nodes_to_quantize=chosen, use_external_data_format=True,
+                             # contrib ops (MultiHeadAttention) have no ONNX type inference: their outputs are float
+                             extra_options={"DefaultTensorType": TensorProto.FLOAT})
+            out = load_model(folder / "int8.onnx")
+        ops = Counter(n.op_type for n in out.graph.node)
+        return out, {"linear_int8": ops["MatMulInteger"], "linear_kept_float": len(kept)}, {"kept_float": kept}
+
+
+class QuantizeFp8(LibraryPass):
+    name = "quantize_fp8"
+    summary = "ONNX Runtime quantize_static: fp8 E4M3 Q/DQ on linear layers, scales calibrated on the pipeline"
+    READS_WEIGHTS = True
+    needs_calibration = True
+    # ONNX Runtime's CPU QDQ fusions handle int8 only: the fp8 pairs must run unfused.
+    SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
+
+    def transform(self, proto):
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+        chosen, kept = _select(proto, self.context)
+        if not chosen:  # the tools read an empty list as "quantize every node"
+            return proto, {"linear_fp8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept}
+        feeds = self.context.calibration
+        with model_file(proto) as (path, folder):
+            quantize_static(path, folder / "fp8.onnx", feeds.reader(), quant_format=QuantFormat.QDQ,
+                            activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN,
+                            per_channel=True, op_types_to_quantize=LINEAR_OPS, nodes_to_quantize=chosen,
+                            use_external_data_format=True,
+                            # float8 needs the distribution calibrator; without QDQKeepRemovableActivations
+                            # the quantizer silently drops activations it deems removable (Relu).
+                            calibrate_method=CalibrationMethod.Distribution,
+                            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                           "QDQKeepRemovableActivations": True})
+            out = load_model(folder / "fp8.onnx")
+        entry = out.metadata_props.add()
+        entry.key, entry.value = SESSION_CONFIG_KEY, json.dumps(self.SESSION_CONFIG)
+        ops = Counter(n.op_type for n in out.graph.node)
+        producer = {o: n.op_type for n in out.graph.node for o in n.output}
+        quantized = sum(1 for n in out.graph.node if n.op_type in LINEAR_OPS
+                        and all(producer.get(i) == "DequantizeLinear" for i in n.input[:2]))
+        return out, {"linear_fp8": quantized, "linear_kept_float": len(kept),
+                     "quantize_nodes": ops["QuantizeLinear"], "dequantize_nodes": ops["DequantizeLinear"]}, {
+            "kept_float": kept, "calibration_calls": len(feeds)}
+

@@ -1,0 +1,104 @@
+"""fp16 weights and activations by ONNX Runtime's float16 converter, with fp32 islands chosen by
+measurement: every node that reads or writes an activation whose calibrated magnitude comes near
+fp16's largest value (65504) stays in fp32. T5's feed-forward is the known case on real weights.
+
+A tensor over the limit is then produced and consumed in fp32, never cast to fp16 on the way.
+Attention masks are not overflow: "minus infinity" written as float32's lowest value becomes fp16's
+lowest, and the softmax still gives those positions zero weight. The graph's inputs and outputs
+keep their fp32 types, so the runner feeds and reads the same arrays.
+"""
+from __future__ import annotations
+
+from engines.passes.base import LibraryPass
+
+FP16_MAX = 65504.0
+# Calibration sees a few dozen prompts: keep 4x headroom for activations larger than those.
+RANGE_LIMIT = FP16_MAX / 4
+MASK_MAGNITUDE = 1e30  # at float32's limits: a mask value, not an activation
+
+
+class ToFp16(LibraryPass):
+    name = "to_fp16"
+    summary = "ONNX Runtime's float16 converter; nodes near fp16's range on calibration inputs stay fp32"
+    READS_WEIGHTS = True
+    needs_calibration = True
+
+    def transform(self, proto):
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        from engines.passes.ort_tools import activation_ranges
+
+        # The converter casts only tensors whose type it knows, and ONNX's inference stops at
+        # contrib ops (MultiHeadAttention): ONNX Runtime's symbolic inference types them all.
+        proto = SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
+        ranges = activation_ranges(proto, self.context.calibration)
+        islands = fp32_islands(proto, ranges, RANGE_LIMIT)
+        nodes_before = len(proto.graph.node)
+        out = convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=True,
+                                       node_block_list=islands)
+        duplicates = _drop_duplicate_casts(out)
+        round_trips = _skip_fp16_round_trips(out)
+        out = _cleaned_and_sorted(out)
+        casts = len(out.graph.node) - nodes_before
+        return out, {"fp32_nodes": len(islands), "casts_added": casts, "duplicate_casts_dropped": duplicates,
+                     "fp16_round_trips_skipped": round_trips}, {
+            "fp32_islands": islands,
+            "range_limit": RANGE_LIMIT,
+            "largest_activation": max((r for r in ranges.values() if r < MASK_MAGNITUDE), default=0.0),
+            "calibration_calls": len(self.context.calibration),
+        }
+
+
+def fp32_islands(proto, ranges: dict[str, float], limit: float) -> list[str]:
+    """Names of the nodes that read or write a tensor whose measured magnitude exceeds `limit`
+    (masks aside)."""
+    over = {t for t, r in ranges.items() if limit < r < MASK_MAGNITUDE}
+    return [n.name for n in proto.graph.node if over & {*n.input, *n.output}]
+
+
+def _drop_duplicate_casts(proto) -> int:
+    """The converter gives every fp32 consumer of an fp16 tensor its own Cast to fp32, all with the
+    same name and output when two consumers share the tensor (Resize's scales in the VAE): keep one."""
+    seen, keep = set(), []
+    for node in proto.graph.node:
+        if node.op_type == "Cast" and node.output[0] in seen:
+            continue
+        seen.update(node.output)
+        keep.append(node)
+    dropped = len(proto.graph.node) - len(keep)
+    del proto.graph.node[:]
+    proto.graph.node.extend(keep)
+    return dropped
+
+
+def _skip_fp16_round_trips(proto) -> int:
+    """The converter casts every fp32 node's output to fp16 and back to fp32 for the next fp32 node,
+    so a value inside an island would still pass through fp16 (and overflow to inf). Let such
+    consumers read the fp32 value itself; the casts left unused are removed afterwards."""
+    from onnx import TensorProto
+
+    def cast_to(node):
+        return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+
+    fp16_from = {n.output[0]: n.input[0] for n in proto.graph.node if cast_to(n) == TensorProto.FLOAT16}
+    direct = {n.output[0]: fp16_from[n.input[0]] for n in proto.graph.node
+              if cast_to(n) == TensorProto.FLOAT and n.input[0] in fp16_from}
+    outputs = {o.name for o in proto.graph.output}
+    rewired = 0
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in direct and name not in outputs:
+                node.input[i] = direct[name]
+                rewired += 1
+    return rewired
+
+
+def _cleaned_and_sorted(proto):
+    """Unused casts removed, and producers before consumers (the converter appends its casts at
+    the end of the node list)."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(proto)
+    graph.cleanup().toposort()
+    return gs.export_onnx(graph)
