@@ -5,6 +5,7 @@ PRECISION ?= fp32
 PROMPT    ?= a photo of a cat
 OUT       ?= out.png
 IMAGE_ARGS ?=
+ENGINES_ARGS ?=
 IMAGE_SIZE ?=
 PYTHON    ?= python3
 
@@ -39,7 +40,7 @@ export: venv
 	$(PY) -m export $(MODEL) --out $(BUILD) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
 
 engines: export
-	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION)
+	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION) $(ENGINES_ARGS)
 
 image: engines
 	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)

@@ -13,7 +13,7 @@ from bench.report import render
 from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
-TABLES = ("submodules", "e2e", "passes", "profile", "profiling", "tiling", "export")
+TABLES = ("submodules", "e2e", "passes", "profile", "precision", "profiling", "tiling", "export")
 
 
 def _log(msg: str) -> None:
@@ -30,6 +30,9 @@ def _parse(argv):
     p.add_argument("--large-steps", type=int, default=2)
     p.add_argument("--profiling-steps", type=int, default=4, help="steps of the profiling-cost runs")
     p.add_argument("--tiling-sizes", default="1024,2048", help="image sides of the tiled-decode table")
+    p.add_argument("--precision-steps", type=int, default=4, help="steps of the precision table's end-to-end runs")
+    p.add_argument("--calibration-size", type=int, default=256, help="image side of the fp16/fp8 calibration run")
+    p.add_argument("--calibration-steps", type=int, default=4, help="denoising steps per calibration prompt")
     p.add_argument("--compile", action="store_true", help="add (b) diffusers + torch.compile (compiles for minutes)")
     p.add_argument("--optimum-python", default=None,
                    help="python of an environment with optimum-onnx (make optimum-venv): adds (c)")
@@ -63,6 +66,7 @@ class Bench:
         self.constants = self.onnx_manifest["constants"]
         self.artifacts = sorted(d for d in self.build.iterdir()
                                 if d.is_dir() and d.name not in ("onnx", "optimum") and (d / "manifest.json").exists())
+        self.default_artifact = self.build / "ort-fp32"  # the one the other precisions are measured against
         self.variants = [Variant("(a) diffusers eager", "diffusers", str(self.src.folder))]
         if self.args.compile:
             self.variants.append(Variant("(b) diffusers torch.compile", "diffusers-compile", str(self.src.folder)))
@@ -73,7 +77,7 @@ class Bench:
             folder, self.optimum_seconds = optimum_export(self.args.optimum_python, self.src.folder, self.build, _log)
             self.optimum_folder = folder
             self.variants.append(Variant("(c) optimum-onnx", "optimum", str(folder), self.args.optimum_python))
-        self.variants += [Variant(f"(d) ours {a.name}", "ours", str(a)) for a in self.artifacts]
+        self.variants.append(Variant(f"(d) ours {self.default_artifact.name}", "ours", str(self.default_artifact)))
         self.reference = self.variants[0].label
 
     def measure_gemm(self):
@@ -221,6 +225,54 @@ class Bench:
                       "ops are listed until 97% of the kernel time is covered. Rows without FLOPs are memory-bound "
                       "ops (Add, Gelu, LayerNorm, reshapes)."]})
 
+    def measure_precision(self):
+        """Each precision ONNX Runtime's CPU runs: the transformer step and a whole run against diffusers
+        eager fp32, and the error of its images and transformer output against the fp32 artifact."""
+        from bench.precision import PRECISIONS, PROMPTS, accuracy, build_precisions
+
+        if "precision" not in self.args.tables:
+            return
+        a = self.args
+        calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
+        built = in_child(build_precisions, self.build, calibration)
+        errors = in_child(accuracy, self.build, self.constants, a.size, a.precision_steps)
+        variants = [self.variants[0], Variant("ours ort-fp32", "ours", str(self.default_artifact))]
+        variants += [Variant(f"ours ort-{p}", "ours", built[p]) for p in PRECISIONS]
+        step = {"job": "submodules", "names": ["transformer"], "calls": 3, "height": a.size, "width": a.size}
+        e2e = {"job": "e2e", "steps": a.precision_steps, "height": a.size, "width": a.size}
+        samples, peaks, failed = interleaved_fresh(variants, self.constants, [step, e2e], a.reps, _log, warmup=True)
+        if failed:
+            raise RuntimeError(f"precision table: {'; '.join(failed.values())}")
+        steps = _against_first(variants, samples, lambda s: s[0]["transformer"])
+        runs = _against_first(variants, samples, lambda s: s[1]["seconds"])
+        rows = []
+        for (v, st, ratio), (_, run, run_ratio) in zip(steps, runs):
+            err = errors.get(v.label.rsplit("-", 1)[-1]) if v.label.startswith("ours ort-") else None
+            accuracy_cells = ["reference", "-", "-", "yes"] if v.label == "ours ort-fp32" else ["-"] * 4
+            if err:
+                accuracy_cells = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",
+                                  ", ".join(f"{e:.1e}" for e in err["transformer_rel_err"].values()),
+                                  "yes" if err["finite"] else "NO"]
+            rows.append([v.label, f"{st.median * 1e3:.0f}", ratio, f"{run.median:.1f}", run_ratio, *accuracy_cells,
+                         f"{peaks[v.label]:.0f}"])
+        timesteps = ", ".join(next(iter(errors.values()))["transformer_rel_err"])
+        self.tables.append({
+            "title": f"Precision at {a.size}x{a.size}: transformer step (batch 2) and end to end ({a.precision_steps} "
+                     "steps), error against ort-fp32",
+            "columns": ["variant", "step ms", "step speed-up vs (a)", "end to end s", "speed-up vs (a)",
+                        "image PSNR dB (worst of 4)", "image max abs", f"transformer rel. err at t = {timesteps}",
+                        "all finite", "peak RSS MiB"],
+            "rows": rows,
+            "notes": [f"Each repetition runs every variant in a fresh process: one untimed warm-up of both jobs, then "
+                      f"the median of three transformer calls and one end-to-end run. Errors: {len(PROMPTS)} prompts "
+                      f"(one empty), the same starting latents, images in [0, 1] against the ort-fp32 artifact's; the "
+                      f"transformer's relative error is on the fp32 pipeline's own inputs at the first, middle and "
+                      f"last step. fp16 and fp8 are calibrated on 32 prompts x {a.calibration_steps} steps at "
+                      f"{a.calibration_size}x{a.calibration_size} (`python -m engines --precision P "
+                      f"--calibration-size {a.calibration_size} --calibration-steps {a.calibration_steps}`). "
+                      "ONNX Runtime's CPU kernels run fp16 and fp8 as a simulation of the GPU numerics, mostly by "
+                      "casting to fp32, so their speed here says nothing about a GPU's."]})
+
     def measure_profiling(self):
         """What `profile=` costs end to end, and what the runner costs with it off."""
         if "profiling" not in self.args.tables:
@@ -324,7 +376,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
-                  bench.measure_profiling, bench.measure_tiling, bench.export_table, bench.write):
+                  bench.measure_precision, bench.measure_profiling, bench.measure_tiling, bench.export_table, bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

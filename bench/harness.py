@@ -106,13 +106,15 @@ def peak_rss(workers: list[Worker]) -> dict[str, float]:
     return {w.variant.label: w.ask({"job": "peak_rss", "height": 0, "width": 0})["peak_rss_mib"] for w in workers}
 
 
-def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps: int, log,
+def interleaved_fresh(variants: list[Variant], constants: dict, job: dict | list[dict], reps: int, log,
                       warmup: bool = False) -> tuple[dict, dict, dict]:
     """Like `interleaved`, but each result comes from a fresh process that is stopped before the
     next starts: for workloads whose pipelines cannot share the machine's memory. The runs are
     cold unless `warmup` (then each process answers the job once untimed first), alike for every
-    variant. A variant whose process dies is not run again.
+    variant. A variant whose process dies is not run again. A list of jobs is answered in order by
+    the same process, and its sample is the list of their results.
     Returns the samples, each variant's largest peak RSS, and the failures by variant."""
+    jobs = job if isinstance(job, list) else [job]
     samples = {v.label: [] for v in variants}
     peaks = {v.label: 0.0 for v in variants}
     failed: dict[str, str] = {}
@@ -123,13 +125,16 @@ def interleaved_fresh(variants: list[Variant], constants: dict, job: dict, reps:
             try:
                 with running([v], constants, log) as (w,):
                     if warmup:
-                        w.ask(job)
-                    samples[v.label].append(w.ask(job))
+                        for j in jobs:
+                            w.ask(j)
+                    results = [w.ask(j) for j in jobs]
+                    samples[v.label].append(results if isinstance(job, list) else results[0])
                     peaks[v.label] = max(peaks[v.label], peak_rss([w])[v.label])
             except WorkerDied as e:
                 log(str(e))
                 failed[v.label] = str(e)
-        log(f"{job['job']} {job['height']}x{job['width']}: {rep + 1}/{reps} (fresh processes)")
+        log(f"{'+'.join(j['job'] for j in jobs)} {jobs[0]['height']}x{jobs[0]['width']}: {rep + 1}/{reps} "
+            "(fresh processes)")
     return samples, peaks, failed
 
 

@@ -7,7 +7,9 @@ embedders and the final norm and projection, as NVIDIA's recipe keeps them) stay
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections import Counter
 
 from engines.passes.base import LibraryPass
@@ -30,6 +32,20 @@ def _select(proto, context) -> tuple[list[str], list[str]]:
     return [n for n in linear if n not in kept], [n for n in linear if n in kept]
 
 
+@contextlib.contextmanager
+def _quiet_root_logger():
+    """The quantizers warn on the root logger, at every call, that the model did not go through
+    their pre-processing script (symbolic shape inference and ONNX Runtime's optimizer, which the
+    session applies at load time anyway)."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 class QuantizeInt8(LibraryPass):
     name = "quantize_int8"
     summary = "ONNX Runtime quantize_dynamic: int8 weights per channel, uint8 activations per call"
@@ -45,7 +61,7 @@ class QuantizeInt8(LibraryPass):
         # quantize_dynamic re-runs ONNX shape inference, which rejects a shape recorded in the value_info
         # of our graphs (sd3-tiny's transformer: 80 vs 32); without value_info it infers them afresh.
         del proto.graph.value_info[:]
-        with model_file(proto) as (path, folder):
+        with model_file(proto) as (path, folder), _quiet_root_logger():
             quantize_dynamic(path, folder / "int8.onnx", op_types_to_quantize=LINEAR_OPS, per_channel=True,
                              weight_type=QuantType.QInt8, nodes_to_quantize=chosen, use_external_data_format=True,
                              # contrib ops (MultiHeadAttention) have no ONNX type inference: their outputs are float
@@ -70,7 +86,7 @@ class QuantizeFp8(LibraryPass):
         if not chosen:  # the tools read an empty list as "quantize every node"
             return proto, {"linear_fp8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept}
         feeds = self.context.calibration
-        with model_file(proto) as (path, folder):
+        with model_file(proto) as (path, folder), _quiet_root_logger():
             quantize_static(path, folder / "fp8.onnx", feeds.reader(), quant_format=QuantFormat.QDQ,
                             activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN,
                             per_channel=True, op_types_to_quantize=LINEAR_OPS, nodes_to_quantize=chosen,
