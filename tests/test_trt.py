@@ -58,17 +58,18 @@ def test_every_submodule_builds_a_real_engine(rtx, precision):
 
 
 @needs_rtx
-def test_static_shapes_and_the_engine_cache(rtx, tiny_build, tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_static_shapes_and_the_engine_cache(rtx, tiny_build, tmp_path, capsys, precision):
     from engines.api import build_artifact
     from engines.targets import BuildOptions
 
-    cache = tmp_path / "cache"
-    static = build_artifact(tiny_build, "trt-rtx", "fp32", options=BuildOptions(static=True, cache_dir=cache))
+    options = BuildOptions(static=True, cache_dir=tmp_path / "cache")
+    static = build_artifact(tiny_build, "trt-rtx", precision, options=options)
     for sub in manifest(static)["submodules"].values():
-        assert sub["engine"]["static"]
+        assert sub["engine"]["static"] and (static / sub["file"]).stat().st_size > 100_000
         assert all(p["min"] == p["opt"] == p["max"] for p in sub["engine"]["profile"].values())
     capsys.readouterr()
-    build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=BuildOptions(static=True, cache_dir=cache))
+    build_artifact(tiny_build, "trt-rtx", precision, force=True, options=options)
     out = capsys.readouterr().out
     assert out.count("engine cache hit") == len(SUBMODULES) and "building the TensorRT" not in out
 
