@@ -7,6 +7,7 @@ reused when the input graphs, the settings and the backend version are unchanged
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import shutil
 import time
@@ -16,7 +17,7 @@ import onnx_ir as ir
 
 from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
 from engines.calibration import describe as describe_calibration
-from engines.passes import PassContext, PassPipeline, check_pass_names
+from engines.passes import PASSES, PassContext, PassPipeline, check_pass_names
 from engines.passes.ort_tools import SESSION_CONFIG_KEY
 from engines.precisions import RECIPES
 from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, TargetError, get_target
@@ -36,12 +37,16 @@ def _submodule_dims(sub: dict, dims: dict) -> dict:
     return {d: dims[d] for d in sorted(used)}
 
 
-def passes_fingerprint(names: list[str]) -> str:
-    """The pass lists and the code of the passes: a changed pass rebuilds the artifact."""
+def passes_fingerprint(names: dict[str, list[str]]) -> str:
+    """The pass lists and the code they run: the modules of the passes used and every module of
+    engines/passes that holds no pass (the infrastructure they share). A changed pass rebuilds
+    the artifacts that use it, and only those."""
     import engines.passes
 
-    code = sorted(p.read_text() for p in Path(engines.passes.__file__).parent.glob("*.py"))
-    return digest([names, code])
+    pass_files = {Path(inspect.getfile(cls)) for cls in PASSES.values()}
+    used = {Path(inspect.getfile(PASSES[n])) for pipeline in names.values() for n in pipeline}
+    shared = set(Path(engines.passes.__file__).parent.glob("*.py")) - pass_files
+    return digest([names, sorted(p.read_text() for p in used | shared)])
 
 
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,

@@ -152,23 +152,37 @@ class CalibrationFeeds:
         return len(self._calls)
 
     def __iter__(self):
-        for call in self._calls:
-            yield {name: np.load(self.folder / "arrays" / f"{h}.npy") for name, h in call.items()}
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {name: np.load(self.folder / "arrays" / f"{h}.npy") for name, h in self._calls[i].items()}
 
     def reader(self):
-        """The same feeds as ONNX Runtime's quantization tools read them."""
+        """The same feeds as ONNX Runtime's quantization tools read them, in ranges when a tool
+        collects a few calls at a time (`CalibStridedMinMax`)."""
         from onnxruntime.quantization import CalibrationDataReader
 
         feeds = self
 
         class Reader(CalibrationDataReader):
             def __init__(self):
-                self._it = iter(feeds)
+                self.set_range(0, len(feeds))
+
+            def __len__(self):
+                return len(feeds)
+
+            def set_range(self, start_index: int, end_index: int):
+                self._next, self._end = start_index, end_index
 
             def get_next(self):
-                return next(self._it, None)
-
-            def rewind(self):
-                self._it = iter(feeds)
+                if self._next >= self._end:
+                    return None
+                self._next += 1
+                return feeds[self._next - 1]
 
         return Reader()
+
+    def chunk(self, most: int = 8) -> int:
+        """The largest number of calls, up to `most`, that divides the recording evenly: a tool
+        that keeps every activation of the calls it collects holds only that many at a time."""
+        return max(d for d in range(1, most + 1) if len(self) % d == 0)
