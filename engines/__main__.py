@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from engines.calibration import CalibrationSettings
 
@@ -17,6 +18,16 @@ def main(argv=None) -> int:
     p.add_argument("--list-passes", action="store_true",
                    help="print every pass, each target's list and each precision's passes, then exit")
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
+    trt = p.add_argument_group("TensorRT targets (trt-rtx, trt)")
+    trt.add_argument("--static", action="store_true",
+                     help="build one fixed shape per input (the opt one): the fastest engines, as TensorRT's demo")
+    trt.add_argument("--compute-capability", action="append", default=[], metavar="SM89",
+                     help="trt-rtx: a GPU generation to build for (repeatable; default SM89)")
+    trt.add_argument("--workspace-mib", type=int, default=None, help="the builder's workspace memory limit")
+    trt.add_argument("--engine-cache", type=Path, default=None,
+                     help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
+    trt.add_argument("--fallback", choices=["ort"], default=None,
+                     help="build a submodule the target rejects for ONNX Runtime instead (the manifest says which)")
     calib = p.add_argument_group("calibration (fp16 and fp8 measure the fp32 pipeline's activations first)")
     calib.add_argument("--calibration-prompts", type=int, default=CalibrationSettings.prompts,
                        help="how many of the fixed calibration prompts to run (default: %(default)s)")
@@ -28,7 +39,7 @@ def main(argv=None) -> int:
 
     from engines.passes import PassFailed, UnknownPass, describe_passes
     from engines.precisions import describe_precisions
-    from engines.targets import TargetError, describe_targets
+    from engines.targets import BuildOptions, SubmoduleBuildFailed, TargetError, describe_targets
 
     if args.list_passes:
         print(describe_passes() + "\n\n" + describe_targets() + "\n" + describe_precisions())
@@ -43,8 +54,11 @@ def main(argv=None) -> int:
     passes = None if args.passes is None else args.passes.split(",")
     return run_cli(lambda: build_artifact(
         args.build_dir, args.target, args.precision, force=args.force, passes=passes,
-        calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size)),
-        (TargetError, ManifestError, PassFailed, UnknownPass, ValueError), "no artifact was written")
+        calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
+        options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache),
+        fallback=args.fallback),
+        (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, ValueError),
+        "no artifact was written")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ reused when the input graphs, the settings and the backend version are unchanged
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import shutil
@@ -19,7 +20,7 @@ from engines.calibration import describe as describe_calibration
 from engines.passes import PASSES, PassContext, PassPipeline, check_pass_names
 from engines.passes.ort_tools import SESSION_CONFIG_KEY
 from engines.precisions import RECIPES
-from engines.targets import get_target
+from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, TargetError, get_target
 from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
 )
@@ -49,14 +50,21 @@ def passes_fingerprint(names: dict[str, list[str]]) -> str:
 
 
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
-                   passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings()) -> Path:
+                   passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings(),
+                   options: BuildOptions = BuildOptions(), fallback: str | None = None) -> Path:
     """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder.
 
     `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none);
     the precision's passes (`engines.precisions`) run after it. Precisions that measure the model
-    first record `calibration` inputs from the fp32 artifact (`engines.calibration`)."""
+    first record `calibration` inputs from the fp32 artifact (`engines.calibration`). `options` are
+    the engine builder's (TensorRT); `fallback="ort"` builds a submodule the target rejects for
+    ONNX Runtime instead, and the manifest says which ran where."""
     build_dir = Path(build_dir)
-    tgt = get_target(target, precision)  # unknown target/precision or missing backend: fail first
+    tgt = get_target(target, precision)  # unknown target/precision, missing backend or GPU: fail first
+    if fallback not in (None, "ort"):
+        raise TargetError(f"unknown fallback '{fallback}'; the only fallback is 'ort'")
+    ort_target = get_target("ort", precision) if fallback else None
+    options = dataclasses.replace(options, cache_dir=options.cache_dir or build_dir / "engine-cache")
     onnx_dir = build_dir / "onnx"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
@@ -67,7 +75,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     calibration_dir = None
     if any(p.needs_calibration for p in pipelines.values()):
         calibration_dir = collect(build_dir, calibration)
-    settings = {"target": target, "precision": precision, "backend": tgt.backend_version()}
+    settings = {"target": target, "precision": precision, "backend": tgt.backend_version(),
+                **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {})}
     cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
                         passes_fingerprint({n: p.names for n, p in pipelines.items()})])
     dest = build_dir / f"{target}-{precision}"
@@ -82,18 +91,26 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name))
             model, reports = pipelines[name](model, name, log=_log, context=context)
             session_config = json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}"))
-            files = tgt.build_submodule(model, tmp, name)
-            del model
+            entry = {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": _submodule_dims(sub, source["dims"])}
+            built = BuildInput(model, name, entry, source["constants"])
+            try:
+                files, record = tgt.build_submodule(built, tmp, options)
+            except SubmoduleBuildFailed as e:
+                if ort_target is None:
+                    raise
+                _log(f"{name}: {e}; building it for ONNX Runtime instead (--fallback ort)")
+                files, record = ort_target.build_submodule(built, tmp, options)
+                record = {**record, "target": "ort", "fallback_because": str(e)}
+            del model, built
             size = sum((tmp / f).stat().st_size for f in files)
             seconds = round(time.perf_counter() - t0, 2)
-            _log(f"{name}: {target}-{precision} in {seconds:.1f} s, {size / 2**20:.1f} MiB")
+            _log(f"{name}: {record.get('target', target)}-{precision} in {seconds:.1f} s, {size / 2**20:.1f} MiB")
             submodules[name] = {
                 "file": files[0],
-                "inputs": sub["inputs"],
-                "outputs": sub["outputs"],
-                "dims": _submodule_dims(sub, source["dims"]),
+                **entry,
                 "build_seconds": seconds,
                 "passes": reports,
+                **record,
                 **({"session_config": session_config} if session_config else {}),
             }
         for entry in list(source["tokenizers"].values()) + [source["scheduler"]]:

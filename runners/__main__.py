@@ -26,16 +26,20 @@ def main(argv=None) -> int:
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write a Chrome trace per engine call, one of the whole run (DIR/trace.json, opens in "
                         "Perfetto) and a summary; --steps 1 makes a quick profile")
+    p.add_argument("--device-map", default="", metavar="SUB=GPU,...",
+                   help="TensorRT artifacts: put submodules on GPUs, e.g. text_encoder_3=1 (the rest on GPU 0)")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
     from runners import Pipeline
     from runners.cli import run_cli
+    from runners.pipeline import parse_device_map
     from runners.manifest import ManifestError
 
     def generate():
         t0 = time.perf_counter()
-        pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True)
+        pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
+                             device_map=parse_device_map(args.device_map))
         timings = {"load": time.perf_counter() - t0}
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,

@@ -20,10 +20,12 @@ class Pipeline:
 
     @classmethod
     def load(cls, artifact_dir, *, threads: int | None = None, providers: list[str] | None = None,
-             verify: bool = True, progress: bool = False, submodules: list[str] | None = None) -> "Pipeline":
+             verify: bool = True, progress: bool = False, submodules: list[str] | None = None,
+             device_map: dict[str, int] | None = None) -> "Pipeline":
         """Open an artifact folder. `threads` sets each session's intra-op threads, `providers`
         the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files;
-        `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents)."""
+        `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents);
+        `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0)."""
         from runners.sd3 import SD3Pipeline
 
         families = {p.family: p for p in (SD3Pipeline,)}
@@ -36,11 +38,14 @@ class Pipeline:
         if unknown:
             raise ValueError(f"{folder} has no submodule {', '.join(sorted(unknown))}; "
                              f"it has: {', '.join(manifest['submodules'])}")
+        check_device_map(device_map or {}, manifest["submodules"])
         return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
-                                submodules=submodules)
+                                submodules=submodules, device_map=device_map)
 
-    def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False, submodules=None):
+    def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False, submodules=None,
+                 device_map=None):
         self.folder, self.manifest = folder, manifest
+        self.device_map = dict(device_map or {})
         self.opened = list(submodules or manifest["submodules"])
         self.constants = manifest["pipeline"]
         self.dims = manifest["dims"]
@@ -59,7 +64,9 @@ class Pipeline:
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
     def _open_sessions(self, profile: bool = False) -> dict:
-        return {name: open_session(self.manifest["target"], self.folder / sub["file"], profile=profile,
+        # A submodule built with `--fallback ort` names its own target.
+        return {name: open_session(sub.get("target", self.manifest["target"]), self.folder / sub["file"],
+                                   device=self.device_map.get(name), profile=profile,
                                    session_config=sub.get("session_config"), **self._session_options)
                 for name, sub in self.manifest["submodules"].items() if name in self.opened}
 
@@ -112,3 +119,24 @@ class Pipeline:
             bar = "#" * (30 * i // n)
             end = "\n" if i == n else ""
             print(f"\rdenoising [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
+
+
+def parse_device_map(text: str) -> dict[str, int]:
+    """"text_encoder_3=1,transformer=0" -> {"text_encoder_3": 1, "transformer": 0}."""
+    device_map = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, device = item.partition("=")
+        if not sep or not device.strip().isdigit():
+            raise ValueError(f"device map entry {item!r} is not SUBMODULE=GPU_INDEX (e.g. text_encoder_3=1)")
+        device_map[name.strip()] = int(device)
+    return device_map
+
+
+def check_device_map(device_map: dict, submodules) -> None:
+    unknown = sorted(set(device_map) - set(submodules))
+    if unknown:
+        raise ValueError(f"device map names {', '.join(unknown)}, which this artifact does not have; "
+                         f"it has: {', '.join(submodules)}")
+    bad = {k: v for k, v in device_map.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+    if bad:
+        raise ValueError(f"device map: GPU indices are integers from 0; got {bad}")

@@ -1,6 +1,6 @@
 """Build targets by name. A target turns one prepared ONNX graph into what its backend loads.
 
-Adding a target is one module here with a `TARGET` and one line in `TARGETS`.
+Adding a target is one module here with its `TARGETS` and one line in `_targets`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,47 @@ from typing import Any, Callable
 
 
 class TargetError(ValueError):
-    """Unknown target or precision, or a target whose backend is not installed."""
+    """Unknown target or precision, a target whose backend is not installed, or one that needs a
+    GPU on a machine without one."""
+
+
+class SubmoduleBuildFailed(RuntimeError):
+    """The target's builder rejected one submodule (`--fallback ort` builds it for ONNX Runtime)."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Settings of the engine builders (TensorRT); the ONNX Runtime target has none to take."""
+
+    static: bool = False  # one fixed shape per input (the opt one) instead of a min/opt/max profile
+    compute_capabilities: tuple[str, ...] = ()  # TensorRT-RTX: the GPUs to build for ("SM89", ...)
+    workspace_mib: int | None = None  # the builder's workspace memory pool limit
+    cache_dir: Path | None = None  # engines and the timing cache, reused across builds
+
+    def settings(self) -> dict:
+        """What changes an engine: part of the artifact's cache key (the cache folder is not)."""
+        return {"static": self.static, "compute_capabilities": list(self.compute_capabilities),
+                "workspace_mib": self.workspace_mib}
+
+
+@dataclass(frozen=True)
+class BuildInput:
+    """One submodule as a target builds it: its prepared graph, its manifest entry (inputs,
+    outputs, dims with min/opt/max) and the pipeline's constant sizes."""
+
+    model: Any  # onnx_ir.Model
+    name: str
+    entry: dict
+    constants: dict
+
+    def input_shapes(self, static: bool) -> dict[str, tuple[list[int], list[int], list[int]]]:
+        """{input: (min, opt, max) shape}; `static` gives the opt shape three times."""
+        def at(shape, i):
+            return [d if isinstance(d, int) else self.constants[d] if d in self.constants else self.entry["dims"][d][i]
+                    for d in shape]
+
+        picks = (1, 1, 1) if static else (0, 1, 2)
+        return {t["name"]: tuple(at(t["shape"], i) for i in picks) for t in self.entry["inputs"]}
 
 
 @dataclass(frozen=True)
@@ -24,8 +64,12 @@ class Target:
     precisions: tuple[str, ...]
     # The graph passes run before building, in order (names from engines.passes.PASSES).
     passes: tuple[str, ...]
-    # (prepared onnx-ir model, artifact folder, submodule name) -> files written, relative to the folder
-    build_submodule: Callable[[Any, Path, str], list[str]]
+    # (BuildInput, artifact folder, BuildOptions) -> (files written relative to the folder, what the
+    # manifest records beside them). Raises SubmoduleBuildFailed when the builder rejects the graph.
+    build_submodule: Callable[[BuildInput, Path, BuildOptions], tuple[list[str], dict]]
+    # None, or why this machine cannot build for the target (TensorRT proper needs a GPU).
+    unavailable: Callable[[], str | None] = lambda: None
+    build_options: bool = False  # whether BuildOptions change what it builds (engine builders)
 
     def backend_version(self) -> str:
         for dist in self.backend_distributions:
@@ -37,9 +81,9 @@ class Target:
 
 
 def _targets() -> dict[str, Target]:
-    from engines.targets import ort
+    from engines.targets import ort, trt
 
-    return {t.name: t for t in (ort.TARGET,)}
+    return {t.name: t for t in (*ort.TARGETS, *trt.TARGETS)}
 
 
 def get_target(name: str, precision: str) -> Target:
@@ -50,6 +94,9 @@ def get_target(name: str, precision: str) -> Target:
     if precision not in target.precisions:
         raise TargetError(f"unknown precision '{precision}' for target '{name}'; "
                           f"it builds: {', '.join(target.precisions)}")
+    why = target.unavailable()
+    if why:
+        raise TargetError(f"target '{name}' cannot build on this machine: {why}")
     if importlib.util.find_spec(target.backend_module) is None:
         raise TargetError(f"target '{name}' needs the '{target.backend_module}' module, which is not "
                           f"installed: {target.install_hint}")

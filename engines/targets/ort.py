@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.targets import Target
+from engines.targets import BuildInput, BuildOptions, Target
 
 _TWO_GB = 2**31
 
@@ -16,7 +16,7 @@ def _weight_bytes(model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def build_submodule(model, out_dir: Path, name: str) -> list[str]:
+def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tuple[list[str], dict]:
     import json
 
     import onnx_ir as ir
@@ -24,18 +24,19 @@ def build_submodule(model, out_dir: Path, name: str) -> list[str]:
 
     from engines.passes.ort_tools import SESSION_CONFIG_KEY
 
-    out = out_dir / f"{name}.onnx"
-    data = f"{name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
+    model = sub.model
+    out = out_dir / f"{sub.name}.onnx"
+    data = f"{sub.name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
     # Weights are written one at a time from where they live (memory-mapped or computed lazily).
     ir.save(model, out, external_data=data)
     options = ort.SessionOptions()  # with the config entries a pass asked for, as the runner will
     for key, value in json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}")).items():
         options.add_session_config_entry(key, value)
     ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])  # fails here, not at deploy time
-    return [out.name] + ([data] if data else [])
+    return [out.name] + ([data] if data else []), {}
 
 
-TARGET = Target(
+TARGETS = [Target(
     name="ort",
     backend_module="onnxruntime",
     backend_distributions=("onnxruntime", "onnxruntime-gpu"),
@@ -43,4 +44,4 @@ TARGET = Target(
     precisions=("fp32", "fp16", "int8", "fp8"),
     passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
-)
+)]

@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 
-def open_session(target: str, path, **options):
+def open_session(target: str, path, device: int | None = None, **options):
+    """`device`: the GPU a TensorRT engine runs on (a device map's entry; default 0)."""
     if target == "ort":
         from runners.backends.ort import OrtSession
 
+        if device is not None:
+            raise ValueError(f"{path}: a device map places TensorRT engines; this is an ONNX Runtime engine "
+                             "(choose its GPU with ONNX Runtime's provider options)")
         return OrtSession(path, **options)
-    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort")
+    if target in ("trt", "trt-rtx"):
+        from runners.backends.trt import TrtSession
+
+        return TrtSession(path, rtx=target == "trt-rtx", device=device or 0)
+    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx")
