@@ -58,12 +58,14 @@ def test_unchanged_inputs_reuse_the_artifact(tiny_build, capsys):
 
 @pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()])
 def test_failure_midway_leaves_no_artifact(tiny_build, tmp_path, monkeypatch, error):
+    import dataclasses
     import shutil
 
     from engines.targets import ort
 
     shutil.copytree(tiny_build / "onnx", tmp_path / "onnx")
-    real, calls = ort.TARGET.build_submodule, []
+    target = ort.TARGETS[0]
+    real, calls = target.build_submodule, []
 
     def failing(*args):
         calls.append(args)
@@ -71,7 +73,7 @@ def test_failure_midway_leaves_no_artifact(tiny_build, tmp_path, monkeypatch, er
             raise error
         return real(*args)
 
-    monkeypatch.setattr(ort, "TARGET", ort.TARGET.__class__(**{**ort.TARGET.__dict__, "build_submodule": failing}))
+    monkeypatch.setattr(ort, "TARGETS", [dataclasses.replace(target, build_submodule=failing)])
     with pytest.raises(type(error)):
         build_artifact(tmp_path, "ort", "fp32")
     assert len(calls) == 3
