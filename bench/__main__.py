@@ -236,8 +236,9 @@ class Bench:
         calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
         built = in_child(build_precisions, self.build, calibration)
         errors = in_child(accuracy, self.build, self.constants, a.size, a.precision_steps)
-        variants = [self.variants[0], Variant("ours ort-fp32", "ours", str(self.default_artifact))]
-        variants += [Variant(f"ours ort-{p}", "ours", built[p]) for p in PRECISIONS]
+        artifacts = {"fp32": str(self.default_artifact), **built}
+        variants = [self.variants[0]] + [Variant(f"ours ort-{p}", "ours", path) for p, path in artifacts.items()]
+        precision_of = {v.label: p for v, p in zip(variants[1:], artifacts)}
         step = {"job": "submodules", "names": ["transformer"], "calls": 3, "height": a.size, "width": a.size}
         e2e = {"job": "e2e", "steps": a.precision_steps, "height": a.size, "width": a.size}
         samples, peaks, failed = interleaved_fresh(variants, self.constants, [step, e2e], a.reps, _log, warmup=True)
@@ -247,15 +248,16 @@ class Bench:
         runs = _against_first(variants, samples, lambda s: s[1]["seconds"])
         rows = []
         for (v, st, ratio), (_, run, run_ratio) in zip(steps, runs):
-            err = errors.get(v.label.rsplit("-", 1)[-1]) if v.label.startswith("ours ort-") else None
-            accuracy_cells = ["reference", "-", "-", "yes"] if v.label == "ours ort-fp32" else ["-"] * 4
-            if err:
-                accuracy_cells = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",
-                                  ", ".join(f"{e:.1e}" for e in err["transformer_rel_err"].values()),
-                                  "yes" if err["finite"] else "NO"]
+            err = errors.get(precision_of.get(v.label), {})
+            accuracy_cells = ["-"] * 3 + [("yes" if err["finite"] else "NO") if err else "-"]
+            if "psnr_min" in err:
+                accuracy_cells[:3] = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",
+                                      ", ".join(f"{e:.1e}" for e in err["transformer_rel_err"].values())]
+            elif err:
+                accuracy_cells[0] = "reference"
             rows.append([v.label, f"{st.median * 1e3:.0f}", ratio, f"{run.median:.1f}", run_ratio, *accuracy_cells,
                          f"{peaks[v.label]:.0f}"])
-        timesteps = ", ".join(next(iter(errors.values()))["transformer_rel_err"])
+        timesteps = ", ".join(errors[PRECISIONS[0]]["transformer_rel_err"])
         self.tables.append({
             "title": f"Precision at {a.size}x{a.size}: transformer step (batch 2) and end to end ({a.precision_steps} "
                      "steps), error against ort-fp32",

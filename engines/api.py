@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +17,6 @@ import onnx_ir as ir
 from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
 from engines.calibration import describe as describe_calibration
 from engines.passes import PASSES, PassContext, PassPipeline, check_pass_names
-from engines.passes.ort_tools import SESSION_CONFIG_KEY
 from engines.precisions import RECIPES
 from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, TargetError, get_target
 from runners.manifest import (
@@ -90,7 +88,6 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
             context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name))
             model, reports = pipelines[name](model, name, log=_log, context=context)
-            session_config = json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}"))
             entry = {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": _submodule_dims(sub, source["dims"])}
             built = BuildInput(model, name, entry, source["constants"])
             try:
@@ -111,7 +108,6 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
                 "build_seconds": seconds,
                 "passes": reports,
                 **record,
-                **({"session_config": session_config} if session_config else {}),
             }
         for entry in list(source["tokenizers"].values()) + [source["scheduler"]]:
             (tmp / entry["file"]).parent.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,7 @@ def test_static_shapes_and_the_engine_cache(rtx, tiny_build, tmp_path, capsys, p
 def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeypatch):
     import engines.targets.trt as trt
     from engines.api import build_artifact
-    from engines.targets import BuildOptions, SubmoduleBuildFailed
+    from engines.targets import BuildOptions, SubmoduleBuildFailed, TargetError
 
     real = trt._build_engine
 
@@ -91,6 +91,10 @@ def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeyp
     options = BuildOptions(cache_dir=tmp_path / "cache")
     with pytest.raises(SubmoduleBuildFailed, match="could not build vae_encoder"):
         build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=options)
+    # A bad setting is the user's error, not a submodule for ONNX Runtime to take over.
+    with pytest.raises(TargetError, match="compute capability SM1 is not one TensorRT-RTX .* builds for; it knows: "):
+        build_artifact(tiny_build, "trt-rtx", "fp32", force=True, fallback="ort",
+                       options=BuildOptions(compute_capabilities=("sm1",), cache_dir=tmp_path / "cache"))
     folder = build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=options, fallback="ort")
     subs = manifest(folder)["submodules"]
     assert subs["vae_encoder"]["target"] == "ort" and subs["vae_encoder"]["file"] == "vae_encoder.onnx"

@@ -29,11 +29,14 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
     data = f"{sub.name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
     # Weights are written one at a time from where they live (memory-mapped or computed lazily).
     ir.save(model, out, external_data=data)
-    options = ort.SessionOptions()  # with the config entries a pass asked for, as the runner will
-    for key, value in json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}")).items():
-        options.add_session_config_entry(key, value)
-    ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])  # fails here, not at deploy time
-    return [out.name] + ([data] if data else []), {}
+    # The session config entries a pass asked for (fp8: session.disable_quant_qdq): this check opens
+    # the session with them, and the manifest records them for the runner.
+    session_config = json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}"))
+    session_options = ort.SessionOptions()
+    for key, value in session_config.items():
+        session_options.add_session_config_entry(key, value)
+    ort.InferenceSession(str(out), session_options, providers=["CPUExecutionProvider"])  # fails here, not at deploy
+    return [out.name] + ([data] if data else []), ({"session_config": session_config} if session_config else {})
 
 
 TARGETS = [Target(

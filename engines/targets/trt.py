@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Target
+from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Target, TargetError
 from runners.backends.trt import gpu_count, use_tensorrt
 from runners.manifest import digest, sha256_file
 
@@ -31,14 +31,20 @@ def _log(msg: str) -> None:
     print(f"[engines] {msg}", flush=True)
 
 
-def _capabilities(names) -> list[tuple[int, int]]:
-    out = []
-    for name in names:
-        digits = name.upper().removeprefix("SM")
-        if not digits.isdigit() or len(digits) < 2:
-            raise SubmoduleBuildFailed(f"compute capability '{name}' is not of the form SM89")
-        out.append((int(digits[:-1]), int(digits[-1])))
-    return out
+def _capabilities(trt, rtx: bool, names) -> list[str]:
+    """The compute capabilities to build for, checked against what this TensorRT-RTX knows. A bad
+    value is the user's error, never a reason to fall back to ONNX Runtime."""
+    if not rtx:
+        if names:
+            raise TargetError("--compute-capability is a TensorRT-RTX setting: TensorRT builds for the GPU it runs on")
+        return []
+    names = [n.upper() for n in names or DEFAULT_RTX_CAPABILITIES]
+    known = [n for n in dir(trt.ComputeCapability) if n.startswith("SM")]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise TargetError(f"compute capability {', '.join(unknown)} is not one TensorRT-RTX {trt.__version__} "
+                          f"builds for; it knows: {', '.join(known)}")
+    return names
 
 
 def _builder(rtx: bool):
@@ -47,7 +53,7 @@ def _builder(rtx: bool):
 
         trt = use_tensorrt(rtx)
         shapes = sub.input_shapes(options.static)
-        capabilities = list(options.compute_capabilities or (DEFAULT_RTX_CAPABILITIES if rtx else ()))
+        capabilities = _capabilities(trt, rtx, options.compute_capabilities)
         settings = {**options.settings(), "compute_capabilities": capabilities, "shapes": shapes}
         engine_name = f"{sub.name}.trt{trt.__version__}.plan"
         cache = Path(options.cache_dir or out_dir / ".trt-cache")
@@ -88,7 +94,7 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
     if rtx:
         from polygraphy.backend.tensorrt_rtx import CreateConfigRTX
 
-        config = CreateConfigRTX(compute_capabilities=_capabilities(capabilities), **common)
+        config = CreateConfigRTX(compute_capabilities=[(int(c[2:-1]), int(c[-1])) for c in capabilities], **common)
     else:
         config = CreateConfig(**common)
     _log(f"{name}: building the TensorRT{'-RTX' if rtx else ''} {trt.__version__} engine "
