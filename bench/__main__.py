@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from bench.report import render
 from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
-TABLES = ("submodules", "e2e", "passes", "profile", "precision", "profiling", "tiling", "export")
+TABLES = ("submodules", "e2e", "passes", "profile", "precision", "profiling", "tiling", "memory", "export")
 
 
 def _log(msg: str) -> None:
@@ -30,6 +31,7 @@ def _parse(argv):
     p.add_argument("--large-steps", type=int, default=2)
     p.add_argument("--profiling-steps", type=int, default=4, help="steps of the profiling-cost runs")
     p.add_argument("--tiling-sizes", default="1024,2048", help="image sides of the tiled-decode table")
+    p.add_argument("--memory-size", type=int, default=1024, help="image side of the memory table's VAE runs")
     p.add_argument("--precision-steps", type=int, default=4, help="steps of the precision table's end-to-end runs")
     p.add_argument("--calibration-size", type=int, default=256, help="image side of the fp16/fp8 calibration run")
     p.add_argument("--calibration-steps", type=int, default=4, help="denoising steps per calibration prompt")
@@ -95,7 +97,7 @@ class Bench:
                 "batch": 2 if submodule == "transformer" else 1}
 
     def flops(self, size: int) -> dict[str, int]:
-        from bench.flops import graph_flops
+        from engines.memory.graph import graph_flops
 
         return {n: graph_flops(self.onnx_dir / f"{n}.onnx", self.dims(size, n)) for n in SUBMODULES}
 
@@ -197,7 +199,7 @@ class Bench:
     def profile(self):
         """Where the step's time goes in the graph the ORT target builds: per op type, its time, its
         FLOPs and how far it runs from its own FLOP bound."""
-        from bench.flops import graph_flops_by_op
+        from engines.memory.graph import graph_flops_by_op
         from bench.passes import build_with_passes, op_profile
 
         if "profile" not in self.args.tables:
@@ -327,6 +329,63 @@ class Bench:
                       "calls the engine directly (the runner would tile it): ONNX Runtime accepts any size, so this "
                       "row shows what decoding it whole would take."]})
 
+    def measure_memory(self):
+        """The VAE at --memory-size: ONNX Runtime's defaults on the plain export against the --memory
+        artifact, every run in a fresh process; and the analyzer's planned peak against the RSS
+        increase measured with buffer reuse and the arena off."""
+        if "memory" not in self.args.tables:
+            return
+        from bench.memory import planned_peak_mib, run_once
+        from bench.prepare import build_memory
+
+        artifact = in_child(build_memory, self.build)
+        manifest = read_manifest(artifact, verify=False)["submodules"]
+        size, scale = self.args.memory_size, self.constants["vae_scale_factor"]
+        dims = {"batch": 1, "latent_height": size // scale, "latent_width": size // scale,
+                "image_height": size, "image_width": size}
+        shapes = {"vae_decoder": (1, self.constants["latent_channels"], size // scale, size // scale),
+                  "vae_encoder": (1, 3, size, size)}
+        rows = []
+        for name, shape in shapes.items():
+            sub, plain = manifest[name], str(self.onnx_dir / f"{name}.onnx")
+            ours = str(artifact / sub["file"])
+            config, options = sub.get("session_config", {}), sub.get("session_options", {})
+            no_reuse = {**options, "enable_cpu_mem_arena": False, "enable_mem_reuse": False}
+            no_layout = {**no_reuse, "disabled_optimizers": options.get("disabled_optimizers", []) + ["NchwcTransformer"]}
+            runs = {"default": [], "memory": []}
+            for rep in range(self.args.reps):  # interleaved, each in a fresh process
+                runs["default"].append(in_child(run_once, plain, shape, None, None))
+                runs["memory"].append(in_child(run_once, ours, shape, config, options))
+                _log(f"memory {name} {size}x{size}: {rep + 1}/{self.args.reps}")
+            check = {"reuse and arena off": in_child(run_once, ours, shape, config, no_reuse),
+                     "reuse, arena and NCHWc layout off": in_child(run_once, ours, shape, config, no_layout)}
+            planned = {"plain": in_child(planned_peak_mib, Path(plain), dims), "memory": in_child(planned_peak_mib, Path(ours), dims)}
+            med = statistics.median
+            ref = runs["default"]
+            for label, key in (("plain export, ONNX Runtime defaults", "default"), (f"{artifact.name} (its manifest's settings)", "memory")):
+                peak, sec = med([r["peak_mib"] for r in runs[key]]), med([r["seconds"] for r in runs[key]])
+                rows.append([name, label, f"{peak:.0f}", f"{peak / med([r['peak_mib'] for r in ref]):.2f}",
+                             f"{sec:.1f}", f"{sec / med([r['seconds'] for r in ref]):.2f}",
+                             f"{planned['plain' if key == 'default' else 'memory']:.0f}", "-"])
+            for label, r in check.items():
+                rows.append([name, f"{artifact.name}, {label}", f"{r['peak_mib']:.0f}", "-", f"{r['seconds']:.1f}", "-",
+                             f"{planned['memory']:.0f}", f"{r['increase_mib']:.0f} ({r['increase_mib'] / planned['memory'] - 1:+.0%})"])
+        passes = {n: [p for p in manifest[n]["passes"] if p["name"] in ("fuse_elementwise", "schedule_memory", "remat")]
+                  for n in shapes}
+        self.tables.append({
+            "title": f"Activation memory: the VAE at {size}x{size}, batch 1 (fp32)",
+            "columns": ["submodule", "graph and session", "peak RSS MiB", "vs default", "seconds", "vs default",
+                        "analyzer's planned peak MiB", "measured RSS increase MiB (vs planned)"],
+            "rows": rows,
+            "notes": [f"Medians of {self.args.reps} runs, each in a fresh process that loads one graph and runs it once; "
+                      "peak RSS is that process's VmHWM (weights and ONNX Runtime's prepacked copies included), the "
+                      "increase is VmHWM minus the RSS just before the call. The analyzer plans the graph's file order "
+                      "(ONNX Runtime's default order may differ on the plain export).",
+                      "Memory passes as the artifact's manifest records them: " + "; ".join(
+                          f"{n}: " + _what_changed(ps) for n, ps in passes.items()),
+                      "Session settings of the artifact: " + "; ".join(
+                          f"{n}: {manifest[n].get('session_options', {})}" for n in shapes)]})
+
     def export_table(self):
         if "export" not in self.args.tables:
             return
@@ -378,7 +437,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
-                  bench.measure_precision, bench.measure_profiling, bench.measure_tiling, bench.export_table, bench.write):
+                  bench.measure_precision, bench.measure_profiling, bench.measure_tiling, bench.measure_memory, bench.export_table,
+                  bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

@@ -15,3 +15,10 @@ def export_and_build(model: str) -> Path:
     export_model(src, build)
     build_artifact(build, "ort", "fp32")
     return build
+
+
+def build_memory(build: Path) -> Path:
+    """The `--memory` artifact beside the default one (cached like it)."""
+    from engines.api import build_artifact
+
+    return build_artifact(build, "ort", "fp32", memory=True)

@@ -1,4 +1,5 @@
-"""python -m engines BUILD_DIR --target ort --precision fp32: build an artifact from BUILD_DIR/onnx."""
+"""python -m engines BUILD_DIR --target ort --precision fp32: build an artifact from BUILD_DIR/onnx.
+python -m engines inspect PATH: what each graph holds in memory (see python -m engines inspect -h)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,11 @@ from engines.calibration import CalibrationSettings
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["inspect"]:
+        from engines.memory.inspect import main as inspect_main
+
+        return inspect_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engines", description=__doc__)
     p.add_argument("build_dir", nargs="?", help="the export's output folder (holds onnx/)")
     p.add_argument("--target", default="ort")
@@ -28,6 +34,13 @@ def main(argv=None) -> int:
                      help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
     trt.add_argument("--fallback", choices=["ort"], default=None,
                      help="build a submodule the target rejects for ONNX Runtime instead (the manifest says which)")
+    mem = p.add_argument_group("memory (ort): python -m engines inspect shows what a graph holds")
+    mem.add_argument("--memory", action="store_true",
+                     help="add the memory passes (fusion, schedule, recompute) and the runtime settings that keep "
+                          "them; writes <target>-<precision>-memory")
+    mem.add_argument("--memory-budget", default=None, metavar="SIZE",
+                     help="recompute until the planned peak at the default image size is at most SIZE (e.g. 2GiB); "
+                          "the manifest says if it was unreachable")
     calib = p.add_argument_group("calibration (fp16 and fp8 measure the fp32 pipeline's activations first)")
     calib.add_argument("--calibration-prompts", type=int, default=CalibrationSettings.prompts,
                        help="how many of the fixed calibration prompts to run (default: %(default)s)")
@@ -48,6 +61,7 @@ def main(argv=None) -> int:
         p.error("BUILD_DIR is required (or --list-passes)")
 
     from engines.api import build_artifact
+    from engines.memory.sizes import parse_size
     from runners.cli import run_cli
     from runners.manifest import ManifestError
 
@@ -56,7 +70,8 @@ def main(argv=None) -> int:
         args.build_dir, args.target, args.precision, force=args.force, passes=passes,
         calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
         options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache),
-        fallback=args.fallback),
+        fallback=args.fallback, memory=args.memory,
+        memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None),
         (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, ValueError),
         "no artifact was written")
 

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
 from engines.calibration import describe as describe_calibration
 from engines.passes import PASSES, PassContext, PassPipeline, check_pass_names
+from engines.passes.ort_tools import request_session_options
 from engines.precisions import RECIPES
 from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, TargetError, get_target
 from runners.manifest import (
@@ -49,14 +50,17 @@ def passes_fingerprint(names: dict[str, list[str]]) -> str:
 
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
                    passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings(),
-                   options: BuildOptions = BuildOptions(), fallback: str | None = None) -> Path:
+                   options: BuildOptions = BuildOptions(), fallback: str | None = None,
+                   memory: bool = False, memory_budget: int | None = None) -> Path:
     """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder.
 
     `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none);
     the precision's passes (`engines.precisions`) run after it. Precisions that measure the model
     first record `calibration` inputs from the fp32 artifact (`engines.calibration`). `options` are
     the engine builder's (TensorRT); `fallback="ort"` builds a submodule the target rejects for
-    ONNX Runtime instead, and the manifest says which ran where."""
+    ONNX Runtime instead, and the manifest says which ran where. `memory=True` adds the target's
+    memory profile (its passes last, planned at the export's opt shapes, down to `memory_budget`
+    bytes when given, and the runtime settings that keep them) and writes `<target>-<precision>-memory`."""
     build_dir = Path(build_dir)
     tgt = get_target(target, precision)  # unknown target/precision, missing backend or GPU: fail first
     if fallback not in (None, "ort"):
@@ -67,17 +71,24 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
+    if memory and tgt.memory is None:
+        raise TargetError(f"target '{target}' plans its own activation memory: --memory is for the ort target")
+    if memory_budget is not None and not memory:
+        raise TargetError("--memory-budget is a setting of --memory: add --memory")
+    memory_passes = list(tgt.memory.passes) if memory else []
     base = check_pass_names(tgt.passes if passes is None else passes)
-    pipelines = {name: PassPipeline(base + list(RECIPES[precision].for_submodule(sub)))
+    pipelines = {name: PassPipeline(base + list(RECIPES[precision].for_submodule(sub)) + memory_passes)
                  for name, sub in source["submodules"].items()}
     calibration_dir = None
     if any(p.needs_calibration for p in pipelines.values()):
         calibration_dir = collect(build_dir, calibration)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version(),
-                **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {})}
+                **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {}),
+                **({"memory": {"passes": memory_passes, "budget": memory_budget}} if memory else {})}
+    plan_dims = {**source["constants"], **{d: v[1] for d, v in source["dims"].items()}}
     cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
                         passes_fingerprint({n: p.names for n, p in pipelines.items()})])
-    dest = build_dir / f"{target}-{precision}"
+    dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
         return dest
@@ -86,8 +97,11 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         for name, sub in source["submodules"].items():
             t0 = time.perf_counter()
             model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
-            context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name))
+            context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name),
+                                  plan_dims, memory_budget)
             model, reports = pipelines[name](model, name, log=_log, context=context)
+            if memory:
+                request_session_options(model, **dict(tgt.memory.session_options))
             entry = {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": _submodule_dims(sub, source["dims"])}
             built = BuildInput(model, name, entry, source["constants"])
             try:
@@ -121,6 +135,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             **({"calibration": describe_calibration(calibration_dir)} if calibration_dir else {}),
             "pipeline": source["pipeline"],
             "dims": source["dims"],
+            "constants": source["constants"],
             "tokenizers": source["tokenizers"],
             "scheduler": source["scheduler"],
             "submodules": submodules,

@@ -67,7 +67,8 @@ class Pipeline:
         # A submodule built with `--fallback ort` names its own target.
         return {name: open_session(sub.get("target", self.manifest["target"]), self.folder / sub["file"],
                                    device=self.device_map.get(name), profile=profile,
-                                   session_config=sub.get("session_config"), **self._session_options)
+                                   session_config=sub.get("session_config"),
+                                   session_options=sub.get("session_options"), **self._session_options)
                 for name, sub in self.manifest["submodules"].items() if name in self.opened}
 
     def __call__(self, *args, profile=None, **kwargs):

@@ -36,6 +36,14 @@ def tiny_artifact(tiny_build):
 
 
 @pytest.fixture(scope="session")
+def tiny_memory_artifact(tiny_build):
+    """ort-fp32 with the memory profile (`--memory`): its passes planned at the export's opt shapes."""
+    from engines.api import build_artifact
+
+    return build_artifact(tiny_build, "ort", "fp32", memory=True)
+
+
+@pytest.fixture(scope="session")
 def reference_pipeline(tiny_source):
     """diffusers' own StableDiffusion3Pipeline on the same weights."""
     from diffusers import StableDiffusion3Pipeline

@@ -3,7 +3,24 @@ from __future__ import annotations
 
 
 def expected_counts(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
-    """{pass name: {count: value}} for `fuse_qkv` and `fuse_attention` on one submodule."""
+    """{pass name: {count: value}} for `fuse_qkv`, `fuse_attention` and `fuse_elementwise` on one submodule."""
+    return {**_fusions(submodule, cfg), "fuse_elementwise": {"silus": _silus(submodule, cfg)}}
+
+
+def _silus(submodule: str, cfg: dict) -> int:
+    """SiLUs and quick GELUs: two per VAE resnet and one before conv_out; the transformer's timestep
+    and pooled-text embedders and the silu(temb) its adaLN layers share; CLIP's quick GELU per layer."""
+    if submodule in ("vae_decoder", "vae_encoder"):
+        per_block = cfg["layers_per_block"] + (submodule == "vae_decoder")
+        return 2 * (2 + len(cfg["block_out_channels"]) * per_block) + 1
+    if submodule == "transformer":
+        return 3
+    if submodule in ("text_encoder", "text_encoder_2"):
+        return cfg["num_hidden_layers"] if cfg["hidden_act"] == "quick_gelu" else 0
+    return 0  # T5: ReLU or GELU
+
+
+def _fusions(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
     if submodule == "transformer":
         layers, dual = cfg["num_layers"], len(cfg.get("dual_attention_layers") or ())
         # Per block: image q/k/v, context q/k/v, and q/k/v of the second attention where present.

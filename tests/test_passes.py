@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from engines.passes import PASSES, PassFailed, run_passes
+from engines.passes import PASSES, PassContext, PassFailed, run_passes
 from engines.targets import get_target
 from export.families import FAMILIES
 from export.onnx_export import example_inputs
@@ -28,8 +28,9 @@ def _run(model: ir.Model, feeds: dict, tmp_path) -> list[np.ndarray]:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-def _check(onnx_dir, source, names, tmp_path) -> dict[str, dict]:
-    """Run `names` on every submodule of `onnx_dir`; assert parity; return {submodule: {pass: counts}}."""
+def _check(onnx_dir, source, names, tmp_path, atol: float | None = None) -> dict[str, dict]:
+    """Run `names` on every submodule of `onnx_dir`, planned at each probe's dims; assert parity
+    (`atol`, else 1e-5 of the output scale); return {submodule: {pass: counts}}."""
     manifest = json.loads((onnx_dir / "manifest.json").read_text())
     counts = {}
     for spec in FAMILIES[manifest["model"]["family"]].submodules:
@@ -38,11 +39,12 @@ def _check(onnx_dir, source, names, tmp_path) -> dict[str, dict]:
             arrays = example_inputs(spec, probe["dims"], manifest["constants"], seed=1)
             feeds = {t.name: a for t, a in zip(spec.inputs, arrays)}
             ref = _run(ir.load(onnx_dir / sub["file"]), feeds, tmp_path)
-            model, reports = run_passes(ir.load(onnx_dir / sub["file"]), names, spec.name)
+            context = PassContext(spec.name, dims={**manifest["constants"], **probe["dims"]})
+            model, reports = run_passes(ir.load(onnx_dir / sub["file"]), names, spec.name, context=context)
             out = _run(model, feeds, tmp_path)
             for r, o in zip(ref, out):
-                scale = max(1.0, float(np.abs(r).max()))
-                assert np.abs(r - o).max() <= PASS_RTOL * scale, (spec.name, names, probe["dims"])
+                bound = atol if atol is not None else PASS_RTOL * max(1.0, float(np.abs(r).max()))
+                assert np.abs(r - o).max() <= bound, (spec.name, names, probe["dims"], np.abs(r - o).max())
         counts[spec.name] = {r["name"]: r["counts"] for r in reports}
         counts[spec.name]["config"] = source.config(COMPONENT.get(spec.name, spec.name))
     return counts
@@ -66,6 +68,16 @@ def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
         for key, value in expected_counts(sub, c["config"])[name].items():
             assert c[name][key] == value, (sub, name, key)
         assert c[name]["nodes_removed"] > 0
+
+
+def test_memory_passes_leave_every_output_unchanged(tiny_build, tiny_source, tmp_path):
+    """fp32, max abs diff <= 1e-6 on every submodule at both export probes (the issue's bound)."""
+    counts = _check(tiny_build / "onnx", tiny_source, ["fuse_elementwise", "schedule_memory", "remat"], tmp_path,
+                    atol=1e-6)
+    for sub, c in counts.items():
+        assert c["fuse_elementwise"]["silus"] == expected_counts(sub, c["config"])["fuse_elementwise"]["silus"], sub
+        assert c["schedule_memory"]["peak_after"] <= c["schedule_memory"]["peak_before"], sub
+        assert c["remat"]["peak_after"] <= c["remat"]["peak_before"], sub
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,11 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def pipe(tiny_artifact):
-    return Pipeline.load(tiny_artifact)
+@pytest.fixture(scope="module", params=["ort-fp32", "ort-fp32-memory"])
+def pipe(request, tiny_artifact, tiny_memory_artifact):
+    """The default artifact, and the one built with the memory profile (its schedule, recomputes
+    and session settings must not change an image)."""
+    return Pipeline.load(tiny_memory_artifact if request.param.endswith("memory") else tiny_artifact)
 
 
 def _latents(case: dict, seed: int) -> np.ndarray:

@@ -8,14 +8,18 @@ from __future__ import annotations
 from engines.passes.base import GraphPass, LibraryPass, PassContext, Report
 from engines.passes.fold_constants import FoldConstants
 from engines.passes.fuse_attention import FuseAttention
+from engines.passes.fuse_elementwise import FuseElementwise
 from engines.passes.fuse_qkv import FuseQKV
 from engines.passes.infer_shapes import InferShapes
 from engines.passes.pipeline import PassFailed, PassPipeline, run_passes
 from engines.passes.quantize import QuantizeFp8, QuantizeInt8
+from engines.passes.remat import Remat
 from engines.passes.remove_dead_nodes import RemoveDeadNodes
+from engines.passes.schedule_memory import ScheduleMemory
 from engines.passes.to_fp16 import ToFp16
 
-_PASSES = (FoldConstants, InferShapes, RemoveDeadNodes, FuseQKV, FuseAttention, ToFp16, QuantizeInt8, QuantizeFp8)
+_PASSES = (FoldConstants, InferShapes, RemoveDeadNodes, FuseQKV, FuseAttention, ToFp16, QuantizeInt8, QuantizeFp8,
+           FuseElementwise, ScheduleMemory, Remat)
 PASSES: dict[str, type] = {p.name: p for p in _PASSES}
 
 __all__ = ["PASSES", "GraphPass", "LibraryPass", "PassContext", "PassFailed", "PassPipeline", "Report", "UnknownPass", "run_passes",

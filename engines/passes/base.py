@@ -28,11 +28,16 @@ class Report(PassResult):
 class PassContext:
     """What a pass may know beyond the graph: the submodule's entry in the export manifest (its
     I/O and quantization hints) and, for passes that measure, calibration inputs recorded from the
-    fp32 pipeline (`engines/calibration.py`). The pipeline sets it on every pass before a call."""
+    fp32 pipeline (`engines/calibration.py`), and for the memory passes the shapes to plan at. The
+    pipeline sets it on every pass before a call."""
 
     submodule: str = "model"
     entry: dict = dataclasses.field(default_factory=dict)
     calibration: object | None = None  # engines.calibration.CalibrationFeeds
+    # The memory passes plan at these dims ({dim name: value}, the export's opt shape by default)
+    # and lower the peak until it is at most `memory_budget` bytes (None: as far as they can).
+    dims: dict = dataclasses.field(default_factory=dict)
+    memory_budget: int | None = None
 
 
 class GraphPass(InPlacePass):
@@ -83,7 +88,7 @@ class LibraryPass(FunctionalPass):
         held = {} if self.READS_WEIGHTS else {
             name: v.const_value for name, v in model.graph.initializers.items()
             if v.const_value is not None and v.const_value.nbytes > self.HELD_BYTES}
-        proto = _to_proto_without(model, held)
+        proto = to_proto_without(model, held)
         before = len(proto.graph.node)
         result = self.transform(proto)
         proto, counts, details = result if len(result) == 3 else (*result, {})
@@ -115,9 +120,9 @@ def _restore_node_metadata(before: ir.Model, after: ir.Model) -> None:
 _HELD = "__weight_held_by_diffusion_aot__"
 
 
-def _to_proto_without(model: ir.Model, held: dict):
-    """`ir.to_proto(model)` with the `held` initializers as references to `_HELD`; the model is
-    left as it was."""
+def to_proto_without(model: ir.Model, held: dict):
+    """`ir.to_proto(model)` with the `held` initializers as references to `_HELD`: their shapes
+    and types without their bytes. The model is left as it was."""
     values = model.graph.initializers
     try:
         for name, tensor in held.items():

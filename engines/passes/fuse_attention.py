@@ -17,22 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from engines.passes.base import GraphPass
-
-MS_DOMAIN = "com.microsoft"
-
-
-def _only_use(value: ir.Value) -> ir.Node | None:
-    uses = value.uses()
-    return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
-
-
-def _is(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain == ""
+from engines.passes.rewrite import MS_DOMAIN, Builder, is_op, only_use, scalar
 
 
 def _perm(node: ir.Node) -> tuple[int, ...]:
@@ -40,19 +29,12 @@ def _perm(node: ir.Node) -> tuple[int, ...]:
     return tuple(attr.value) if attr is not None else ()
 
 
-def _scalar(value: ir.Value | None) -> float | None:
-    c = None if value is None else value.const_value
-    if c is None or c.size != 1:
-        return None
-    return float(c.numpy().reshape(()))
-
-
 def _strip_scale(value: ir.Value) -> tuple[ir.Value, float]:
     """x * s (or s * x, or x / s) with a scalar constant s -> (x, s)."""
     node = value.producer()
-    if _is(node, "Mul") or _is(node, "Div"):
+    if is_op(node, "Mul") or is_op(node, "Div"):
         for i in (1, 0) if node.op_type == "Mul" else (1,):
-            s = _scalar(node.inputs[i])
+            s = scalar(node.inputs[i])
             if s is not None:
                 return node.inputs[1 - i], (s if node.op_type == "Mul" else 1.0 / s)
     return value, 1.0
@@ -63,9 +45,9 @@ def _reaches_matmul(value: ir.Value, depth: int = 4) -> bool:
     node = value.producer()
     if depth == 0 or node is None:
         return False
-    if _is(node, "MatMul"):
+    if is_op(node, "MatMul"):
         return True
-    if _is(node, "Add"):
+    if is_op(node, "Add"):
         return any(_reaches_matmul(i, depth - 1) for i in node.inputs)
     inner, _ = _strip_scale(value)
     return inner is not value and _reaches_matmul(inner, depth - 1)
@@ -87,23 +69,23 @@ class _Heads:
 
 def _from_bnsh(value: ir.Value) -> _Heads:
     node = value.producer()
-    if _is(node, "Transpose") and _perm(node) == (0, 2, 1, 3):
+    if is_op(node, "Transpose") and _perm(node) == (0, 2, 1, 3):
         return _Heads(bnsh=value, bsnh=node.inputs[0])
     return _Heads(bnsh=value)
 
 
 def _key_from_transposed(kt: ir.Value) -> _Heads | None:
     node = kt.producer()
-    if _is(node, "Transpose") and _perm(node) == (0, 1, 3, 2):
+    if is_op(node, "Transpose") and _perm(node) == (0, 1, 3, 2):
         return _from_bnsh(node.inputs[0])
-    if _is(node, "Transpose") and _perm(node) == (0, 2, 3, 1):
+    if is_op(node, "Transpose") and _perm(node) == (0, 2, 3, 1):
         return _Heads(bsnh=node.inputs[0])
     # SDPA's decomposition: Reshape(K, (B*N, L, D)) -> Transpose(0,2,1) -> Reshape(B, N, D, L)
-    if _is(node, "Reshape"):
+    if is_op(node, "Reshape"):
         t = node.inputs[0].producer()
-        if _is(t, "Transpose") and _perm(t) == (0, 2, 1):
+        if is_op(t, "Transpose") and _perm(t) == (0, 2, 1):
             r = t.inputs[0].producer()
-            if _is(r, "Reshape") and r.inputs[0].shape is not None and len(r.inputs[0].shape) == 4:
+            if is_op(r, "Reshape") and r.inputs[0].shape is not None and len(r.inputs[0].shape) == 4:
                 return _from_bnsh(r.inputs[0])
     return None
 
@@ -126,7 +108,7 @@ def _match(softmax: ir.Node) -> _Match | None:
         return None
     # Upstream: additive biases, an optional scale, the Q.Kt MatMul.
     biases, scores = [], softmax.inputs[0]
-    while _is(scores.producer(), "Add") and _only_use(scores) is not None:
+    while is_op(scores.producer(), "Add") and only_use(scores) is not None:
         add = scores.producer()
         on_path = [i for i in add.inputs if _reaches_matmul(i)]
         if len(on_path) != 1:
@@ -137,7 +119,7 @@ def _match(softmax: ir.Node) -> _Match | None:
         return None  # MultiHeadAttention's attention_bias must span the query axis: leave it unfused
     scores, scale = _strip_scale(scores)
     qk = scores.producer()
-    if not _is(qk, "MatMul") or _only_use(scores) is None:
+    if not is_op(qk, "MatMul") or only_use(scores) is None:
         return None
     q4, s1 = _strip_scale(qk.inputs[0])
     kt, s2 = _strip_scale(qk.inputs[1])
@@ -150,55 +132,37 @@ def _match(softmax: ir.Node) -> _Match | None:
     if len(probs.uses()) == 2 and set(users) == {"IsNaN", "Where"} and users["Where"].inputs[2] is probs:
         # SDPA guards fully masked rows (NaN -> 0); causal and text masks never mask a whole row.
         probs = users["Where"].outputs[0]
-    use = _only_use(probs)
-    if not _is(use, "MatMul") or use.inputs[0] is not probs:
+    use = only_use(probs)
+    if not is_op(use, "MatMul") or use.inputs[0] is not probs:
         return None
-    transpose = _only_use(use.outputs[0])
-    if not _is(transpose, "Transpose") or _perm(transpose) != (0, 2, 1, 3):
+    transpose = only_use(use.outputs[0])
+    if not is_op(transpose, "Transpose") or _perm(transpose) != (0, 2, 1, 3):
         return None
-    reshape = _only_use(transpose.outputs[0])
-    out = reshape.outputs[0] if _is(reshape, "Reshape") else None
+    reshape = only_use(transpose.outputs[0])
+    out = reshape.outputs[0] if is_op(reshape, "Reshape") else None
     if out is None or out.shape is None or len(out.shape) != 3:
         return None
     return _Match(softmax, _from_bnsh(q4), key, _from_bnsh(use.inputs[1]), biases, s1 * s2 * scale,
                   q4.shape[1], out)
 
 
-class _Builder:
-    """Appends the nodes a replacement needs, with constants registered once per graph."""
+def _to_bsh(b: Builder, heads: _Heads) -> ir.Value:
+    if heads.bsnh is None:
+        heads.bsnh = b.op("Transpose", [heads.bnsh], perm=[0, 2, 1, 3])
+    return b.op("Reshape", [heads.bsnh, b.const("attention_fused.bsh_shape", [0, 0, -1])])
 
-    def __init__(self, graph: ir.Graph, prefix: str):
-        self.graph, self.prefix, self.nodes = graph, prefix, []
 
-    def op(self, op_type: str, inputs, **attrs) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attrs or None, name=f"{self.prefix}.{op_type}_{len(self.nodes)}")
-        self.nodes.append(node)
-        return node.outputs[0]
-
-    def to_bsh(self, heads: _Heads) -> ir.Value:
-        if heads.bsnh is None:
-            heads.bsnh = self.op("Transpose", [heads.bnsh], perm=[0, 2, 1, 3])
-        return self.op("Reshape", [heads.bsnh, self.const("bsh_shape", [0, 0, -1])])
-
-    def to_bnsh(self, heads: _Heads) -> ir.Value:
-        return heads.bnsh if heads.bnsh is not None else self.op("Transpose", [heads.bsnh], perm=[0, 2, 1, 3])
-
-    def const(self, name: str, values) -> ir.Value:
-        full = f"attention_fused.{name}"
-        if full not in self.graph.initializers:
-            t = ir.tensor(np.array(values, np.int64), name=full)
-            self.graph.register_initializer(ir.Value(name=full, shape=t.shape, type=ir.TensorType(t.dtype),
-                                                     const_value=t))
-        return self.graph.initializers[full]
+def _to_bnsh(b: Builder, heads: _Heads) -> ir.Value:
+    return heads.bnsh if heads.bnsh is not None else b.op("Transpose", [heads.bsnh], perm=[0, 2, 1, 3])
 
 
 def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
-    b = _Builder(graph, f"attention_fused_{index}")
-    q = b.to_bsh(m.query)
+    b = Builder(graph, f"attention_fused_{index}")
+    q = _to_bsh(b, m.query)
     if m.key.bsnh is not None and m.value.bsnh is not None:  # both as free (B, L, N*D) views
-        k, v = b.to_bsh(m.key), b.to_bsh(m.value)
+        k, v = _to_bsh(b, m.key), _to_bsh(b, m.value)
     else:
-        k, v = b.to_bnsh(m.key), b.to_bnsh(m.value)
+        k, v = _to_bnsh(b, m.key), _to_bnsh(b, m.value)
     bias = m.biases[0] if m.biases else None
     for extra in m.biases[1:]:
         bias = b.op("Add", [bias, extra])
@@ -208,7 +172,7 @@ def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
     b.nodes.append(mha)
     out = mha.outputs[0]
     out.name, out.shape, out.type = f"attention_fused_{index}.out", m.output.shape, m.output.type
-    graph.insert_before(m.softmax, b.nodes)
+    b.insert_before(m.softmax)
     ir.convenience.replace_all_uses_with(m.output, out, replace_graph_outputs=True)
 
 
@@ -218,7 +182,7 @@ class FuseAttention(GraphPass):
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         graph = model.graph
-        matches = [m for m in (_match(n) for n in graph if _is(n, "Softmax")) if m is not None]
+        matches = [m for m in (_match(n) for n in graph if is_op(n, "Softmax")) if m is not None]
         before = graph.num_nodes()
         for i, m in enumerate(matches):
             _replace(graph, m, i)

@@ -48,6 +48,20 @@ def activation_ranges(proto, feeds) -> dict[str, float]:
 # Model metadata through which a pass tells the ORT target and runner which session config entries
 # its graph needs (recorded per submodule in the artifact manifest as "session_config").
 SESSION_CONFIG_KEY = "diffusion_aot.ort_session_config"
+# The same for session options that are not config entries (execution order, arena, buffer reuse,
+# optimizers to disable): recorded as "session_options", applied by runners.backends.ort.
+SESSION_OPTIONS_KEY = "diffusion_aot.ort_session_options"
+
+
+def request_session_options(model, **options) -> None:
+    """Ask, through an onnx-ir model's metadata, for ONNX Runtime session options (merged with
+    what earlier passes asked; lists such as disabled_optimizers are joined)."""
+    import json
+
+    current = json.loads(model.metadata_props.get(SESSION_OPTIONS_KEY, "{}"))
+    for key, value in options.items():
+        current[key] = sorted(set(current.get(key, [])) | set(value)) if isinstance(value, list) else value
+    model.metadata_props[SESSION_OPTIONS_KEY] = json.dumps(current, sort_keys=True)
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's module path of every node
 
 

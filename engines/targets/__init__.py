@@ -56,6 +56,16 @@ class BuildInput:
 
 
 @dataclass(frozen=True)
+class MemoryProfile:
+    """What `--memory` adds to a target: passes that run after all others (the precision's too, so
+    that the order they plan is the one that runs) and the runtime settings that keep what they
+    did (recorded per submodule in the manifest, applied by the runner)."""
+
+    passes: tuple[str, ...]
+    session_options: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     backend_module: str  # what must be importable to build and run it
@@ -70,6 +80,7 @@ class Target:
     # None, or why this machine cannot build for the target (TensorRT proper needs a GPU).
     unavailable: Callable[[], str | None] = lambda: None
     build_options: bool = False  # whether BuildOptions change what it builds (engine builders)
+    memory: MemoryProfile | None = None  # None: the backend plans its own memory (TensorRT)
 
     def backend_version(self) -> str:
         for dist in self.backend_distributions:
@@ -105,4 +116,5 @@ def get_target(name: str, precision: str) -> Target:
 
 def describe_targets() -> str:
     return "\n".join(f"target {t.name} ({', '.join(t.precisions)}): passes {', '.join(t.passes) or 'none'}"
+                     + (f"; --memory adds {', '.join(t.memory.passes)}" if t.memory else "")
                      for t in _targets().values())

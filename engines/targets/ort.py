@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.targets import BuildInput, BuildOptions, Target
+from engines.targets import BuildInput, BuildOptions, MemoryProfile, Target
 
 _TWO_GB = 2**31
 
@@ -22,21 +22,23 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from engines.passes.ort_tools import SESSION_CONFIG_KEY
+    from engines.passes.ort_tools import SESSION_CONFIG_KEY, SESSION_OPTIONS_KEY
+    from runners.backends.ort import session_settings
 
     model = sub.model
     out = out_dir / f"{sub.name}.onnx"
     data = f"{sub.name}.onnx.data" if _weight_bytes(model) > _TWO_GB else None
     # Weights are written one at a time from where they live (memory-mapped or computed lazily).
     ir.save(model, out, external_data=data)
-    # The session config entries a pass asked for (fp8: session.disable_quant_qdq): this check opens
-    # the session with them, and the manifest records them for the runner.
-    session_config = json.loads(model.metadata_props.get(SESSION_CONFIG_KEY, "{}"))
+    # What the passes asked of ONNX Runtime (fp8: session.disable_quant_qdq; the memory passes: the
+    # node order kept): this check opens the session with it, and the manifest records it for the runner.
+    record = {key: json.loads(model.metadata_props[meta]) for key, meta in
+              (("session_config", SESSION_CONFIG_KEY), ("session_options", SESSION_OPTIONS_KEY))
+              if meta in model.metadata_props}
     session_options = ort.SessionOptions()
-    for key, value in session_config.items():
-        session_options.add_session_config_entry(key, value)
-    ort.InferenceSession(str(out), session_options, providers=["CPUExecutionProvider"])  # fails here, not at deploy
-    return [out.name] + ([data] if data else []), ({"session_config": session_config} if session_config else {})
+    extra = session_settings(session_options, record.get("session_config"), record.get("session_options"))
+    ort.InferenceSession(str(out), session_options, providers=["CPUExecutionProvider"], **extra)  # fails here, not at deploy
+    return [out.name] + ([data] if data else []), record
 
 
 TARGETS = [Target(
@@ -47,4 +49,8 @@ TARGETS = [Target(
     precisions=("fp32", "fp16", "int8", "fp8"),
     passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
+    # Fusion, then schedule, then recompute on the fused and scheduled graph. The arena and buffer
+    # reuse settings are the ones measured best on sd3-bench's VAE at 1024x1024 (BENCHMARKS.md).
+    memory=MemoryProfile(("fuse_elementwise", "schedule_memory", "remat"),
+                         (("enable_cpu_mem_arena", False), ("enable_mem_reuse", True))),
 )]

@@ -10,11 +10,32 @@ from pathlib import Path
 import numpy as np
 
 
+def session_settings(options, config: dict[str, str] | None, settings: dict | None) -> dict:
+    """Apply an artifact's session config entries and session options (execution_order,
+    enable_cpu_mem_arena, enable_mem_reuse, disabled_optimizers) to ONNX Runtime `options`;
+    returns the InferenceSession keyword arguments they need."""
+    import onnxruntime as ort
+
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
+    settings = dict(settings or {})
+    if "execution_order" in settings:
+        options.execution_order = getattr(ort.ExecutionOrder, settings.pop("execution_order"))
+    disabled = settings.pop("disabled_optimizers", None)
+    for key, value in settings.items():
+        if key not in ("enable_cpu_mem_arena", "enable_mem_reuse"):
+            raise ValueError(f"unknown ONNX Runtime session option '{key}' in the manifest")
+        setattr(options, key, value)
+    return {"disabled_optimizers": disabled} if disabled else {}
+
+
 class OrtSession:
     def __init__(self, path, threads: int | None = None, providers: list[str] | None = None,
-                 profile: bool = False, session_config: dict[str, str] | None = None):
-        """`session_config`: ONNX Runtime session config entries the artifact's manifest asks for
-        (fp8 graphs need `session.disable_quant_qdq`: ONNX Runtime's QDQ fusions are int8 only)."""
+                 profile: bool = False, session_config: dict[str, str] | None = None,
+                 session_options: dict | None = None):
+        """`session_config` and `session_options`: what the artifact's manifest asks of ONNX Runtime
+        (fp8 graphs need `session.disable_quant_qdq`: its QDQ fusions are int8 only; graphs whose
+        memory passes ran need their node order kept, see `session_settings`)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -26,8 +47,7 @@ class OrtSession:
         # first run beside it: measured once by hand on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
         # on its second run with it and 9.2 GB without, at the same speed (4.9 vs 9.4 GB for the VAE).
         options.enable_mem_pattern = False
-        for key, value in (session_config or {}).items():
-            options.add_session_config_entry(key, value)
+        extra = session_settings(options, session_config, session_options)
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])
@@ -36,7 +56,7 @@ class OrtSession:
         if missing:
             raise RuntimeError(f"ONNX Runtime providers not available: {', '.join(missing)} "
                                f"(available: {', '.join(available)})")
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.session = ort.InferenceSession(str(path), options, providers=providers, **extra)
         dropped = [p for p in providers if p not in self.session.get_providers()]
         if dropped:
             raise RuntimeError(f"{path}: ONNX Runtime could not start {', '.join(dropped)} "

@@ -1,11 +1,11 @@
-"""The benchmark's FLOP counter, on graphs whose FLOPs are known by hand."""
+"""The FLOP counter of the memory analyzer (and the benchmarks), on graphs whose FLOPs are known by hand."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.flops import graph_flops
+from engines.memory.graph import graph_flops
 
 
 def test_counts_matmul_gemm_and_conv_at_the_given_dims(tmp_path):
