@@ -65,8 +65,10 @@ class OrtSession:
         # Hands the arena's buffers back after a call, so that a pipeline of several engines holds
         # the working memory of one stage at a time, not the sum of all of them (sd3-bench at
         # 1024x1024: the transformer's arena stays at 8 GB after its last step without it).
-        self._release = ort.RunOptions()
-        self._release.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._release = None
+        if options.enable_cpu_mem_arena:  # without the arena, freed buffers go back at once
+            self._release = ort.RunOptions()
+            self._release.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def end_profiling(self) -> list[dict]:
         """The trace events ONNX Runtime recorded since the session opened (profiling sessions only)."""
