@@ -183,7 +183,8 @@ def test_memory_artifact_records_passes_and_session_settings(tiny_memory_artifac
     for name, sub in manifest["submodules"].items():
         assert [p["name"] for p in sub["passes"]][-3:] == ["fuse_elementwise", "schedule_memory", "remat"], name
         options = sub["session_options"]
-        assert options["execution_order"] == "PRIORITY_BASED" and options["enable_cpu_mem_arena"] is False, name
+        assert options["execution_order"] == "PRIORITY_BASED", name
+        assert options["enable_cpu_mem_arena"] is (name == "vae_encoder"), name
         assert "ConvAddActivationFusion" in options["disabled_optimizers"], name
 
 
@@ -217,3 +218,15 @@ def test_inspect_prints_every_submodule(tiny_build, tmp_path, capsys):
     assert "| vae_decoder |" in table and "after memory passes" in table and "at the peak" in table
     assert main(["inspect", str(tiny_build), "--height", "65"]) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+def test_planner_counts_fused_attention_scratch():
+    """ONNX Runtime's CPU MultiHeadAttention holds the (B, heads, S, L) probabilities while it runs."""
+    q = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 16, 8])
+    model = _model([helper.make_node("MultiHeadAttention", ["q", "q", "q"], ["o"], domain="com.microsoft", num_heads=2)],
+                   [], ["o"])
+    model.graph.input.append(q)
+    p = plan(load_graph(model, {"batch": 1}))
+    tensor = 16 * 8 * 4
+    assert p.live == [tensor + tensor + 2 * 16 * 16 * 4]  # q, o and the probabilities
+    assert p.live_at(0)[0].tensor.endswith("(workspace)")

@@ -32,6 +32,7 @@ class OpGraph:
     nodes: list[Node]
     nbytes: dict[str, int]  # every activation (graph inputs included): its bytes at the dims
     flops: list[int]  # per node, 2 x multiply-adds (0 for ops that do none)
+    workspace: list[int]  # per node, bytes the kernel allocates for itself while it runs
     weights: dict[str, int]  # initializer -> bytes
     parameters: int  # weight elements
     inputs: list[str]
@@ -102,6 +103,19 @@ def _mac_flops(node: onnx.NodeProto, shape) -> int:
     return 0
 
 
+def _workspace(node: onnx.NodeProto, shape) -> int:
+    """ONNX Runtime's CPU MultiHeadAttention computes the (B, heads, S, L) probabilities in one
+    float buffer of its own: at 1024x1024 the VAE's single-head attention holds 1 GiB there."""
+    if node.op_type != "MultiHeadAttention":
+        return 0
+    query, key = shape(node.input[0]), shape(node.input[1])
+    heads = next(a.i for a in node.attribute if a.name == "num_heads")
+    if query is None or key is None:
+        return 0
+    length = key[1] if len(key) == 3 else key[2]
+    return query[0] * heads * query[-2 if len(query) == 3 else 2] * length * 4
+
+
 def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> OpGraph:
     """The graph at `dims` ({dim name: value} for the inputs' symbolic dims). A proto is changed
     in place (its large weights become inputs): pass a copy you still need."""
@@ -122,6 +136,7 @@ def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> Op
         shapes[name], itemsize[name] = shape, size
 
     flops = [_mac_flops(n, shapes.get) for n in model.graph.node]
+    workspace = [_workspace(n, shapes.get) for n in model.graph.node]
     nbytes, unknown = {}, []
     for name in inputs:
         if name not in weights:
@@ -136,7 +151,7 @@ def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> Op
                 itemsize[out] = itemsize.get(first, 4)
             else:
                 nbytes[out] = math.prod(shape) * itemsize[out]
-    return OpGraph(nodes, nbytes, flops, {n: math.prod(d) * s for n, (d, s) in weights.items()},
+    return OpGraph(nodes, nbytes, flops, workspace, {n: math.prod(d) * s for n, (d, s) in weights.items()},
                    sum(math.prod(d) for d, _ in weights.values()), [i for i in inputs if i not in weights],
                    [o.name for o in model.graph.output], unknown, itemsize)
 

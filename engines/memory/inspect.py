@@ -59,7 +59,7 @@ def inspect_submodule(path: Path, entry: dict, dims: dict, sram: int, with_passe
         "peak_bytes": p.peak, "peak_node": graph.nodes[p.order[p.peak_step]].name,
         "offchip_bytes": p.offchip_bytes(sram), "sram": sram,
         "largest_at_peak": [{"tensor": b.tensor, "bytes": b.nbytes,
-                             "from": graph.nodes[p.producer[b.tensor]].name if b.tensor in p.producer else "graph input",
+                             "from": "graph input" if b.writer is None else graph.nodes[b.writer].name,
                              "until": graph.nodes[p.order[min(b.end, len(p.order) - 1)]].name} for b in at_peak],
         "in_place": inplace, "live": p.live,
     }

@@ -8,7 +8,8 @@ behaviours are modelled because they decide the peak:
   node reads the input. Measured on ONNX Runtime 1.31's CPU provider (256 MiB tensors, with and
   without buffer reuse): Relu, Sigmoid, Tanh, Elu, LeakyRelu, Selu, Softplus, Softsign and
   HardSigmoid run in place; Add, Sub, Mul, Div, Sqrt, Exp, Erf and QuickGelu never do.
-Graph inputs are live from the start, graph outputs to the end; weights are not activations.
+Graph inputs are live from the start, graph outputs to the end; weights are not activations. A
+kernel's own scratch (`OpGraph.workspace`: fused attention's probabilities) is live while it runs.
 
 `memory_order` is the greedy schedule the `schedule_memory` pass writes: of the nodes whose inputs
 are ready, run the one that adds the fewest live bytes (ties keep the file's order).
@@ -30,6 +31,7 @@ class Buffer:
     start: int  # the step that writes it
     end: int  # the last step that reads it (len(order) for graph outputs)
     tensor: str  # the tensor that first wrote it
+    writer: int | None = None  # the node that first wrote it (None: a graph input)
     reads: int = 0
     writes: int = 1
     graph_input: bool = False
@@ -113,8 +115,10 @@ def plan(graph: OpGraph, order: list[int] | None = None, inplace: bool = True) -
                     dying.end, dying.writes = last, dying.writes + 1
                     buf_of[out] = dying
                     continue
-            buf_of[out] = Buffer(graph.nbytes[out], step, last, out)
+            buf_of[out] = Buffer(graph.nbytes[out], step, last, out, i)
             buffers.append(buf_of[out])
+        if graph.workspace[i]:
+            buffers.append(Buffer(graph.workspace[i], step, step, f"{node.name} (workspace)", i, reads=1))
     delta = [0] * (len(order) + 2)
     for b in buffers:
         delta[b.start] += b.nbytes

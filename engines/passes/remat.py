@@ -67,6 +67,7 @@ def _apply(graph: OpGraph, order: list[int], r: Recompute) -> tuple[OpGraph, lis
         nodes[i] = dataclasses.replace(nodes[i], inputs=tuple(name if t == r.tensor else t for t in nodes[i].inputs))
     new = dataclasses.replace(graph, nodes=nodes, nbytes={**graph.nbytes, name: r.bytes},
                               flops=graph.flops + [graph.flops[r.producer]],
+                              workspace=graph.workspace + [graph.workspace[r.producer]],
                               itemsize={**graph.itemsize, name: graph.itemsize.get(r.tensor, 4)})
     first = min(order.index(i) for i in r.readers)
     return new, order[:first] + [len(graph.nodes)] + order[first:], name

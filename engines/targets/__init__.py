@@ -5,7 +5,7 @@ Adding a target is one module here with its `TARGETS` and one line in `_targets`
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
@@ -62,7 +62,12 @@ class MemoryProfile:
     did (recorded per submodule in the manifest, applied by the runner)."""
 
     passes: tuple[str, ...]
-    session_options: tuple[tuple[str, object], ...] = ()
+    session_options: dict = field(default_factory=dict)
+    # {submodule: options that replace the defaults}, where measurement chose differently.
+    overrides: dict = field(default_factory=dict)
+
+    def options_for(self, submodule: str) -> dict:
+        return {**self.session_options, **self.overrides.get(submodule, {})}
 
 
 @dataclass(frozen=True)
