@@ -44,15 +44,13 @@ def inspect_dims(manifest: dict, height: int | None, width: int | None, batch: i
     return dims
 
 
-def inspect_submodule(path: Path, entry: dict, dims: dict, sram: int, with_passes: bool, budget: int | None) -> dict:
+def inspect_submodule(path: Path, dims: dict, sram: int, with_passes: bool, budget: int | None) -> dict:
     """One row of the table; with `with_passes`, the live bytes after the memory passes too."""
     import onnx_ir as ir
 
     model = ir.load(path)
-    options = entry.get("session_options", {})
-    inplace = options.get("enable_mem_reuse", True)  # ONNX Runtime writes in place only when it reuses buffers
     graph = graph_of(model, dims)
-    p = plan(graph, inplace=inplace)
+    p = plan(graph)
     at_peak = p.live_at(p.peak_step)[:TOP]
     row = {
         "parameters": graph.parameters, "flops": sum(graph.flops), "weight_bytes": sum(graph.weights.values()),
@@ -61,7 +59,7 @@ def inspect_submodule(path: Path, entry: dict, dims: dict, sram: int, with_passe
         "largest_at_peak": [{"tensor": b.tensor, "bytes": b.nbytes,
                              "from": "graph input" if b.writer is None else graph.nodes[b.writer].name,
                              "until": graph.nodes[p.order[min(b.end, len(p.order) - 1)]].name} for b in at_peak],
-        "in_place": inplace, "live": p.live,
+        "live": p.live,
     }
     if with_passes:
         from engines.passes import PassContext, run_passes
@@ -85,7 +83,7 @@ def inspect(path: Path, height=None, width=None, batch=None, sram: int = 8 * 2**
             continue
         if log:
             log(f"analysing {name}")
-        rows[name] = inspect_submodule(folder / entry["file"], entry, dims, sram, with_passes, budget)
+        rows[name] = inspect_submodule(folder / entry["file"], dims, sram, with_passes, budget)
     return {"folder": str(folder), "dims": dims, "submodules": rows}
 
 
@@ -103,11 +101,10 @@ def format_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, r in rows.items():
-        lines.append(f"{name}: at the peak (node {r['peak_node']}"
-                     f"{'' if r['in_place'] else ', buffer reuse off: nothing in place'}):")
+        lines.append(f"{name}: at the peak (node {r['peak_node']}):")
         lines += [f"  {format_size(t['bytes']):>10}  {t['tensor']}  (from {t['from']}, held until {t['until']})"
                   for t in r["largest_at_peak"]]
-    dims = ", ".join(f"{k}={v}" for k, v in result["dims"].items() if "height" in k or "width" in k or k == "batch")
+    dims = ", ".join(f"{k}={v}" for k, v in result["dims"].items() if k.startswith(("image_", "latent_h", "latent_w", "batch")))
     return "\n".join([f"{result['folder']} at {dims}", ""] + lines)
 
 
