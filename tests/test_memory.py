@@ -220,6 +220,16 @@ def test_inspect_prints_every_submodule(tiny_build, tmp_path, capsys):
     assert "not a multiple" in capsys.readouterr().err
 
 
+def test_inspect_plots_live_bytes_before_and_after_the_passes(tiny_build, tmp_path):
+    from engines.memory.inspect import inspect, plot
+
+    result = inspect(tiny_build, 64, 64, 1, with_passes=True, budget=2**20)
+    for row in result["submodules"].values():
+        assert len(row["live"]) > 0 and max(row["live_after_passes"]) == row["peak_after_passes"] <= row["peak_bytes"]
+    plot(result, tmp_path / "live.png", 2**20)
+    assert (tmp_path / "live.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_planner_counts_fused_attention_scratch():
     """ONNX Runtime's CPU MultiHeadAttention holds the (B, heads, S, L) probabilities while it runs."""
     q = helper.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", 16, 8])
