@@ -1,9 +1,9 @@
 """Recompute instead of store: a large tensor that waits across a long stretch of the schedule (a
 skip connection) is computed again from smaller live tensors right before its late readers.
 
-Greedy, as the issue's study asked: at the planned peak, every tensor that is live but not read
-there and whose producer is cheap (Resize, Cast, elementwise, a Conv whose input is at most half
-its output) is a candidate. Each is tried on the planner; the one that lowers the peak most per
+Greedy: at the planned peak, every tensor that is live but not read there, that was read before
+and is read again after, and whose producer is cheap (Resize, Cast, Transpose, an activation, a
+Conv whose input is at most half its output) is a candidate. Each is tried on the planner; the one that lowers the peak most per
 extra FLOP is applied, and the search repeats until the peak is at most the context's
 `memory_budget`, nothing lowers it, or the recomputes would add more than `MAX_EXTRA_FLOPS` of
 the graph's work. The report lists every recompute with its bytes and FLOPs, and whether the
