@@ -129,7 +129,9 @@ def plot(result: dict, path: Path, budget: int | None) -> None:
         ax.legend(loc="upper left", fontsize="small")
     axes[-1, 0].set_xlabel("node in execution order")
     fig.tight_layout()
-    fig.savefig(path)
+    partial = path.with_name(f".{path.name}.partial.png")  # a failure or Ctrl-C leaves no half-written plot
+    fig.savefig(partial)
+    partial.replace(path)
 
 
 def main(argv=None) -> int:
