@@ -339,7 +339,8 @@ class Bench:
         from bench.prepare import build_memory
 
         artifact = in_child(build_memory, self.build)
-        manifest = read_manifest(artifact, verify=False)["submodules"]
+        built = read_manifest(artifact, verify=False)
+        manifest = built["submodules"]
         size, scale = self.args.memory_size, self.constants["vae_scale_factor"]
         dims = {"batch": 1, "latent_height": size // scale, "latent_width": size // scale,
                 "image_height": size, "image_width": size}
@@ -370,8 +371,7 @@ class Bench:
             for label, r in check.items():
                 rows.append([name, f"{artifact.name}, {label}", f"{r['peak_mib']:.0f}", "-", f"{r['seconds']:.1f}", "-",
                              f"{planned['memory']:.0f}", f"{r['increase_mib']:.0f} ({r['increase_mib'] / planned['memory'] - 1:+.0%})"])
-        passes = {n: [p for p in manifest[n]["passes"] if p["name"] in ("fuse_elementwise", "schedule_memory", "remat")]
-                  for n in shapes}
+        passes = {n: [p for p in manifest[n]["passes"] if p["name"] in built["memory"]["passes"]] for n in shapes}
         self.tables.append({
             "title": f"Activation memory: the VAE at {size}x{size}, batch 1 (fp32)",
             "columns": ["submodule", "graph and session", "peak RSS MiB", "vs default", "seconds", "vs default",

@@ -24,8 +24,7 @@ from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
 )
 
-ARTIFACT_FORMAT = 1
-MEMORY_PLANNED = ("schedule_memory", "remat")  # passes that run the planner of engines/memory  # bump when the artifact this code writes changes for the same inputs
+ARTIFACT_FORMAT = 1  # bump when the artifact this code writes changes for the same inputs
 
 
 def _log(msg: str) -> None:
@@ -40,14 +39,13 @@ def _submodule_dims(sub: dict, dims: dict) -> dict:
 def passes_fingerprint(names: dict[str, list[str]]) -> str:
     """The pass lists and the code they run: the modules of the passes used, every module of
     engines/passes that holds no pass (the infrastructure they share) and, for the passes that
-    plan memory, engines/memory. A changed pass rebuilds
-    the artifacts that use it, and only those."""
+    plan memory, engines/memory. A changed pass rebuilds the artifacts that use it, and only those."""
     import engines.passes
 
     pass_files = {Path(inspect.getfile(cls)) for cls in PASSES.values()}
     used = {Path(inspect.getfile(PASSES[n])) for pipeline in names.values() for n in pipeline}
     shared = set(Path(engines.passes.__file__).parent.glob("*.py")) - pass_files
-    if any(n in MEMORY_PLANNED for pipeline in names.values() for n in pipeline):  # they plan with engines/memory
+    if any(PASSES[n].plans_memory for pipeline in names.values() for n in pipeline):
         shared |= set((Path(engines.passes.__file__).parent.parent / "memory").glob("*.py"))
     return digest([names, sorted(p.read_text() for p in used | shared)])
 

@@ -37,7 +37,7 @@ class OpGraph:
     parameters: int  # weight elements
     inputs: list[str]
     outputs: list[str]
-    unknown: list[str]  # outputs shape inference left open (sized as the node's first input)
+    unknown: list[str]  # outputs shape inference left open (sized as the node's first input; inspect counts them)
     itemsize: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
     def elements(self, tensor: str) -> int:
@@ -67,7 +67,7 @@ _SHAPE_STAND_INS = {"QuickGelu": "Identity"}
 
 
 def _infer(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from engines.passes.ort_tools import infer_symbolic_shapes
 
     for node in model.graph.node:
         if node.op_type in _SHAPE_STAND_INS:
@@ -82,7 +82,7 @@ def _infer(model: onnx.ModelProto, dims: dict[str, int]) -> onnx.ModelProto:
             if d.dim_param in dims:
                 d.dim_value = dims[d.dim_param]
     del model.graph.value_info[:]
-    return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    return infer_symbolic_shapes(model, auto_merge=True)
 
 
 def _mac_flops(node: onnx.NodeProto, shape) -> int:
@@ -123,8 +123,9 @@ def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> Op
     weights = {i.name: (list(i.dims), onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize)
                for i in model.graph.initializer}
     inputs = [i.name for i in model.graph.input]
+    protos = list(model.graph.node)
     nodes = [Node(n.name or f"{n.op_type}_{i}", n.op_type, n.domain, tuple(n.input), tuple(n.output))
-             for i, n in enumerate(model.graph.node)]
+             for i, n in enumerate(protos)]
     model = _infer(model, dims)
     shapes, itemsize = {}, {}
     for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
@@ -135,8 +136,8 @@ def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> Op
     for name, (shape, size) in weights.items():
         shapes[name], itemsize[name] = shape, size
 
-    flops = [_mac_flops(n, shapes.get) for n in model.graph.node]
-    workspace = [_workspace(n, shapes.get) for n in model.graph.node]
+    flops = [_mac_flops(n, shapes.get) for n in protos]
+    workspace = [_workspace(n, shapes.get) for n in protos]
     nbytes, unknown = {}, []
     for name in inputs:
         if name not in weights:

@@ -18,7 +18,6 @@ from engines.memory.graph import graph_of
 from engines.memory.planner import plan
 from engines.memory.sizes import format_size, parse_size
 
-MEMORY_PASSES = ("fuse_elementwise", "schedule_memory", "remat")
 TOP = 5
 
 
@@ -59,12 +58,14 @@ def inspect_submodule(path: Path, dims: dict, sram: int, with_passes: bool, budg
         "largest_at_peak": [{"tensor": b.tensor, "bytes": b.nbytes,
                              "from": "graph input" if b.writer is None else graph.nodes[b.writer].name,
                              "until": graph.nodes[p.order[min(b.end, len(p.order) - 1)]].name} for b in at_peak],
-        "live": p.live,
+        "unknown_shapes": len(graph.unknown), "live": p.live,
     }
     if with_passes:
         from engines.passes import PassContext, run_passes
+        from engines.targets import get_target
 
-        model, _ = run_passes(model, MEMORY_PASSES, context=PassContext(dims=dims, memory_budget=budget))
+        passes = get_target("ort", "fp32").memory.passes  # the graphs analysed are ONNX Runtime's
+        model, _ = run_passes(model, passes, context=PassContext(dims=dims, memory_budget=budget))
         after = plan(graph_of(model, dims))
         row.update(peak_after_passes=after.peak, live_after_passes=after.live)
     return row
@@ -102,6 +103,8 @@ def format_table(result: dict) -> str:
     lines.append("")
     for name, r in rows.items():
         lines.append(f"{name}: at the peak (node {r['peak_node']}):")
+        if r["unknown_shapes"]:
+            lines.append(f"  ({r['unknown_shapes']} tensors of unresolved shape, counted at their first input's size)")
         lines += [f"  {format_size(t['bytes']):>10}  {t['tensor']}  (from {t['from']}, held until {t['until']})"
                   for t in r["largest_at_peak"]]
     dims = ", ".join(f"{k}={v}" for k, v in result["dims"].items() if k.startswith(("image_", "latent_h", "latent_w", "batch")))

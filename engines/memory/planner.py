@@ -5,9 +5,8 @@ behaviours are modelled because they decide the peak:
 - views: Reshape, Squeeze, Unsqueeze, Flatten and Identity write no new buffer, their output shares
   their input's (ONNX Runtime's kernels declare it an alias);
 - in place (`inplace=True`): an activation writes its output into its input's buffer when no later
-  node reads the input. Measured on ONNX Runtime 1.31's CPU provider (256 MiB tensors, with and
-  without buffer reuse): Relu, Sigmoid, Tanh, Elu, LeakyRelu, Selu, Softplus, Softsign and
-  HardSigmoid run in place; Add, Sub, Mul, Div, Sqrt, Exp, Erf and QuickGelu never do.
+  node reads the input. Measured on ONNX Runtime 1.31's CPU provider (tests/test_memory.py): Relu,
+  Sigmoid, Tanh, Elu, LeakyRelu, Selu, Softplus, Softsign and HardSigmoid run in place; Add, Sub, Mul, Div, Sqrt, Exp, Erf and QuickGelu never do.
 Graph inputs are live from the start, graph outputs to the end; weights are not activations. A
 kernel's own scratch (`OpGraph.workspace`: fused attention's probabilities) is live while it runs.
 
@@ -130,7 +129,7 @@ def plan(graph: OpGraph, order: list[int] | None = None, inplace: bool = True) -
     return Plan(order, buffers, live, producer)
 
 
-def memory_order(graph: OpGraph, inplace: bool = True) -> list[int]:
+def memory_order(graph: OpGraph) -> list[int]:
     """A topological order that greedily keeps the live bytes low (see the module's docstring)."""
     nodes = graph.nodes
     producer = {out: i for i, n in enumerate(nodes) for out in n.outputs if out}
@@ -167,7 +166,7 @@ def memory_order(graph: OpGraph, inplace: bool = True) -> list[int]:
             same_size = [b for b in dying if size[b] == graph.nbytes[out] and b not in placed.values()]
             if k == 0 and node.op_type in VIEW_OPS and first is not None:
                 placed[out] = first
-            elif k == 0 and inplace and node.op_type in INPLACE_OPS and same_size:
+            elif k == 0 and node.op_type in INPLACE_OPS and same_size:
                 placed[out] = same_size[0]
             else:
                 placed[out], added = None, added + graph.nbytes[out]

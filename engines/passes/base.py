@@ -51,6 +51,7 @@ class GraphPass(InPlacePass):
     name: str = ""
     summary: str = ""
     needs_calibration = False
+    plans_memory = False  # runs the planner of engines/memory (its code is part of the artifact's cache key)
     context = PassContext()
 
     def call(self, model: ir.Model) -> Report:
@@ -76,6 +77,7 @@ class LibraryPass(FunctionalPass):
     name: str = ""
     summary: str = ""
     needs_calibration = False
+    plans_memory = False
     context = PassContext()
     HELD_BYTES = 2**20  # smaller constants cross over as data: the libraries fold and inspect those
     # Precision passes convert or quantize the weights themselves, so they must see them all. They

@@ -32,6 +32,16 @@ def load_model(path: Path):
     return onnx.load(path, load_external_data=True)
 
 
+def infer_symbolic_shapes(proto, **options):
+    """ONNX Runtime's symbolic shape inference. On a graph it cannot complete, it writes a debug
+    model into the working directory before it raises: it runs in a temporary one, so that nothing
+    is left behind."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    with tempfile.TemporaryDirectory(prefix="diffusion-aot-") as folder, contextlib.chdir(folder):
+        return SymbolicShapeInference.infer_shapes(proto, **options)
+
+
 def activation_ranges(proto, feeds) -> dict[str, float]:
     """{tensor: largest absolute value} for every float tensor a node reads or writes, over all
     `feeds` (an engines.calibration.CalibrationFeeds), by ONNX Runtime's min-max calibrator."""

@@ -76,6 +76,7 @@ def _apply(graph: OpGraph, order: list[int], r: Recompute) -> tuple[OpGraph, lis
 class Remat(GraphPass):
     name = "remat"
     summary = "recompute cheap large tensors before late readers when it lowers the planned peak (under --memory-budget)"
+    plans_memory = True
 
     def call(self, model: ir.Model) -> Report:
         graph = graph_of(model, self.context.dims)

@@ -23,6 +23,7 @@ from engines.passes.ort_tools import request_session_options
 class ScheduleMemory(GraphPass):
     name = "schedule_memory"
     summary = "reorder nodes so the fewest activation bytes are live at once (ORT: PRIORITY_BASED order)"
+    plans_memory = True
 
     def call(self, model: ir.Model) -> Report:
         graph = graph_of(model, self.context.dims)

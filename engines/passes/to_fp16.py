@@ -24,14 +24,13 @@ class ToFp16(LibraryPass):
     needs_calibration = True
 
     def transform(self, proto):
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        from engines.passes.ort_tools import activation_ranges
+        from engines.passes.ort_tools import activation_ranges, infer_symbolic_shapes
 
         # The converter casts only tensors whose type it knows, and ONNX's inference stops at
         # contrib ops (MultiHeadAttention): ONNX Runtime's symbolic inference types them all.
-        proto = SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=True)
+        proto = infer_symbolic_shapes(proto, auto_merge=True, guess_output_rank=True)
         ranges = activation_ranges(proto, self.context.calibration)
         islands = fp32_islands(proto, ranges, RANGE_LIMIT)
         nodes_before = len(proto.graph.node)
