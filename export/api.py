@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, export_submodule
-from export.shapes import dim_ranges, probe_dims
+from export.shapes import dim_ranges, image_multiple, probe_dims
 from export.source import ModelSource, resolve
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
@@ -72,10 +72,11 @@ def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, 
     return tokenizers, scheduler
 
 
-def _check_sizes(sizes) -> tuple[int, int, int]:
+def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
     sizes = tuple(int(s) for s in sizes)
-    if len(sizes) != 3 or not 0 < sizes[0] <= sizes[1] <= sizes[2] or any(s % 16 for s in sizes):
-        raise ValueError(f"image size range {sizes}: give MIN,OPT,MAX with MIN <= OPT <= MAX, multiples of 16")
+    if len(sizes) != 3 or not 0 < sizes[0] <= sizes[1] <= sizes[2] or any(s % multiple for s in sizes):
+        raise ValueError(f"image size range {sizes}: give MIN,OPT,MAX with MIN <= OPT <= MAX, "
+                         f"multiples of {multiple} for this model")
     return sizes
 
 
@@ -86,10 +87,11 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     `image_size` (min, opt, max pixels) overrides the range the engines are built for."""
     _quiet_libraries()
     src = model if isinstance(model, ModelSource) else resolve(model)
+    constants = src.family.constants(src)
     if image_size:
-        src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, image_size=_check_sizes(image_size)))
+        sizes = _check_sizes(image_size, image_multiple(constants))
+        src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, image_size=sizes))
     family, entry = src.family, src.entry
-    constants = family.constants(src)
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)
     specs = [s for s in family.submodules if src.has(s.component)]

@@ -24,6 +24,14 @@ class ModelEntry:
 
 
 _SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+# The scheduler_config.json of stable-diffusion-v1-5 (PNDM, PLMS steps) and of SDXL base (Euler).
+_DDPM = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+         "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "clip_sample": False,
+         "trained_betas": None}
+SD15_SCHEDULER = {"_class_name": "PNDMScheduler", **_DDPM}
+SDXL_SCHEDULER = {"_class_name": "EulerDiscreteScheduler", **_DDPM, "interpolation_type": "linear",
+                  "prediction_type": "epsilon", "sample_max_value": 1.0, "timestep_spacing": "leading",
+                  "use_karras_sigmas": False}
 _SD3_VAE = {  # the real SD3 VAE structure: 16 latent channels, 4 blocks (scale factor 8)
     "in_channels": 3, "out_channels": 3, "latent_channels": 16,
     "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
@@ -93,6 +101,63 @@ SD3_BENCH = {
     "scheduler": _SD3_SCHEDULER,
 }
 
+def _unet(widths, down, up, heads, cross: int, groups: int, layers=2, **sdxl) -> dict:
+    """UNet2DConditionModel: `down`/`up` name the blocks ("Cross" for CrossAttn...Block2D);
+    `heads` is per block (diffusers calls it attention_head_dim)."""
+    block = {"Cross": "CrossAttn{}Block2D", "Plain": "{}Block2D"}
+    return {
+        "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": layers,
+        "block_out_channels": list(widths), "attention_head_dim": heads, "cross_attention_dim": cross,
+        "norm_num_groups": groups,
+        "down_block_types": [block[b].format("Down") for b in down],
+        "up_block_types": [block[b].format("Up") for b in up],
+        **sdxl,
+    }
+
+
+def _sdxl_unet(widths, heads, transformer_layers, cross: int, pooled: int, time_dim: int, groups: int) -> dict:
+    """SDXL's UNet: no cross-attention in the first block, linear projections, and the pooled
+    text embedding plus six size conditions ("text_time") added to the time embedding."""
+    down = ["Plain"] + ["Cross"] * (len(widths) - 1)
+    return _unet(widths, down, down[::-1], heads, cross, groups, transformer_layers_per_block=transformer_layers,
+                 use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+                 projection_class_embeddings_input_dim=6 * time_dim + pooled)
+
+
+def _vae4(widths, layers: int, groups: int, scaling: float, **extra) -> dict:
+    """The 4-channel VAE of SD1.x and SDXL (quant convs, no shift)."""
+    return {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": list(widths),
+            "down_block_types": ["DownEncoderBlock2D"] * len(widths), "up_block_types": ["UpDecoderBlock2D"] * len(widths),
+            "layers_per_block": layers, "norm_num_groups": groups, "scaling_factor": scaling, **extra}
+
+
+_SD15_BLOCKS = (["Cross"] * 3 + ["Plain"], ["Plain"] + ["Cross"] * 3)
+# SD1.5's architecture at tiny widths: four UNet blocks (three with cross-attention), CLIP-L.
+SD15_TINY = {
+    "unet": _unet((16, 32, 32, 32), *_SD15_BLOCKS, heads=4, cross=32, groups=8),
+    "vae": _vae4((8, 16, 16, 16), 1, 4, 0.18215),
+    "text_encoder": _clip(32, 64, 4, "quick_gelu"),
+    "scheduler": SD15_SCHEDULER,
+}
+# The real SD1.5: UNet (320, 640, 1280, 1280) with 2 layers per block, cross-attention width 768,
+# CLIP-L at full depth and the real VAE, with random weights (benchmarks: about 1.07 B parameters).
+SD15_BENCH = {
+    "unet": _unet((320, 640, 1280, 1280), *_SD15_BLOCKS, heads=8, cross=768, groups=32),
+    "vae": _vae4((128, 256, 512, 512), 2, 32, 0.18215),
+    "text_encoder": {**_clip(768, 3072, 12, "quick_gelu"), "num_hidden_layers": 12},
+    "scheduler": SD15_SCHEDULER,
+}
+# SDXL's architecture at tiny widths: three blocks, the first without attention, two transformer
+# layers in the last; CLIP-L (32) and CLIP-G (32) side by side for a cross-attention width of 64.
+SDXL_TINY = {
+    "unet": _sdxl_unet((16, 32, 32), heads=[2, 4, 4], transformer_layers=[1, 1, 2], cross=64, pooled=32,
+                       time_dim=8, groups=8),
+    "vae": _vae4((8, 16, 16, 16), 1, 4, 0.13025, force_upcast=True),
+    "text_encoder": _clip(32, 64, 4, "quick_gelu"),
+    "text_encoder_2": _clip(32, 64, 4, "gelu"),
+    "scheduler": SDXL_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -102,11 +167,21 @@ MODELS: dict[str, ModelEntry] = {
                    description="Stable Diffusion 3.5 medium"),
         ModelEntry("sd3.5-large", "sd3", hub_id="stabilityai/stable-diffusion-3.5-large",
                    description="Stable Diffusion 3.5 large"),
+        ModelEntry("sd15", "sd15", hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5", image_size=(256, 512, 768),
+                   description="Stable Diffusion 1.5"),
+        ModelEntry("sdxl", "sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", image_size=(512, 1024, 1536),
+                   description="Stable Diffusion XL base 1.0"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
                    description="SD3 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd3.5-tiny", "sd3", random_configs=SD35_TINY, image_size=(64, 128, 512),
                    description="SD3.5-medium architecture (q/k RMS norm, dual attention) at tiny widths, built offline"),
         ModelEntry("sd3-bench", "sd3", random_configs=SD3_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    description="SD3-medium widths, 2 layers per stack, random seeded weights (benchmarks)"),
+        ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
+                   description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
+        ModelEntry("sdxl-tiny", "sdxl", random_configs=SDXL_TINY, image_size=(64, 128, 256),
+                   description="SDXL architecture at tiny widths, random seeded weights, built offline"),
+        ModelEntry("sd15-bench", "sd15", random_configs=SD15_BENCH, image_size=(256, 512, 512), batch=(1, 2, 4),
+                   description="the real SD1.5 architecture, random seeded weights (benchmarks)"),
     )
 }

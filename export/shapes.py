@@ -23,21 +23,31 @@ def _derive(family: Family, base: dict[str, int], constants: dict) -> dict[str, 
     return out
 
 
+def image_multiple(constants: dict) -> int:
+    """Image sides are multiples of this: the VAE's scale times the denoiser's latent multiple
+    (SD3's patch, a UNet's down-sampling)."""
+    return constants["vae_scale_factor"] * constants["latent_multiple"]
+
+
+def _used(family: Family) -> set[str]:
+    return {d for s in family.submodules for t in s.inputs + s.outputs for d in t.shape if isinstance(d, str)}
+
+
 def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, Range]:
-    """min/opt/max of every dynamic dimension, from the entry's image-size and text ranges."""
+    """min/opt/max of every dynamic dimension the family's tensors use, from the entry's
+    image-size and text ranges."""
     scale = constants["vae_scale_factor"]
     latent = tuple(s // scale for s in entry.image_size)
     base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "t5_length": entry.t5_length}
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
-    return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0]}
+    return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 
 
 def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[str, int]]:
     """Two different concrete settings of the dynamic dims: the first is the export example
     (every dynamic size >= 2, so the exporter keeps it symbolic), the second checks that the
     graph generalises (batch 1, non-square, a shorter text)."""
-    scale = constants["vae_scale_factor"]
-    step = scale * 2  # latent sides stay even for the 2x2 patch embedding
+    scale, step = constants["vae_scale_factor"], image_multiple(constants)
     lo, opt, hi = entry.image_size
     if lo + step > hi:
         raise ValueError(f"{entry.name}: image size range {entry.image_size} is too narrow to check two shapes")
@@ -48,7 +58,7 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
         {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "t5_length": max(2, t5_opt)},
         {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale, "t5_length": max(t5_lo, min(t5_opt, 32) - 5)},
     ]
-    return [_derive(family, p, constants) for p in probes]
+    return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 
 
 def concrete(shape: Shape, dims: dict[str, int], constants: dict) -> tuple[int, ...]:

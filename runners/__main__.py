@@ -14,11 +14,11 @@ def main(argv=None) -> int:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--height", type=int, default=None, help="default: the artifact's opt size")
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--steps", type=int, default=28)
-    p.add_argument("--guidance", type=float, default=7.0)
+    p.add_argument("--steps", type=int, default=None, help="default: the family's (SD3 28, SD1.5 and SDXL 50)")
+    p.add_argument("--guidance", type=float, default=None, help="default: the family's (SD3 7, SD1.5 7.5, SDXL 5)")
     p.add_argument("--seed", type=int, default=0, help="numpy's generator (not torch's noise)")
     p.add_argument("--num-images", type=int, default=1)
-    p.add_argument("--max-sequence-length", type=int, default=256)
+    p.add_argument("--max-sequence-length", type=int, default=None, help="SD3's T5 tokens (default 256)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--vae-tiling", action="store_true",
                    help="decode in overlapping tiles even when the image fits the VAE engine (it is automatic "
@@ -41,10 +41,12 @@ def main(argv=None) -> int:
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
                              device_map=parse_device_map(args.device_map))
         timings = {"load": time.perf_counter() - t0}
+        given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
+                 "max_sequence_length": args.max_sequence_length}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
-                      num_inference_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
-                      num_images_per_prompt=args.num_images, max_sequence_length=args.max_sequence_length,
-                      vae_tiling=True if args.vae_tiling else None, profile=args.profile)
+                      seed=args.seed, num_images_per_prompt=args.num_images,
+                      vae_tiling=True if args.vae_tiling else None, profile=args.profile,
+                      **{k: v for k, v in given.items() if v is not None})
         timings.update(pipe.timings)
         out = Path(args.out)
         paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]

@@ -11,7 +11,7 @@ from pathlib import Path
 from runners.backends import open_session
 from runners.manifest import read_manifest
 from runners.profile import Profiler
-from runners.scheduler import load_scheduler
+from runners.schedulers import load_scheduler
 from runners.text import TextTokenizer
 
 
@@ -27,8 +27,10 @@ class Pipeline:
         `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents);
         `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0)."""
         from runners.sd3 import SD3Pipeline
+        from runners.sd15 import SD15Pipeline
+        from runners.sdxl import SDXLPipeline
 
-        families = {p.family: p for p in (SD3Pipeline,)}
+        families = {p.family: p for p in (SD3Pipeline, SD15Pipeline, SDXLPipeline)}
         folder = Path(artifact_dir)
         manifest = read_manifest(folder, verify=verify)
         family = manifest["model"]["family"]
@@ -84,7 +86,7 @@ class Pipeline:
         """Sessions that record ONNX Runtime's operator profile for this run, then the usual ones back."""
         self.sessions = None  # one set of weights in memory at a time
         self.sessions = self._open_sessions(profile=True)
-        self.profiler = Profiler(out_dir)
+        self.profiler = Profiler(out_dir, self.constants["denoiser"])
         try:
             yield
             ort_events = {name: s.end_profiling() for name, s in self.sessions.items()

@@ -21,8 +21,9 @@ def _now_us() -> float:
 
 
 class Profiler:
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, denoiser: str):
         self.dir = Path(out_dir)
+        self.denoiser = denoiser  # its calls are labelled as steps
         self.calls: list[dict] = []  # in call order: {"submodule", "label", "ts", "dur"}
         self._count: Counter = Counter()
         self.t0 = _now_us()
@@ -31,7 +32,7 @@ class Profiler:
     def call(self, submodule: str, fn):
         i = self._count[submodule]
         self._count[submodule] += 1
-        label = f"{submodule}.step{i:02d}" if submodule == "transformer" else f"{submodule}.call{i}"
+        label = f"{submodule}.step{i:02d}" if submodule == self.denoiser else f"{submodule}.call{i}"
         start = _now_us()
         result = fn()
         self.calls.append({"submodule": submodule, "label": label, "ts": start - self.t0, "dur": _now_us() - start})

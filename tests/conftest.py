@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +53,34 @@ def reference_pipeline(tiny_source):
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_source.folder)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@dataclass(frozen=True)
+class TinyBuild:
+    source: object  # export.source.ModelSource
+    folder: Path  # holds onnx/ and ort-fp32/
+
+
+def _tiny_build(tmp_path_factory, name: str) -> TinyBuild:
+    from engines.api import build_artifact
+    from export.api import export_model
+    from export.source import resolve
+
+    source = resolve(name)
+    folder = tmp_path_factory.mktemp(name)
+    export_model(source, folder)
+    build_artifact(folder, "ort", "fp32")
+    return TinyBuild(source, folder)
+
+
+@pytest.fixture(scope="session")
+def sd15_tiny_build(tmp_path_factory):
+    return _tiny_build(tmp_path_factory, "sd15-tiny")
+
+
+@pytest.fixture(scope="session")
+def sdxl_tiny_build(tmp_path_factory):
+    return _tiny_build(tmp_path_factory, "sdxl-tiny")
 
 
 def manifest(folder) -> dict:

@@ -1,27 +1,16 @@
-"""Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline): six submodules, as data.
-
-The wrappers select the outputs SD3 actually uses, so the graphs carry nothing the runner
-throws away (CLIP's last hidden state, the VAE's posterior object, ...).
-"""
+"""Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline): six submodules, as data."""
 from __future__ import annotations
 
 import types
 
 import torch
 
+from export.families.parts import (
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, seeded, vae_runtime_constants,
+)
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
-
-class _ClipForSD3(torch.nn.Module):
-    """Pooled projected embedding and the penultimate hidden state (SD3's clip_skip=None)."""
-
-    def __init__(self, clip):
-        super().__init__()
-        self.clip = clip
-
-    def forward(self, input_ids):
-        out = self.clip(input_ids, output_hidden_states=True)
-        return out.text_embeds, out.hidden_states[-2]
+_CLIP_OUTPUTS = ("text_embeds", "penultimate_hidden_states")
 
 
 class _T5ForSD3(torch.nn.Module):
@@ -70,55 +59,19 @@ class _TransformerForSD3(torch.nn.Module):
         return (out[0],)
 
 
-class _VaeDecoder(torch.nn.Module):
-    """Latents already unscaled by the runner ((z / scaling) + shift) -> image in [-1, 1]."""
-
-    def __init__(self, vae):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, latent):
-        return (self.vae.decode(latent, return_dict=False)[0],)
-
-
-class _VaeEncoder(torch.nn.Module):
-    """Image in [-1, 1] -> the posterior's mean and log-variance (the runner samples or takes the mean)."""
-
-    def __init__(self, vae):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, image):
-        posterior = self.vae.encode(image, return_dict=False)[0]
-        return posterior.mean, posterior.logvar
-
-
-def _clip(name: str, width: str, proj: str, vocab: str) -> SubmoduleSpec:
-    return SubmoduleSpec(
-        name=name,
-        component=name,
-        inputs=(T("input_ids", "int64", ("batch", "clip_length"), high=vocab),),
-        outputs=(
-            T("text_embeds", "float32", ("batch", proj)),
-            T("penultimate_hidden_states", "float32", ("batch", "clip_length", width)),
-        ),
-        wrap=_ClipForSD3,
-    )
-
-
 def _constants(src) -> dict[str, int]:
     tr, vae = src.config("transformer"), src.config("vae")
     clip, clip2 = src.config("text_encoder"), src.config("text_encoder_2")
     c = {
         "clip_length": src.tokenizer_max_length("tokenizer"),
-        "clip_width": clip["hidden_size"], "clip_proj": clip["projection_dim"], "clip_vocab": clip["vocab_size"],
-        "clip2_width": clip2["hidden_size"], "clip2_proj": clip2["projection_dim"], "clip2_vocab": clip2["vocab_size"],
+        **clip_constants(clip, "clip"), **clip_constants(clip2, "clip2"),
         "joint_dim": tr["joint_attention_dim"],
         "pooled_dim": tr["pooled_projection_dim"],
         "in_channels": tr["in_channels"],
         "out_channels": tr["out_channels"],
         "latent_channels": vae["latent_channels"],
         "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
+        "latent_multiple": tr["patch_size"],  # latent sides are whole patches
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
     }
     if src.has("text_encoder_3"):
@@ -131,9 +84,9 @@ def _runtime_constants(src) -> dict:
     c = _constants(src)
     tr, vae = src.config("transformer"), src.config("vae")
     return {
-        "vae_scaling_factor": vae["scaling_factor"],
-        "vae_shift_factor": vae.get("shift_factor") or 0.0,
-        "vae_scale_factor": c["vae_scale_factor"],
+        **vae_runtime_constants(vae),
+        "denoiser": "transformer",
+        "latent_multiple": c["latent_multiple"],
         "patch_size": tr["patch_size"],
         "latent_channels": tr["in_channels"],
         "joint_attention_dim": tr["joint_attention_dim"],
@@ -152,30 +105,21 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from diffusers import StableDiffusion3Pipeline
-    from transformers import (
-        AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
-    )
+    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from export.offline_tokenizers import write_clip_tokenizer, write_t5_tokenizer
+    from export.offline_tokenizers import write_t5_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        tok = {}
-        for name, pad in (("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")):
-            write_clip_tokenizer(Path(tmp, name), pad_token=pad)
-            tok[name] = AutoTokenizer.from_pretrained(Path(tmp, name))
+        tok = clip_tokenizers(tmp, {"tokenizer": "<|endoftext|>", "tokenizer_2": "!"})
         t5_vocab = write_t5_tokenizer(Path(tmp, "tokenizer_3"), configs["t5_vocab_pieces"], seed)
         tok["tokenizer_3"] = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer_3"))
 
-        def seeded(offset, make):
-            torch.manual_seed(seed + offset)
-            return make().eval()
-
         pipe = StableDiffusion3Pipeline(
-            transformer=seeded(0, lambda: SD3Transformer2DModel(**configs["transformer"])),
-            vae=seeded(1, lambda: AutoencoderKL(**configs["vae"])),
-            text_encoder=seeded(2, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder"]))),
-            text_encoder_2=seeded(3, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder_2"]))),
-            text_encoder_3=seeded(4, lambda: T5EncoderModel(T5Config(vocab_size=t5_vocab, **configs["text_encoder_3"]))),
+            transformer=seeded(seed + 0, lambda: SD3Transformer2DModel(**configs["transformer"])),
+            vae=seeded(seed + 1, lambda: AutoencoderKL(**configs["vae"])),
+            text_encoder=seeded(seed + 2, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder"]))),
+            text_encoder_2=seeded(seed + 3, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder_2"]))),
+            text_encoder_3=seeded(seed + 4, lambda: T5EncoderModel(T5Config(vocab_size=t5_vocab, **configs["text_encoder_3"]))),
             scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
             **tok,
         )
@@ -186,8 +130,8 @@ FAMILY = Family(
     name="sd3",
     pipeline_class="StableDiffusion3Pipeline",
     submodules=(
-        _clip("text_encoder", "clip_width", "clip_proj", "clip_vocab"),
-        _clip("text_encoder_2", "clip2_width", "clip2_proj", "clip2_vocab"),
+        clip("text_encoder", "clip", _CLIP_OUTPUTS),
+        clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
         SubmoduleSpec(
             name="text_encoder_3",
             component="text_encoder_3",
@@ -213,29 +157,13 @@ FAMILY = Family(
             quantization={"denoiser": True, "keep_scopes": ("pos_embed", "time_text_embed", "context_embedder",
                                                             "norm_out", "proj_out")},
         ),
-        SubmoduleSpec(
-            name="vae_decoder",
-            component="vae",
-            inputs=(T("latent", "float32", ("batch", "latent_channels", "latent_height", "latent_width")),),
-            outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
-            wrap=_VaeDecoder,
-        ),
-        SubmoduleSpec(
-            name="vae_encoder",
-            component="vae",
-            inputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
-            outputs=(
-                T("latent_mean", "float32", ("batch", "latent_channels", "latent_height", "latent_width")),
-                T("latent_logvar", "float32", ("batch", "latent_channels", "latent_height", "latent_width")),
-            ),
-            wrap=_VaeEncoder,
-        ),
+        VAE_DECODER,
+        VAE_ENCODER,
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
     derived_dims={
-        "image_height": ("latent_height", "vae_scale_factor", 0),
-        "image_width": ("latent_width", "vae_scale_factor", 0),
+        **VAE_DIMS,
         "joint_length": ("t5_length", 1, "clip_length"),
     },
     tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"),

@@ -1,14 +1,15 @@
 """FlowMatchEulerDiscreteScheduler in numpy, driven by the artifact's scheduler_config.json.
 
 A port of diffusers' scheduler for the options SD3 and SD3.5 configs use (shift, dynamic
-shifting, shift_terminal); the tests check its timesteps and sigmas against diffusers.
-Options it does not implement are refused at load time rather than ignored.
+shifting, shift_terminal).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from runners.schedulers.schedule import Schedule
 
 _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
                 "stochastic_sampling")
@@ -64,17 +65,14 @@ class FlowMatchEulerDiscrete:
         timesteps = sigmas * np.float32(n)
         return timesteps, np.append(sigmas, np.float32(0.0))
 
-    @staticmethod
-    def step(model_output: np.ndarray, sigma: np.float32, sigma_next: np.float32, sample: np.ndarray) -> np.ndarray:
+    def start(self, num_inference_steps: int, mu: float | None = None) -> Schedule:
+        return _FlowRun(*self.timesteps(num_inference_steps, mu))
+
+
+class _FlowRun(Schedule):
+    def __init__(self, timesteps: np.ndarray, sigmas: np.ndarray):
+        self.timesteps, self.sigmas = timesteps, sigmas
+
+    def step(self, model_output, i, sample):
         """One Euler step of the flow ODE (sample + (sigma_next - sigma) * velocity), in float32."""
-        return (sample + np.float32(sigma_next - sigma) * model_output).astype(sample.dtype)
-
-
-SCHEDULERS = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscrete}
-
-
-def load_scheduler(config: dict):
-    name = config.get("_class_name")
-    if name not in SCHEDULERS:
-        raise ValueError(f"scheduler {name!r} is not supported by the runner; supported: {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name](config)
+        return (sample + np.float32(self.sigmas[i + 1] - self.sigmas[i]) * model_output).astype(sample.dtype)

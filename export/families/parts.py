@@ -1,0 +1,118 @@
+"""Submodule descriptions several families share: CLIP text encoders by the outputs a pipeline
+reads, and the VAE's decoder and encoder. The wrappers return only what the runner uses, so the
+graphs carry nothing it throws away (the hidden states of every layer, the posterior object...)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from export.spec import SubmoduleSpec, TensorSpec as T
+
+# Which CLIP output each name means. SD1.5 reads the last state (after the final norm); SD3 and
+# SDXL the penultimate one (before it) and CLIP-G's projected pooled embedding.
+_CLIP_OUTPUTS = {
+    "text_embeds": lambda out: out.text_embeds,
+    "last_hidden_state": lambda out: out.last_hidden_state,
+    "penultimate_hidden_states": lambda out: out.hidden_states[-2],
+}
+
+
+class _Clip(torch.nn.Module):
+    def __init__(self, clip, outputs: tuple[str, ...]):
+        super().__init__()
+        self.clip, self.outputs = clip, outputs
+
+    def forward(self, input_ids):
+        out = self.clip(input_ids, output_hidden_states=True)
+        return tuple(_CLIP_OUTPUTS[name](out) for name in self.outputs)
+
+
+def clip(name: str, prefix: str, outputs: tuple[str, ...]) -> SubmoduleSpec:
+    """A CLIP text encoder; `prefix` names its constants ({prefix}_width, _proj, _vocab)."""
+    shapes = {"text_embeds": ("batch", f"{prefix}_proj"),
+              "last_hidden_state": ("batch", "clip_length", f"{prefix}_width"),
+              "penultimate_hidden_states": ("batch", "clip_length", f"{prefix}_width")}
+    return SubmoduleSpec(
+        name=name,
+        component=name,
+        inputs=(T("input_ids", "int64", ("batch", "clip_length"), high=f"{prefix}_vocab"),),
+        outputs=tuple(T(o, "float32", shapes[o]) for o in outputs),
+        wrap=functools.partial(_Clip, outputs=outputs),
+    )
+
+
+def clip_constants(config: dict, prefix: str) -> dict[str, int]:
+    return {f"{prefix}_width": config["hidden_size"], f"{prefix}_proj": config.get("projection_dim", 0),
+            f"{prefix}_vocab": config["vocab_size"]}
+
+
+class _VaeDecoder(torch.nn.Module):
+    """Latents already unscaled by the runner ((z / scaling) + shift) -> image in [-1, 1]."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent):
+        return (self.vae.decode(latent, return_dict=False)[0],)
+
+
+class _VaeEncoder(torch.nn.Module):
+    """Image in [-1, 1] -> the posterior's mean and log-variance (the runner samples or takes the mean)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, image):
+        posterior = self.vae.encode(image, return_dict=False)[0]
+        return posterior.mean, posterior.logvar
+
+
+_LATENT = ("batch", "latent_channels", "latent_height", "latent_width")
+VAE_DECODER = SubmoduleSpec(
+    name="vae_decoder",
+    component="vae",
+    inputs=(T("latent", "float32", _LATENT),),
+    outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
+    wrap=_VaeDecoder,
+)
+VAE_ENCODER = SubmoduleSpec(
+    name="vae_encoder",
+    component="vae",
+    inputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
+    outputs=(T("latent_mean", "float32", _LATENT), T("latent_logvar", "float32", _LATENT)),
+    wrap=_VaeEncoder,
+)
+# The image is the latent times the VAE's scale factor.
+VAE_DIMS = {"image_height": ("latent_height", "vae_scale_factor", 0),
+            "image_width": ("latent_width", "vae_scale_factor", 0)}
+
+
+def vae_runtime_constants(vae: dict) -> dict:
+    """What the runner needs to unscale latents before the decoder."""
+    return {"vae_scaling_factor": vae["scaling_factor"], "vae_shift_factor": vae.get("shift_factor") or 0.0,
+            "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1)}
+
+
+def seeded(seed: int, make):
+    """A module built under a fixed torch seed, in eval mode: random weights, reproducibly."""
+    torch.manual_seed(seed)
+    return make().eval()
+
+
+def clip_tokenizers(folder, pads: dict[str, str]) -> dict:
+    """{component: tokenizer} with CLIP's real vocabulary, written under `folder` and loaded back
+    through from_pretrained as a downloaded one is. `pads`: {component: its pad token}."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from export.offline_tokenizers import write_clip_tokenizer
+
+    tokenizers = {}
+    for name, pad in pads.items():
+        write_clip_tokenizer(Path(folder, name), pad_token=pad)
+        tokenizers[name] = AutoTokenizer.from_pretrained(Path(folder, name))
+    return tokenizers

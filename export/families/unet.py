@@ -1,0 +1,155 @@
+"""The U-Net families: Stable Diffusion 1.x (StableDiffusionPipeline) and SDXL
+(StableDiffusionXLPipeline). A text encoder or two, a UNet2DConditionModel with cross-attention
+and skip connections, and the 4-channel VAE, as data.
+
+The UNet halves the latent at every down block but the last, so latent sides are multiples of
+2 ** (down blocks - 1): the pipeline's `latent_multiple`.
+"""
+from __future__ import annotations
+
+import torch
+
+from export.families.parts import (
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, seeded, vae_runtime_constants,
+)
+from export.spec import Family, SubmoduleSpec, TensorSpec as T
+
+_LATENT = ("batch", "in_channels", "latent_height", "latent_width")
+# Everything outside the down, mid and up blocks: quantization keeps it in float (its errors
+# reach every block, or the output directly).
+_KEEP_SCOPES = ("conv_in", "time_proj", "time_embedding", "add_time_proj", "add_embedding", "conv_norm_out", "conv_out")
+
+
+class _UNet(torch.nn.Module):
+    def __init__(self, unet):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        return (self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0],)
+
+
+class _UNetXL(_UNet):
+    """SDXL's added conditions, CLIP-G's pooled embedding and the six size conditions, as two more inputs."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return (self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added,
+                          return_dict=False)[0],)
+
+
+def _unet(wrap, *added: T) -> SubmoduleSpec:
+    return SubmoduleSpec(
+        name="unet",
+        component="unet",
+        inputs=(
+            T("sample", "float32", _LATENT),
+            T("timestep", "float32", ("batch",), high="num_train_timesteps"),
+            T("encoder_hidden_states", "float32", ("batch", "clip_length", "cross_dim")),
+            *added,
+        ),
+        outputs=(T("noise_pred", "float32", ("batch", "out_channels", "latent_height", "latent_width")),),
+        wrap=wrap,
+        quantization={"denoiser": True, "keep_scopes": _KEEP_SCOPES},
+    )
+
+
+def _constants(src) -> dict[str, int]:
+    unet, vae = src.config("unet"), src.config("vae")
+    c = {
+        "clip_length": src.tokenizer_max_length("tokenizer"),
+        **clip_constants(src.config("text_encoder"), "clip"),
+        "cross_dim": unet["cross_attention_dim"],
+        "in_channels": unet["in_channels"],
+        "out_channels": unet["out_channels"],
+        "latent_channels": vae["latent_channels"],
+        "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
+        "latent_multiple": 2 ** (len(unet["block_out_channels"]) - 1),
+        "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
+    }
+    if src.has("text_encoder_2"):
+        c.update(clip_constants(src.config("text_encoder_2"), "clip2"), time_ids=6)
+    return c
+
+
+def _runtime_constants(src) -> dict:
+    c = _constants(src)
+    return {
+        **vae_runtime_constants(src.config("vae")),
+        "denoiser": "unet",
+        "latent_multiple": c["latent_multiple"],
+        "latent_channels": c["in_channels"],
+        "clip_length": c["clip_length"],
+        # SDXL: without a negative prompt, guidance's unconditional half is zeros
+        "force_zeros_for_empty_prompt": bool(src.model_index().get("force_zeros_for_empty_prompt", False)),
+    }
+
+
+def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], configs: dict, out_dir,
+           seed: int, **pipeline_kwargs) -> None:
+    """Write a pipeline folder with random seeded weights: `encoders` maps each text encoder
+    component to its transformers class; `pads` each tokenizer to its pad token."""
+    import tempfile
+
+    import diffusers
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {name: seeded(seed + 2 + i, lambda: getattr(transformers, cls)(
+                       transformers.CLIPTextConfig(**configs[name])))
+                   for i, (name, cls) in enumerate(encoders.items())}
+        scheduler = configs["scheduler"]
+        pipe = getattr(diffusers, pipeline_class)(
+            unet=seeded(seed, lambda: diffusers.UNet2DConditionModel(**configs["unet"])),
+            vae=seeded(seed + 1, lambda: diffusers.AutoencoderKL(**configs["vae"])),
+            # from_config, as from_pretrained does: the real configs carry keys a class ignores
+            scheduler=getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
+            **modules, **clip_tokenizers(tmp, pads), **pipeline_kwargs,
+        )
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_sd15(configs: dict, out_dir, seed: int = 0) -> None:
+    _build("StableDiffusionPipeline", {"text_encoder": "CLIPTextModel"}, {"tokenizer": "<|endoftext|>"},
+           configs, out_dir, seed, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def build_sdxl(configs: dict, out_dir, seed: int = 0) -> None:
+    _build("StableDiffusionXLPipeline",
+           {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"},
+           {"tokenizer": "<|endoftext|>", "tokenizer_2": "!"}, configs, out_dir, seed,
+           force_zeros_for_empty_prompt=True, add_watermarker=False)
+
+
+SD15 = Family(
+    name="sd15",
+    pipeline_class="StableDiffusionPipeline",
+    submodules=(
+        clip("text_encoder", "clip", ("last_hidden_state",)),
+        _unet(_UNet),
+        VAE_DECODER,
+        VAE_ENCODER,
+    ),
+    constants=_constants,
+    runtime_constants=_runtime_constants,
+    derived_dims=VAE_DIMS,
+    tokenizers=("tokenizer",),
+    build_random=build_sd15,
+)
+
+SDXL = Family(
+    name="sdxl",
+    pipeline_class="StableDiffusionXLPipeline",
+    submodules=(
+        clip("text_encoder", "clip", ("penultimate_hidden_states",)),
+        clip("text_encoder_2", "clip2", ("text_embeds", "penultimate_hidden_states")),
+        _unet(_UNetXL, T("text_embeds", "float32", ("batch", "clip2_proj")), T("time_ids", "float32", ("batch", "time_ids"))),
+        VAE_DECODER,
+        VAE_ENCODER,
+    ),
+    constants=_constants,
+    runtime_constants=_runtime_constants,
+    derived_dims=VAE_DIMS,
+    tokenizers=("tokenizer", "tokenizer_2"),
+    build_random=build_sdxl,
+)

@@ -1,0 +1,26 @@
+"""What a scheduler hands the denoising loop for one generation."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Schedule:
+    """The timesteps of one run and the update between them. `step` is called once per timestep,
+    in order; multistep schedulers (PNDM) keep their history on the instance."""
+
+    timesteps: np.ndarray  # float32: what the denoiser's `timestep` input receives at each step
+    init_noise_sigma: float = 1.0  # the starting latents are standard normal times this
+
+    def scale_model_input(self, sample: np.ndarray, i: int) -> np.ndarray:
+        return sample
+
+    def step(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+def refuse(config: dict, allowed: dict) -> None:
+    """Raise on options set to a value this port does not implement: {option: allowed values}."""
+    bad = {k: config[k] for k, values in allowed.items() if k in config and config[k] not in values}
+    if bad:
+        raise ValueError(f"scheduler options not supported by the runner: "
+                         + ", ".join(f"{k}={v!r} (supported: {allowed[k]})" for k, v in bad.items()))

@@ -1,0 +1,52 @@
+"""Stable Diffusion XL text-to-image, with the semantics of diffusers' StableDiffusionXLPipeline:
+the penultimate states of CLIP-L and CLIP-G side by side, CLIP-G's pooled projection and the
+six size conditions ("time ids") as the UNet's added conditions, Euler by default.
+
+Without a negative prompt, the unconditional half is zeros (the pipeline's
+force_zeros_for_empty_prompt). Not ported: a second prompt for CLIP-G (`prompt_2`; both encoders
+read `prompt`), negative size conditions, and the invisible watermark diffusers adds when the
+`invisible-watermark` package is installed."""
+from __future__ import annotations
+
+import numpy as np
+
+from runners.text_to_image import TextToImage
+
+
+class SDXLPipeline(TextToImage):
+    family = "sdxl"
+
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=50,
+                 guidance_scale=5.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
+                 original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
+        `original_size`, `crops_coords_top_left` and `target_size` ((height, width) pairs; the
+        first and last default to the image's size) are SDXL's micro-conditions. `seed` seeds
+        numpy's generator; pass `latents` for exact comparison with diffusers."""
+        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                   num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                   original_size=original_size, crops=crops_coords_top_left, target_size=target_size)
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, original_size, crops,
+                    target_size):
+        embeds, pooled = self._encode(prompts, per_prompt)
+        if cfg:
+            if negative_prompt is None and self.constants["force_zeros_for_empty_prompt"]:
+                neg_embeds, neg_pooled = np.zeros_like(embeds), np.zeros_like(pooled)
+            else:
+                neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt)
+            embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+        sizes = [*(original_size or (height, width)), *crops, *(target_size or (height, width))]
+        if len(sizes) != 6:
+            raise ValueError(f"original_size, crops_coords_top_left and target_size are (height, width) pairs; "
+                             f"got {original_size}, {crops}, {target_size}")
+        time_ids = np.tile(np.array(sizes, dtype=np.float32), (len(embeds), 1))
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": time_ids}
+
+    def _encode(self, prompts: list[str], per_prompt: int):
+        """Penultimate states of both CLIPs side by side; pooled: CLIP-G's projection."""
+        length = self.constants["clip_length"]
+        first = self.run("text_encoder", input_ids=self.tokenizers["tokenizer"](prompts, length))
+        second = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, length))
+        embeds = np.concatenate([first["penultimate_hidden_states"], second["penultimate_hidden_states"]], axis=-1)
+        return np.repeat(embeds, per_prompt, axis=0), np.repeat(second["text_embeds"], per_prompt, axis=0)

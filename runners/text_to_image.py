@@ -1,0 +1,133 @@
+"""What every text-to-image family shares, with diffusers' semantics: request checks, the
+starting latents, the denoising loop (guidance batched: the negative half first), and the VAE
+with its tiling. A family (runners/sd3.py, sd15.py, sdxl.py) adds only how it encodes text
+into the denoiser's conditions."""
+from __future__ import annotations
+
+import numpy as np
+
+from runners.images import to_output
+from runners.pipeline import Pipeline
+from runners.tiling import tiled
+
+OUTPUT_TYPES = ("pil", "np", "latent")
+
+
+class TextToImage(Pipeline):
+    def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                       num_images_per_prompt, seed, latents, output_type, vae_tiling, **options):
+        """The whole run; `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
+        c = self.constants
+        missing = [n for n in self.manifest["submodules"] if n != "vae_encoder" and n not in self.sessions]
+        if missing:
+            raise ValueError(f"text to image needs {', '.join(missing)}, which this pipeline was loaded without "
+                             "(Pipeline.load(..., submodules=...))")
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        height, width = height or c["default_image_size"], width or c["default_image_size"]
+        cfg = guidance_scale > 1
+        n_images = len(prompts) * num_images_per_prompt
+        self._check(height, width, n_images * (2 if cfg else 1), output_type)
+        self.timings = {}
+
+        with self._timed("text_encoders"):
+            conditions = self._conditions(prompts, negative_prompt, num_images_per_prompt, cfg, height, width,
+                                          **options)
+        scale = c["vae_scale_factor"]
+        shape = (n_images, c["latent_channels"], height // scale, width // scale)
+        if latents is None:
+            latents = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        else:
+            latents = np.asarray(latents, dtype=np.float32)
+            if latents.shape != shape:
+                raise ValueError(f"latents have shape {latents.shape}; this request needs {shape}")
+        with self._timed("denoise"):
+            latents = self._denoise(latents, num_inference_steps, guidance_scale, conditions)
+        if output_type == "latent":
+            return latents
+        with self._timed("vae_decode"):
+            z = latents / np.float32(c["vae_scaling_factor"]) + np.float32(c["vae_shift_factor"])
+            image = self.vae_decode(z, tiling=vae_tiling)
+        return to_output(image, output_type)
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, **options) -> dict:
+        """The denoiser's feeds besides the latents and the timestep, for the whole batch."""
+        raise NotImplementedError
+
+    def _mu(self, latent_shape) -> float | None:
+        """A resolution-dependent shift for the scheduler (flow matching); None for the others."""
+        return None
+
+    def _denoise(self, latents, steps, guidance_scale, conditions):
+        denoiser = self.constants["denoiser"]
+        latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
+        schedule = self.scheduler.start(steps, self._mu(latents.shape))
+        latents = latents * np.float32(schedule.init_noise_sigma)
+        cfg, n = guidance_scale > 1, len(schedule.timesteps)
+        for i, t in enumerate(schedule.timesteps):
+            x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
+            noise = self.run(denoiser, release=i == n - 1, **{latent_input: x}, **conditions,
+                             timestep=np.full(x.shape[0], t, dtype=np.float32))["noise_pred"]
+            if cfg:
+                uncond, text = np.split(noise, 2)
+                noise = uncond + np.float32(guidance_scale) * (text - uncond)
+            latents = schedule.step(noise, i, latents)
+            self._progress(i + 1, n)
+        return latents
+
+    @staticmethod
+    def _negatives(prompts: list[str], negative_prompt) -> list[str]:
+        negative = negative_prompt or ""
+        negatives = len(prompts) * [negative] if isinstance(negative, str) else list(negative)
+        if len(negatives) != len(prompts):
+            raise ValueError(f"negative_prompt has {len(negatives)} entries for {len(prompts)} prompts")
+        return negatives
+
+    def _check(self, height, width, batch, output_type):
+        multiple = self.constants["vae_scale_factor"] * self.constants["latent_multiple"]
+        for name, value in (("height", height), ("width", width)):
+            lo, _, hi = self.dims[f"image_{name}"]
+            if value % multiple or not lo <= value <= hi:
+                raise ValueError(f"{name}={value} is not allowed: use a multiple of {multiple} "
+                                 f"from {lo} to {hi} (the range this artifact was built for)")
+        lo, _, hi = self.dims["batch"]
+        if batch > hi:
+            raise ValueError(f"this request runs the denoiser at batch {batch} (images x 2 with guidance); "
+                             f"the artifact allows up to {hi}: ask for fewer images per call")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r}; allowed: {', '.join(OUTPUT_TYPES)}")
+
+    def vae_decode(self, z: np.ndarray, tiling: bool | None = None, tile_size: int | None = None) -> np.ndarray:
+        """Unscaled latents -> images in [-1, 1]. Latents larger than the decoder engine's range are
+        decoded in overlapping tiles (`runners.tiling`); `tiling=True` forces it, `False` forbids
+        it. `tile_size` is the tile's side in latent pixels (default: the engine's largest)."""
+        lo, _, hi = self.manifest["submodules"]["vae_decoder"]["dims"]["latent_height"]
+        return self._vae("vae_decoder", "latent", z, lo, hi, self.constants["vae_scale_factor"], tiling, tile_size)[0]
+
+    def vae_encode(self, image: np.ndarray, tiling: bool | None = None, tile_size: int | None = None):
+        """Images in [-1, 1] -> (mean, log-variance) of the latent posterior, tiled past the encoder
+        engine's range as `vae_decode` is; `tile_size` in image pixels."""
+        lo, _, hi = self.manifest["submodules"]["vae_encoder"]["dims"]["image_height"]
+        return self._vae("vae_encoder", "image", image, lo, hi, 1 / self.constants["vae_scale_factor"], tiling,
+                         tile_size)
+
+    def _vae(self, name, input_name, x, lo, hi, scale, tiling, tile_size) -> list[np.ndarray]:
+        if name not in self.sessions:
+            raise ValueError(f"{name} is not open: the artifact has none, or the pipeline was loaded without it")
+        outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
+
+        def fn(tile):  # one engine call per tile, all its outputs
+            result = self.run(name, **{input_name: tile})
+            return [result[o] for o in outputs]
+
+        too_big = max(x.shape[2:]) > hi
+        if tiling is False and too_big:
+            raise ValueError(f"{name}: input side {max(x.shape[2:])} exceeds the engine's maximum {hi}; "
+                             "allow tiling (tiling=None or True) or build the engines for a larger image size")
+        if min(x.shape[2:]) < lo:
+            raise ValueError(f"{name}: input side {min(x.shape[2:])} is below the engine's minimum {lo}")
+        if not (tiling or too_big):
+            return fn(x)
+        tile = tile_size or hi
+        if not lo <= tile <= hi:
+            raise ValueError(f"{name}: tile_size={tile} is outside the engine's range {lo}..{hi}")
+        return tiled(fn, x, tile, scale, min_side=lo)
