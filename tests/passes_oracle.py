@@ -2,19 +2,39 @@
 from __future__ import annotations
 
 
-def expected_counts(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
-    """{pass name: {count: value}} for `fuse_qkv`, `fuse_attention` and `fuse_elementwise` on one submodule."""
+def expected_counts(submodule: str, cfg: dict, outputs: tuple[str, ...] = ()) -> dict[str, dict[str, int]]:
+    """{pass name: {count: value}} for `fuse_qkv`, `fuse_attention` and `fuse_elementwise` on one
+    submodule; `outputs` are its graph's outputs (a CLIP read only at its penultimate layer
+    exports without its last one)."""
+    if submodule in ("text_encoder", "text_encoder_2") and set(outputs) == {"penultimate_hidden_states"}:
+        cfg = {**cfg, "num_hidden_layers": cfg["num_hidden_layers"] - 1}
     return {**_fusions(submodule, cfg), "fuse_elementwise": {"silus": _silus(submodule, cfg)}}
+
+
+def unet_blocks(cfg: dict) -> tuple[int, int]:
+    """(transformer blocks, resnets) of a UNet2DConditionModel config, counted as diffusers builds
+    them: up blocks have one layer more than down blocks and take the transformer depths reversed;
+    the mid block has two resnets and the last depth."""
+    n, layers = len(cfg["block_out_channels"]), cfg["layers_per_block"]
+    depth = cfg.get("transformer_layers_per_block", 1)
+    depth = [depth] * n if isinstance(depth, int) else list(depth)
+    down = sum(layers * d for b, d in zip(cfg["down_block_types"], depth) if b.startswith("CrossAttn"))
+    up = sum((layers + 1) * d for b, d in zip(cfg["up_block_types"], depth[::-1]) if b.startswith("CrossAttn"))
+    return down + up + depth[-1], n * layers + n * (layers + 1) + 2
 
 
 def _silus(submodule: str, cfg: dict) -> int:
     """SiLUs and quick GELUs: two per VAE resnet and one before conv_out; the transformer's timestep
-    and pooled-text embedders and the silu(temb) its adaLN layers share; CLIP's quick GELU per layer."""
+    and pooled-text embedders and the silu(temb) its adaLN layers share; CLIP's quick GELU per layer;
+    in a UNet two per resnet, the silu(temb) they share, the time embedding's, SDXL's added
+    embedding's, and one before conv_out."""
     if submodule in ("vae_decoder", "vae_encoder"):
         per_block = cfg["layers_per_block"] + (submodule == "vae_decoder")
         return 2 * (2 + len(cfg["block_out_channels"]) * per_block) + 1
     if submodule == "transformer":
         return 3
+    if submodule == "unet":
+        return 2 * unet_blocks(cfg)[1] + 3 + (cfg.get("addition_embed_type") == "text_time")
     if submodule in ("text_encoder", "text_encoder_2"):
         return cfg["num_hidden_layers"] if cfg["hidden_act"] == "quick_gelu" else 0
     return 0  # T5: ReLU or GELU
@@ -27,6 +47,12 @@ def _fusions(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
         # One more group: every block's two adaLN projections and norm_out's read the same silu(temb).
         return {"fuse_qkv": {"groups": 2 * layers + dual + 1, "projections_fused": 6 * layers + 3 * dual + 2 * layers + 1},
                 "fuse_attention": {"attentions_fused": layers + dual}}
+    if submodule == "unet":
+        # q/k/v of every self-attention; the k and v of every cross-attention all read the text
+        # embedding: one group; every resnet's time projection reads the same silu(temb): one more.
+        transformers, resnets = unet_blocks(cfg)
+        return {"fuse_qkv": {"groups": transformers + 2, "projections_fused": 5 * transformers + resnets},
+                "fuse_attention": {"attentions_fused": 2 * transformers}}
     if submodule in ("text_encoder", "text_encoder_2"):  # CLIP: q/k/v per layer
         layers = cfg["num_hidden_layers"]
         return {"fuse_qkv": {"groups": layers, "projections_fused": 3 * layers},

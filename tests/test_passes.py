@@ -47,6 +47,7 @@ def _check(onnx_dir, source, names, tmp_path, atol: float | None = None) -> dict
                 assert np.abs(r - o).max() <= bound, (spec.name, names, probe["dims"], np.abs(r - o).max())
         counts[spec.name] = {r["name"]: r["counts"] for r in reports}
         counts[spec.name]["config"] = source.config(COMPONENT.get(spec.name, spec.name))
+        counts[spec.name]["outputs"] = tuple(t.name for t in spec.outputs)
     return counts
 
 
@@ -65,7 +66,7 @@ def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
     assert set(counts) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
                            "vae_decoder", "vae_encoder"}
     for sub, c in counts.items():
-        for key, value in expected_counts(sub, c["config"])[name].items():
+        for key, value in expected_counts(sub, c["config"], c["outputs"])[name].items():
             assert c[name][key] == value, (sub, name, key)
         assert c[name]["nodes_removed"] > 0
 
@@ -75,9 +76,25 @@ def test_memory_passes_leave_every_output_unchanged(tiny_build, tiny_source, tmp
     counts = _check(tiny_build / "onnx", tiny_source, ["fuse_elementwise", "schedule_memory", "remat"], tmp_path,
                     atol=1e-6)
     for sub, c in counts.items():
-        assert c["fuse_elementwise"]["silus"] == expected_counts(sub, c["config"])["fuse_elementwise"]["silus"], sub
+        assert c["fuse_elementwise"]["silus"] == expected_counts(sub, c["config"], c["outputs"])["fuse_elementwise"]["silus"], sub
         assert c["schedule_memory"]["peak_after"] <= c["schedule_memory"]["peak_before"], sub
         assert c["remat"]["peak_after"] <= c["remat"]["peak_before"], sub
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_fusions_and_memory_passes_on_the_unet_families(family, request, tmp_path):
+    """Every fusion and memory pass on SD1.5 and SDXL: parity at both probes, and the counts the
+    configs imply (the UNet's self-attention q/k/v, the cross-attention k/v and time projections
+    that read one tensor each, 2 attentions per transformer block)."""
+    build = request.getfixturevalue(f"{family}_tiny_build")
+    names = ["fuse_qkv", "fuse_attention", "fuse_elementwise", "schedule_memory", "remat"]
+    counts = _check(build.folder / "onnx", build.source, names, tmp_path)
+    assert counts["unet"]["fuse_qkv"]["groups"] == {"sd15": 16, "sdxl": 17}[family] + 2  # by hand, for the oracle
+    for sub, c in counts.items():
+        expected = expected_counts(sub, c["config"], c["outputs"])
+        for name in ("fuse_qkv", "fuse_attention", "fuse_elementwise"):
+            assert c[name] == {**c[name], **expected[name]}, (sub, name)
+        assert c["remat"]["peak_after"] <= c["schedule_memory"]["peak_before"], sub
 
 
 @pytest.fixture(scope="module")
