@@ -31,7 +31,10 @@ def _parse(argv):
     p.add_argument("--large-steps", type=int, default=2)
     p.add_argument("--profiling-steps", type=int, default=4, help="steps of the profiling-cost runs")
     p.add_argument("--tiling-sizes", default="1024,2048", help="image sides of the tiled-decode table")
-    p.add_argument("--memory-size", type=int, default=1024, help="image side of the memory table's VAE runs")
+    p.add_argument("--memory-size", type=int, default=1024, help="image side of the memory table's runs")
+    p.add_argument("--memory-batch", type=int, default=1, help="batch of the memory table's runs")
+    p.add_argument("--memory-submodules", default="vae_decoder,vae_encoder",
+                   help="the submodules of the memory table (sd15-bench: unet)")
     p.add_argument("--precision-steps", type=int, default=4, help="steps of the precision table's end-to-end runs")
     p.add_argument("--calibration-size", type=int, default=256, help="image side of the fp16/fp8 calibration run")
     p.add_argument("--calibration-steps", type=int, default=4, help="denoising steps per calibration prompt")
@@ -330,61 +333,83 @@ class Bench:
                       "row shows what decoding it whole would take."]})
 
     def measure_memory(self):
-        """The VAE at --memory-size: ONNX Runtime's defaults on the plain export against the --memory
-        artifact, every run in a fresh process; and the analyzer's planned peak against the RSS
+        """--memory-submodules at --memory-size and --memory-batch: ONNX Runtime's defaults on the
+        plain export and on the default artifact, against the --memory artifact with and without
+        remat, every run in a fresh process; and the analyzer's planned peak against the RSS
         increase measured with buffer reuse and the arena off."""
         if "memory" not in self.args.tables:
             return
-        from bench.memory import planned_peak_mib, run_once
+        from bench.memory import graph_gflops, graph_without, planned_peak_mib, run_once
         from bench.prepare import build_memory
+        from export.shapes import concrete
 
         artifact = in_child(build_memory, self.build)
         built = read_manifest(artifact, verify=False)
         manifest = built["submodules"]
-        size, scale = self.args.memory_size, self.constants["vae_scale_factor"]
-        dims = {"batch": 1, "latent_height": size // scale, "latent_width": size // scale,
+        size, batch, scale = self.args.memory_size, self.args.memory_batch, self.constants["vae_scale_factor"]
+        dims = {"batch": batch, "latent_height": size // scale, "latent_width": size // scale,
                 "image_height": size, "image_width": size}
-        shapes = {"vae_decoder": (1, self.constants["latent_channels"], size // scale, size // scale),
-                  "vae_encoder": (1, 3, size, size)}
+        names = self.args.memory_submodules.split(",")
         rows = []
-        for name, shape in shapes.items():
-            sub, plain = manifest[name], str(self.onnx_dir / f"{name}.onnx")
-            ours = str(artifact / sub["file"])
+        med = statistics.median
+        for name in names:
+            sub = manifest[name]
+            inputs = {t["name"]: concrete(tuple(t["shape"]), dims, self.constants) for t in sub["inputs"]}
+            weights = sum(f.stat().st_size for f in self.onnx_dir.glob(f"{name}.onnx*")) / 2**20
             config, options = sub.get("session_config", {}), sub.get("session_options", {})
             no_reuse = {**options, "enable_cpu_mem_arena": False, "enable_mem_reuse": False}
             no_layout = {**no_reuse, "disabled_optimizers": options.get("disabled_optimizers", []) + ["NchwcTransformer"]}
-            runs = {"default": [], "memory": []}
+            graphs = {"plain": str(self.onnx_dir / f"{name}.onnx"),
+                      "default": str(self.default_artifact / manifest[name]["file"]),
+                      "memory": str(artifact / sub["file"])}
+            remat = next((p for p in sub["passes"] if p["name"] == "remat"), None)
+            if remat and remat["modified"]:
+                graphs["no_remat"] = in_child(graph_without, self.onnx_dir, artifact, name, "remat",
+                                              self.build / "bench-memory-no-remat")
+            settings = {"plain": (None, None), "default": (None, None), "no_remat": (config, options),
+                        "memory": (config, options)}
+            labels = {"plain": "plain export, ONNX Runtime defaults",
+                      "default": f"{self.default_artifact.name} (fusions), ONNX Runtime defaults",
+                      "no_remat": f"{artifact.name} without remat, its manifest's settings",
+                      "memory": f"{artifact.name}, its manifest's settings"}
+            runs = {key: [] for key in graphs}
             for rep in range(self.args.reps):  # interleaved, each in a fresh process
-                runs["default"].append(in_child(run_once, plain, shape, None, None))
-                runs["memory"].append(in_child(run_once, ours, shape, config, options))
-                _log(f"memory {name} {size}x{size}: {rep + 1}/{self.args.reps}")
-            check = {"reuse and arena off": in_child(run_once, ours, shape, config, no_reuse),
-                     "reuse, arena and NCHWc layout off": in_child(run_once, ours, shape, config, no_layout)}
-            planned = {"plain": in_child(planned_peak_mib, Path(plain), dims), "memory": in_child(planned_peak_mib, Path(ours), dims)}
-            med = statistics.median
-            ref = runs["default"]
-            for label, key in (("plain export, ONNX Runtime defaults", "default"), (f"{artifact.name} (its manifest's settings)", "memory")):
+                for key, path in graphs.items():
+                    runs[key].append(in_child(run_once, path, inputs, *settings[key]))
+                _log(f"memory {name} {size}x{size} batch {batch}: {rep + 1}/{self.args.reps}")
+            check = {"reuse and arena off": in_child(run_once, graphs["memory"], inputs, config, no_reuse),
+                     "reuse, arena and NCHWc layout off": in_child(run_once, graphs["memory"], inputs, config,
+                                                                    no_layout)}
+            planned = {key: in_child(planned_peak_mib, Path(path), dims) for key, path in graphs.items()}
+            gflops = {key: in_child(graph_gflops, path, dims) for key, path in graphs.items()}
+            ref = med([r["peak_mib"] for r in runs["default"]])
+            for key in graphs:
                 peak, sec = med([r["peak_mib"] for r in runs[key]]), med([r["seconds"] for r in runs[key]])
-                rows.append([name, label, f"{peak:.0f}", f"{peak / med([r['peak_mib'] for r in ref]):.2f}",
-                             f"{sec:.1f}", f"{sec / med([r['seconds'] for r in ref]):.2f}",
-                             f"{planned['plain' if key == 'default' else 'memory']:.0f}", "-"])
+                rows.append([name, labels[key], f"{peak:.0f}", f"{peak - weights:.0f}",
+                             f"{(peak - weights) / (ref - weights):.2f}", f"{sec:.1f}",
+                             f"{gflops[key]:.0f} ({gflops[key] / gflops['default'] - 1:+.1%})",
+                             f"{planned[key]:.0f}", "-"])
             for label, r in check.items():
-                rows.append([name, f"{artifact.name}, {label}", f"{r['peak_mib']:.0f}", "-", f"{r['seconds']:.1f}", "-",
-                             f"{planned['memory']:.0f}", f"{r['increase_mib']:.0f} ({r['increase_mib'] / planned['memory'] - 1:+.0%})"])
-        passes = {n: [p for p in manifest[n]["passes"] if p["name"] in built["memory"]["passes"]] for n in shapes}
+                rows.append([name, f"{artifact.name}, {label}", f"{r['peak_mib']:.0f}", f"{r['peak_mib'] - weights:.0f}",
+                             "-", f"{r['seconds']:.1f}", "-", f"{planned['memory']:.0f}",
+                             f"{r['increase_mib']:.0f} ({r['increase_mib'] / planned['memory'] - 1:+.0%})"])
+        passes = {n: [p for p in manifest[n]["passes"] if p["name"] in built["memory"]["passes"]] for n in names}
         self.tables.append({
-            "title": f"Activation memory: the VAE at {size}x{size}, batch 1 (fp32)",
-            "columns": ["submodule", "graph and session", "peak RSS MiB", "vs default", "seconds", "vs default",
+            "title": f"Activation memory: {', '.join(names)} of {self.src.entry.name} at {size}x{size}, batch {batch} (fp32)",
+            "columns": ["submodule", "graph and session", "peak RSS MiB", "above the weights MiB",
+                        f"vs {self.default_artifact.name}", "seconds", "GFLOP (vs fusions)",
                         "analyzer's planned peak MiB", "measured RSS increase MiB (vs planned)"],
             "rows": rows,
             "notes": [f"Medians of {self.args.reps} runs, each in a fresh process that loads one graph and runs it once; "
-                      "peak RSS is that process's VmHWM (weights and ONNX Runtime's prepacked copies included), the "
-                      "increase is VmHWM minus the RSS just before the call. The analyzer plans the graph's file order "
-                      "(ONNX Runtime's default order may differ on the plain export).",
+                      "peak RSS is that process's VmHWM (weights and ONNX Runtime's prepacked copies included). "
+                      "'Above the weights' is that peak minus the bytes of the exported weights file(s): the "
+                      "activations and whatever ONNX Runtime allocates besides. The increase is VmHWM minus the RSS "
+                      "just before the call. The analyzer plans the graph's file order (ONNX Runtime's default "
+                      "order may differ on the plain export).",
                       "Memory passes as the artifact's manifest records them: " + "; ".join(
                           f"{n}: " + _what_changed(ps) for n, ps in passes.items()),
                       "Session settings of the artifact: " + "; ".join(
-                          f"{n}: {manifest[n].get('session_options', {})}" for n in shapes)]})
+                          f"{n}: {manifest[n].get('session_options', {})}" for n in names)]})
 
     def export_table(self):
         if "export" not in self.args.tables:

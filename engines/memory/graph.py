@@ -104,16 +104,21 @@ def _mac_flops(node: onnx.NodeProto, shape) -> int:
 
 
 def _workspace(node: onnx.NodeProto, shape) -> int:
-    """ONNX Runtime's CPU MultiHeadAttention computes the (B, heads, S, L) probabilities in one
-    float buffer of its own: at 1024x1024 the VAE's single-head attention holds 1 GiB there."""
+    """Bytes ONNX Runtime 1.31's CPU MultiHeadAttention allocates for itself (measured in
+    tests/test_memory.py). Without a bias or mask it runs flash attention: its only buffers are
+    Q, K and V transposed to (B, heads, S, head size). With one it also holds the (B, heads, S, L)
+    probabilities: 1 GiB for SD1.5's first self-attention at 512x512, batch 2."""
     if node.op_type != "MultiHeadAttention":
         return 0
-    query, key = shape(node.input[0]), shape(node.input[1])
-    heads = next(a.i for a in node.attribute if a.name == "num_heads")
-    if query is None or key is None:
+    query, key, value = (shape(name) for name in node.input[:3])
+    if query is None or key is None or value is None:
         return 0
+    copies = 4 * (math.prod(query) + math.prod(key) + math.prod(value))
+    if not any(node.input[3:6]):  # bias, key_padding_mask, attention_bias
+        return copies
+    heads = next(a.i for a in node.attribute if a.name == "num_heads")
     length = key[1] if len(key) == 3 else key[2]
-    return query[0] * heads * query[-2 if len(query) == 3 else 2] * length * 4
+    return copies + query[0] * heads * query[-2 if len(query) == 3 else 2] * length * 4
 
 
 def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> OpGraph:

@@ -124,15 +124,21 @@ _HELD = "__weight_held_by_diffusion_aot__"
 
 def to_proto_without(model: ir.Model, held: dict):
     """`ir.to_proto(model)` with the `held` initializers as references to `_HELD`: their shapes
-    and types without their bytes. The model is left as it was."""
+    and types without their bytes. Every other weight crosses as data, also one that a graph over
+    2 GB keeps in its external file (shapes and axes there are what the libraries read). The
+    model is left as it was."""
     values = model.graph.initializers
+    external = {name: v.const_value for name, v in values.items()
+                if name not in held and isinstance(v.const_value, ir.ExternalTensor)}
     try:
         for name, tensor in held.items():
             values[name].const_value = ir.ExternalTensor(_HELD, 0, tensor.nbytes, tensor.dtype,
                                                          shape=tensor.shape, name=name)
+        for name, tensor in external.items():
+            values[name].const_value = ir.Tensor(tensor.numpy(), name=name)
         return ir.to_proto(model)
     finally:
-        for name, tensor in held.items():
+        for name, tensor in {**held, **external}.items():
             values[name].const_value = tensor
 
 
