@@ -114,11 +114,12 @@ class Bench:
     def measure(self):
         """Per-submodule calls and end-to-end runs of every variant: one table each."""
         a = self.args
-        size, f = a.size, self.flops(a.size)
+        size = a.size
         job = {"height": size, "width": size}
         e2e_here = "e2e" in a.tables and a.steps
         rows = []
         if "submodules" in a.tables or e2e_here:
+            f = self.flops(size)
             with running(self.variants, self.constants, _log) as workers:
                 # Also the warm-up of the end-to-end runs.
                 per_call = interleaved(workers, {"job": "submodules", **job}, a.reps, _log)

@@ -1,0 +1,61 @@
+"""Every precision, the memory profile and TensorRT-RTX on the U-Net families (sd15-tiny,
+sdxl-tiny): the same bounds the SD3 tests hold them to."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from conftest import manifest
+from runners import Pipeline
+from test_precision import MIN_PSNR, _psnr
+
+FAMILIES = ["sd15", "sdxl"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def build(request):
+    return request.getfixturevalue(f"{request.param}_tiny_build")
+
+
+def _images(artifact, prompts=("a photo of a cat", "")):
+    pipe = Pipeline.load(artifact)
+    latents = np.random.default_rng(1).standard_normal((1, 4, 16, 16), dtype=np.float32)
+    return [pipe(p, latents=latents, num_inference_steps=5, output_type="np") for p in prompts]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "fp8"])
+def test_precisions_against_fp32(build, precision):
+    from engines.api import build_artifact
+
+    artifact = build_artifact(build.folder, "ort", precision)
+    if precision == "fp8":  # only the denoiser is quantized to fp8, with the embedders kept in float
+        counts = {r["name"]: r["counts"] for r in manifest(artifact)["submodules"]["unet"]["passes"]}
+        assert counts["quantize_fp8"]["linear_fp8"] > 0
+    for ref, image in zip(_images(build.folder / "ort-fp32"), _images(artifact)):
+        assert np.isfinite(image).all() and _psnr(ref, image) >= MIN_PSNR[precision], _psnr(ref, image)
+
+
+def test_memory_artifact_keeps_the_images(build):
+    from engines.api import build_artifact
+
+    artifact = build_artifact(build.folder, "ort", "fp32", memory=True)
+    unet = {r["name"]: r for r in manifest(artifact)["submodules"]["unet"]["passes"]}
+    assert unet["fuse_elementwise"]["counts"]["silus"] > 0 and "remat" in unet
+    for ref, image in zip(_images(build.folder / "ort-fp32"), _images(artifact)):
+        assert np.abs(ref - image).max() <= 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
+def test_tensorrt_rtx_builds_every_submodule(build):
+    from engines.api import build_artifact
+
+    folder = build_artifact(build.folder, "trt-rtx", "fp16")
+    m = manifest(folder)
+    assert m["target"] == "trt-rtx" and sorted(m["submodules"]) == sorted(manifest(build.folder / "onnx")["submodules"])
+    for name, sub in m["submodules"].items():
+        assert (folder / sub["file"]).stat().st_size > 100_000, name  # a serialized engine, not a stub
+        assert set(sub["engine"]["profile"]) == {t["name"] for t in sub["inputs"]}, name
+    unet = m["submodules"]["unet"]["engine"]["profile"]
+    assert unet["sample"]["max"][2:] == [m["dims"]["latent_height"][2], m["dims"]["latent_width"][2]]
