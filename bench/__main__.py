@@ -373,6 +373,9 @@ class Bench:
                       "default": f"{self.default_artifact.name} (fusions), ONNX Runtime defaults",
                       "no_remat": f"{artifact.name} without remat, its manifest's settings",
                       "memory": f"{artifact.name}, its manifest's settings"}
+            # The static figures first: a failure here costs seconds, not the runs' minutes.
+            planned = {key: in_child(planned_peak_mib, Path(path), dims) for key, path in graphs.items()}
+            gflops = {key: in_child(graph_gflops, path, dims) for key, path in graphs.items()}
             runs = {key: [] for key in graphs}
             for rep in range(self.args.reps):  # interleaved, each in a fresh process
                 for key, path in graphs.items():
@@ -381,8 +384,6 @@ class Bench:
             check = {"reuse and arena off": in_child(run_once, graphs["memory"], inputs, config, no_reuse),
                      "reuse, arena and NCHWc layout off": in_child(run_once, graphs["memory"], inputs, config,
                                                                     no_layout)}
-            planned = {key: in_child(planned_peak_mib, Path(path), dims) for key, path in graphs.items()}
-            gflops = {key: in_child(graph_gflops, path, dims) for key, path in graphs.items()}
             ref = med([r["peak_mib"] for r in runs["default"]])
             for key in graphs:
                 peak, sec = med([r["peak_mib"] for r in runs[key]]), med([r["seconds"] for r in runs[key]])

@@ -1,4 +1,4 @@
-"""The model registry: sd3-tiny keeps SD3-medium's structure, with real tokenizers."""
+"""The model registry: the tiny and bench entries keep the real models' structure, with real tokenizers."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,40 @@ def test_hub_models_are_registered_by_their_ids():
     assert MODELS["sd3"].hub_id == "stabilityai/stable-diffusion-3-medium-diffusers"
     assert MODELS["sd3.5-medium"].hub_id == "stabilityai/stable-diffusion-3.5-medium"
     assert MODELS["sd3.5-large"].hub_id == "stabilityai/stable-diffusion-3.5-large"
+    assert (MODELS["sd15"].family, MODELS["sd15"].hub_id) == ("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5")
+    assert (MODELS["sdxl"].family, MODELS["sdxl"].hub_id) == ("sdxl", "stabilityai/stable-diffusion-xl-base-1.0")
+
+
+def _parameters(make) -> int:
+    import torch
+
+    with torch.device("meta"):  # shapes only: no memory, no time
+        return sum(p.numel() for p in make().parameters())
+
+
+def test_sd15_bench_is_the_real_sd15_architecture():
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    cfg = MODELS["sd15-bench"].random_configs
+    assert _parameters(lambda: UNet2DConditionModel(**cfg["unet"])) == 859_520_964  # SD1.5's UNet
+    assert _parameters(lambda: CLIPTextModel(CLIPTextConfig(**cfg["text_encoder"]))) == 123_060_480  # CLIP ViT-L/14
+    assert _parameters(lambda: AutoencoderKL(**cfg["vae"])) == 83_653_863
+
+
+@pytest.mark.parametrize("name, blocks, cross", [("sd15-tiny", 4, ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]),
+                                                 ("sdxl-tiny", 3, ["DownBlock2D"] + ["CrossAttnDownBlock2D"] * 2)])
+def test_unet_tiny_entries_keep_the_real_block_structure(name, blocks, cross):
+    cfg = MODELS[name].random_configs
+    unet = cfg["unet"]
+    assert len(unet["block_out_channels"]) == blocks and unet["down_block_types"] == cross
+    assert unet["up_block_types"] == [b.replace("Down", "Up") for b in cross[::-1]]
+    assert cfg["vae"]["latent_channels"] == unet["in_channels"] == 4
+    if name == "sdxl-tiny":  # the added conditions: six size values and CLIP-G's pooled projection
+        width = cfg["text_encoder"]["hidden_size"] + cfg["text_encoder_2"]["hidden_size"]
+        assert unet["cross_attention_dim"] == width
+        assert unet["projection_class_embeddings_input_dim"] == (6 * unet["addition_time_embed_dim"]
+                                                                 + cfg["text_encoder_2"]["projection_dim"])
 
 
 def test_sd3_tiny_keeps_the_structure_of_sd3_medium(tiny_source):

@@ -1,0 +1,77 @@
+"""Random-weight components written tensor by tensor, for models too large to hold in memory
+(sd3-fullsize: 7.5 B parameters, 15 GB in fp16).
+
+The module is built on the meta device (shapes only), its config saved where from_pretrained
+reads it, and each weight drawn from a generator seeded by its name and streamed into one
+safetensors file in the storage dtype, in blocks: building never holds more than one block.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_ELEMENTS = 1 << 24  # generated and written 16 M values at a time
+_SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32"}
+INIT_STD = 0.02  # GPT-2/T5-style initialization: activations stay finite in fp16 through deep stacks
+
+
+def _tensors(module) -> dict[str, tuple[int, ...]]:
+    """What a checkpoint of `module` holds: each parameter once (tied ones under their first
+    name, which from_pretrained re-ties) and the persistent buffers."""
+    params = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    buffers = {name: tuple(b.shape) for name, b in module.named_buffers()}
+    return {name: params.get(name, buffers.get(name)) for name in module.state_dict()
+            if name in params or name in buffers}
+
+
+def _values(name: str, shape: tuple[int, ...], seed: int, dtype: str):
+    """Blocks of the tensor's values: zeros for biases, ones for 1-D norm scales, else normal
+    with INIT_STD; the same name and seed give the same values."""
+    count = math.prod(shape)
+    if name.endswith("bias"):
+        fill = 0.0
+    elif len(shape) == 1 and "norm" in name:
+        fill = 1.0
+    else:
+        fill = None
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    rng = np.random.default_rng(key)
+    for start in range(0, count, BLOCK_ELEMENTS):
+        n = min(BLOCK_ELEMENTS, count - start)
+        block = np.full(n, fill, np.float32) if fill is not None else rng.standard_normal(n, np.float32) * INIT_STD
+        yield block.astype(dtype)
+
+
+def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0) -> int:
+    """Write `module` (built on the meta device) as a from_pretrained folder with random weights;
+    returns the bytes written."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"storage dtype {dtype!r}: use float16 or float32")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(module, "save_config"):  # diffusers
+        module.save_config(folder)
+        path = folder / "diffusion_pytorch_model.safetensors"
+    else:  # transformers
+        module.config.save_pretrained(folder)
+        path = folder / "model.safetensors"
+    tensors = _tensors(module)
+    itemsize = np.dtype(dtype).itemsize
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in tensors.items():
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:  # inside the model's temporary folder (export.source): complete or absent
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, shape in tensors.items():
+            for block in _values(name, shape, seed, dtype):
+                f.write(block.tobytes())
+    return offset
