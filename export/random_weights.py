@@ -75,3 +75,42 @@ def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0)
             for block in _values(name, shape, seed, dtype):
                 f.write(block.tobytes())
     return offset
+
+
+def build_modules(builders: dict, seed: int, streamed: bool) -> dict:
+    """{component: module}, built in order: with real weights under seed + its position, or
+    (`streamed`) as shapes only on the meta device, for `save_pipeline` to stream."""
+    import torch
+
+    def seeded(offset: int, build):
+        torch.manual_seed(seed + offset)
+        return build().eval()
+
+    if not streamed:
+        return {name: seeded(i, build) for i, (name, build) in enumerate(builders.items())}
+    with torch.device("meta"):
+        return {name: build().eval() for name, build in builders.items()}
+
+
+def save_pipeline(pipeline_class: str, modules: dict, others: dict, out_dir: Path, dtype: str | None = None,
+                  seed: int = 0) -> None:
+    """A diffusers pipeline folder: `modules` (torch modules) and `others` (scheduler, tokenizers,
+    flags). With `dtype`, the modules come from `build_modules(streamed=True)` and are written
+    tensor by tensor in that dtype; model_index.json is then written as save_pretrained would."""
+    import diffusers
+
+    if dtype is None:
+        getattr(diffusers, pipeline_class)(**modules, **others).save_pretrained(out_dir, safe_serialization=True)
+        return
+    out_dir = Path(out_dir)
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
+    for i, (name, module) in enumerate(modules.items()):
+        write_component(module, out_dir / name, dtype, seed + i)
+        index[name] = [type(module).__module__.split(".")[0], type(module).__name__]
+    for name, value in others.items():
+        if hasattr(value, "save_pretrained"):
+            value.save_pretrained(out_dir / name)
+            index[name] = [type(value).__module__.split(".")[0], type(value).__name__]
+        else:
+            index[name] = value
+    (out_dir / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -158,6 +158,19 @@ SDXL_TINY = {
     "scheduler": SDXL_SCHEDULER,
 }
 
+# SD3-medium at its true shapes: the 24-block MMDiT (2 B parameters), CLIP-L, CLIP-G (32 layers)
+# and T5-XXL (24 layers, 4.7 B), random weights streamed to disk in fp16 (about 15 GB): what a
+# user's real checkpoint costs the exporter (make scale-check).
+SD3_FULLSIZE = {
+    **SD3_BENCH,
+    "transformer": {**SD3_BENCH["transformer"], "num_layers": 24},
+    "text_encoder": {**SD3_BENCH["text_encoder"], "num_hidden_layers": 12},
+    "text_encoder_2": {**SD3_BENCH["text_encoder_2"], "num_hidden_layers": 32},
+    "text_encoder_3": {**SD3_BENCH["text_encoder_3"], "num_layers": 24},
+    "t5_vocab_size": 32128,
+    "weights_dtype": "float16",
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -177,6 +190,8 @@ MODELS: dict[str, ModelEntry] = {
                    description="SD3.5-medium architecture (q/k RMS norm, dual attention) at tiny widths, built offline"),
         ModelEntry("sd3-bench", "sd3", random_configs=SD3_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    description="SD3-medium widths, 2 layers per stack, random seeded weights (benchmarks)"),
+        ModelEntry("sd3-fullsize", "sd3", random_configs=SD3_FULLSIZE, image_size=(256, 1024, 1024), batch=(1, 2, 4),
+                   description="SD3-medium at its true shapes, random weights streamed in fp16 (make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sdxl-tiny", "sdxl", random_configs=SDXL_TINY, image_size=(64, 128, 256),

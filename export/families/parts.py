@@ -96,12 +96,6 @@ def vae_runtime_constants(vae: dict) -> dict:
             "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1)}
 
 
-def seeded(seed: int, make):
-    """A module built under a fixed torch seed, in eval mode: random weights, reproducibly."""
-    torch.manual_seed(seed)
-    return make().eval()
-
-
 def clip_tokenizers(folder, pads: dict[str, str]) -> dict:
     """{component: tokenizer} with CLIP's real vocabulary, written under `folder` and loaded back
     through from_pretrained as a downloaded one is. `pads`: {component: its pad token}."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from export.families.parts import (
-    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, seeded, vae_runtime_constants,
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, vae_runtime_constants,
 )
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
@@ -94,19 +94,19 @@ def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], 
     import diffusers
     import transformers
 
+    from export.random_weights import build_modules, save_pipeline
+
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {name: seeded(seed + 2 + i, lambda: getattr(transformers, cls)(
-                       transformers.CLIPTextConfig(**configs[name])))
-                   for i, (name, cls) in enumerate(encoders.items())}
+        builders = {"unet": lambda: diffusers.UNet2DConditionModel(**configs["unet"]),
+                    "vae": lambda: diffusers.AutoencoderKL(**configs["vae"])}
+        for name, cls in encoders.items():
+            builders[name] = lambda name=name, cls=cls: getattr(transformers, cls)(
+                transformers.CLIPTextConfig(**configs[name]))
         scheduler = configs["scheduler"]
-        pipe = getattr(diffusers, pipeline_class)(
-            unet=seeded(seed, lambda: diffusers.UNet2DConditionModel(**configs["unet"])),
-            vae=seeded(seed + 1, lambda: diffusers.AutoencoderKL(**configs["vae"])),
-            # from_config, as from_pretrained does: the real configs carry keys a class ignores
-            scheduler=getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
-            **modules, **clip_tokenizers(tmp, pads), **pipeline_kwargs,
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
+        # from_config, as from_pretrained does: the real configs carry keys a class ignores
+        others = {"scheduler": getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
+                  **clip_tokenizers(tmp, pads), **pipeline_kwargs}
+        save_pipeline(pipeline_class, build_modules(builders, seed, streamed=False), others, out_dir)
 
 
 def build_sd15(configs: dict, out_dir, seed: int = 0) -> None:
