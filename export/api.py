@@ -6,7 +6,6 @@ renamed when every graph has passed its parity check, so it is complete or absen
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import shutil
 import time
@@ -15,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, export_submodule
+from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
 from export.source import ModelSource, resolve
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
@@ -107,14 +107,13 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
         submodules = {}
         for spec in specs:
             t0 = time.perf_counter()
-            component = src.load(spec.component, **spec.load_kwargs).eval()
-            module = spec.wrap(component).eval()
-            report = export_submodule(spec, module, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
-            del module, component
-            gc.collect()
+            measured = reset_peak()
+            report = export_submodule(spec, src, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+            report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
             worst = max(p["max_abs_err"] for p in report["parity"])
             report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
-            _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s, {report['bytes'] / 2**20:.1f} MiB, "
+            rss = f", peak RSS {report['peak_rss_mib']:.0f} MiB" if measured else ""
+            _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s, {report['bytes'] / 2**20:.1f} MiB{rss}, "
                  f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
             submodules[spec.name] = {
                 "file": f"{spec.name}.onnx",
