@@ -361,12 +361,12 @@ class Bench:
             no_reuse = {**options, "enable_cpu_mem_arena": False, "enable_mem_reuse": False}
             no_layout = {**no_reuse, "disabled_optimizers": options.get("disabled_optimizers", []) + ["NchwcTransformer"]}
             graphs = {"plain": str(self.onnx_dir / f"{name}.onnx"),
-                      "default": str(self.default_artifact / manifest[name]["file"]),
-                      "memory": str(artifact / sub["file"])}
+                      "default": str(self.default_artifact / manifest[name]["file"])}
             remat = next((p for p in sub["passes"] if p["name"] == "remat"), None)
             if remat and remat["modified"]:
                 graphs["no_remat"] = in_child(graph_without, self.onnx_dir, artifact, name, "remat",
                                               self.build / "bench-memory-no-remat")
+            graphs["memory"] = str(artifact / sub["file"])
             settings = {"plain": (None, None), "default": (None, None), "no_remat": (config, options),
                         "memory": (config, options)}
             labels = {"plain": "plain export, ONNX Runtime defaults",

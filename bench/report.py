@@ -57,7 +57,9 @@ def render(r: dict, previous: str = "") -> str:
         f"Machine: {_cpu()}, {os.cpu_count()} cores, {_mem_gib():.0f} GiB RAM, no GPU. "
         + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
         "",
-        f"Model: `{r['model']}` ({r['description']}). Same weights, same prompt, same starting latents in every "
+        "Model: each table's command names it with `--model`; without it, `sd3-bench` (SD3-medium widths, 2 "
+        "layers per stack, random seeded weights). `sd15-bench` is the real SD1.5 architecture with random "
+        "seeded weights. Same weights, same prompt, same starting latents in every "
         "variant. Medians of interleaved repetitions (A B A B ...) after one warm-up round, which also "
         "warms the first end-to-end workload; speed-ups are "
         "(reference time / variant time) per repetition, median and [min-max] over repetitions: the bracket is "

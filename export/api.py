@@ -6,6 +6,7 @@ renamed when every graph has passed its parity check, so it is complete or absen
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import shutil
 import time
@@ -108,7 +109,11 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
         for spec in specs:
             t0 = time.perf_counter()
             measured = reset_peak()
-            report = export_submodule(spec, src, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+            component = src.load(spec.component, **spec.load_kwargs).eval()
+            module = spec.wrap(component).eval()
+            report = export_submodule(spec, module, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+            del module, component
+            gc.collect()
             report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
             worst = max(p["max_abs_err"] for p in report["parity"])
             report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)

@@ -2,7 +2,6 @@
 against PyTorch in ONNX Runtime at two shapes before it counts as done."""
 from __future__ import annotations
 
-import gc
 import re
 import time
 from dataclasses import dataclass
@@ -85,48 +84,23 @@ def _name_axes(model, spec: SubmoduleSpec, dynamic: set[str]) -> None:
                                     for d, old in zip(t.shape, value.shape)])
 
 
-def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic: set[str], probe: dict,
-          opset: int = DEFAULT_OPSET, device: str = "cpu"):
-    """The dynamo exporter's ONNXProgram of `module` (already wrapped) at the probe's shapes, with
-    our axis names. On the meta device it traces shapes only, and leaves the exporter's
-    optimizer (which folds constants, weights included) for after the weights are attached."""
-    example = [torch.from_numpy(a).to(device) for a in example_inputs(spec, probe, constants, seed=0)]
+def export_submodule(
+    spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic: set[str],
+    probes: list[dict], out_path: Path, opset: int = DEFAULT_OPSET,
+) -> dict:
+    """Export `module` (already wrapped) to `out_path` and check it; returns the report."""
+    t0 = time.perf_counter()
+    example = [torch.from_numpy(a) for a in example_inputs(spec, probes[0], constants, seed=0)]
     with torch.no_grad():
         program = torch.onnx.export(
             module, tuple(example), dynamo=True, opset_version=opset,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
-            dynamic_shapes=_dynamic_shapes(spec, dynamic), verbose=False, optimize=device != "meta",
+            dynamic_shapes=_dynamic_shapes(spec, dynamic), verbose=False,
         )
     _name_axes(program.model, spec, dynamic)
-    return program
-
-
-def export_submodule(spec: SubmoduleSpec, src, constants: dict, dynamic: set[str], probes: list[dict],
-                     out_path: Path, opset: int = DEFAULT_OPSET) -> dict:
-    """Export one submodule of `src` (an export.source.ModelSource) to `out_path` and check it;
-    returns the report.
-
-    The graph is traced from the module built without weights, which are then attached from the
-    checkpoint in place and streamed into the file (export/lazy_weights.py). The reference module
-    for the parity check is loaded only once the graph is written, and freed before ONNX Runtime
-    opens it: one copy of the weights in memory at a time.
-    """
-    from export.lazy_weights import attach_weights, checkpoint_index, empty_component
-
-    t0 = time.perf_counter()
-    component = empty_component(src, spec.component, **spec.load_kwargs)
-    buffers = {name: b.clone() for name, b in component.named_buffers()}
-    module = spec.wrap(component).to("meta").eval()
-    program = trace(spec, module, constants, dynamic, probes[0], opset, device="meta")
-    weights = attach_weights(program.model, module, checkpoint_index(src.folder / spec.component), buffers)
-    del module, component
-    program.optimize()
     program.save(out_path)
-    del program
-    gc.collect()
     export_seconds = time.perf_counter() - t0
-    parity = check_parity(spec, lambda: spec.wrap(src.load(spec.component, **spec.load_kwargs)).eval(), constants,
-                          probes, out_path)
+    parity = check_parity(spec, module, constants, probes, out_path)
     bad = [p for p in parity if not p.ok]
     if bad:
         raise ExportParityError(
@@ -138,28 +112,22 @@ def export_submodule(spec: SubmoduleSpec, src, constants: dict, dynamic: set[str
         "export_seconds": round(export_seconds, 2),
         "bytes": sum(f.stat().st_size for f in files),
         "opset": opset,
-        "weights": weights,
         "parity": [{"dims": p.dims, "max_abs_err": p.max_abs_err, "max_abs_ref": p.max_abs_ref} for p in parity],
     }
 
 
-def check_parity(spec, make_reference, constants, probes, onnx_path) -> list[ParityResult]:
-    """ONNX Runtime against PyTorch at every probe. `make_reference()` builds the PyTorch module:
-    its outputs are computed first and it is freed before the session opens."""
+def check_parity(spec, module, constants, probes, onnx_path) -> list[ParityResult]:
     import onnxruntime as ort
 
-    inputs = [example_inputs(spec, dims, constants, seed=100 + i) for i, dims in enumerate(probes)]
-    module = make_reference()
-    with torch.no_grad():
-        refs = [[r.numpy() for r in module(*map(torch.from_numpy, arrays))] for arrays in inputs]
-    del module
-    gc.collect()
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     results = []
-    for dims, arrays, ref in zip(probes, inputs, refs):
-        got = session.run(None, {t.name: a for t, a in zip(spec.inputs, arrays)})
-        err = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref))
-        scale = max(float(np.max(np.abs(r))) for r in ref)
+    for i, dims in enumerate(probes):
+        inputs = example_inputs(spec, dims, constants, seed=100 + i)
+        with torch.no_grad():
+            ref = module(*[torch.from_numpy(a) for a in inputs])
+        got = session.run(None, {t.name: a for t, a in zip(spec.inputs, inputs)})
+        err = max(float(np.max(np.abs(g - r.numpy()))) for g, r in zip(got, ref))
+        scale = max(float(np.max(np.abs(r.numpy()))) for r in ref)
         used = {k: v for k, v in dims.items() if any(k in t.shape for t in spec.inputs + spec.outputs)}
         results.append(ParityResult(used, err, scale))
     return results
