@@ -80,6 +80,7 @@ class LibraryPass(FunctionalPass):
     plans_memory = False
     context = PassContext()
     HELD_BYTES = 2**20  # smaller constants cross over as data: the libraries fold and inspect those
+    EXTERNAL_HELD_BYTES = 1024  # in a >2 GB graph's external file, all but the smallest stay there
     # Precision passes convert or quantize the weights themselves, so they must see them all. They
     # hold one submodule's weights in memory while they run.
     READS_WEIGHTS = False
@@ -89,7 +90,8 @@ class LibraryPass(FunctionalPass):
             ir.external_data.load_to_model(model)
         held = {} if self.READS_WEIGHTS else {
             name: v.const_value for name, v in model.graph.initializers.items()
-            if v.const_value is not None and v.const_value.nbytes > self.HELD_BYTES}
+            if v.const_value is not None and v.const_value.nbytes > (
+                self.EXTERNAL_HELD_BYTES if isinstance(v.const_value, ir.ExternalTensor) else self.HELD_BYTES)}
         proto = to_proto_without(model, held)
         before = len(proto.graph.node)
         result = self.transform(proto)
