@@ -29,6 +29,7 @@ def test_every_submodule_is_exported_and_checked_at_two_shapes(tiny_build):
         for p in parity:
             assert p["max_abs_err"] <= PARITY_RTOL * max(1.0, p["max_abs_ref"]), (name, p)
         assert sub["export"]["bytes"] == (tiny_build / "onnx" / sub["file"]).stat().st_size
+        assert sub["export"]["peak_rss_mib"] > 0, name  # measured per submodule
 
 
 @pytest.mark.parametrize("name", SUBMODULES)

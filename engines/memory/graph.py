@@ -62,18 +62,6 @@ def _weights_as_inputs(model: onnx.ModelProto, min_elements: int = _WEIGHT_ELEME
         graph.initializer.remove(init)
 
 
-def _load_small_external(model: onnx.ModelProto, folder: Path) -> None:
-    """The values of the small initializers a graph over 2 GB keeps in its external data file:
-    shape inference reads them (shapes, axes); the large ones stay on disk."""
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    for init in model.graph.initializer:
-        if uses_external_data(init) and math.prod(init.dims) < _WEIGHT_ELEMENTS:
-            load_external_data_for_tensor(init, str(folder))
-            init.data_location = onnx.TensorProto.DEFAULT
-            del init.external_data[:]
-
-
 # Ops ONNX Runtime's shape inference does not know, and a known op with the same output shape.
 _SHAPE_STAND_INS = {"QuickGelu": "Identity"}
 
@@ -136,9 +124,11 @@ def _workspace(node: onnx.NodeProto, shape) -> int:
 def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> OpGraph:
     """The graph at `dims` ({dim name: value} for the inputs' symbolic dims). A proto is changed
     in place (its large weights become inputs): pass a copy you still need."""
-    model = source if isinstance(source, onnx.ModelProto) else onnx.load(str(source), load_external_data=False)
-    if not isinstance(source, onnx.ModelProto):
-        _load_small_external(model, Path(source).parent)
+    if not isinstance(source, onnx.ModelProto):  # weights as shapes; the small ones a >2 GB file keeps outside as data
+        import onnx_ir as ir
+
+        return graph_of(ir.load(source), dims)
+    model = source
     weights = {i.name: (list(i.dims), onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize)
                for i in model.graph.initializer}
     inputs = [i.name for i in model.graph.input]

@@ -53,8 +53,8 @@ TARGETS = [Target(
     # reuse settings are the ones measured best on sd3-bench's VAE at 1024x1024 within 1.15x of the
     # default's time (BENCHMARKS.md): without the arena, ONNX Runtime's buffer reuse keeps the
     # decoder lowest; the encoder's peak is lowest with the arena and no reuse (its planner keeps a
-    # reused buffer alive between its uses). sd15-bench's UNet at 512x512, batch 2, peaks 220 MiB
-    # lower with ONNX Runtime's arena and reuse both on than with the arena off.
+    # reused buffer alive between its uses). sd15-bench's UNet at 512x512, batch 2, peaks lowest
+    # with ONNX Runtime's arena and reuse both on (3979 MiB, against 4057 with both off).
     memory=MemoryProfile(("fuse_elementwise", "schedule_memory", "remat"),
                          {"enable_cpu_mem_arena": False, "enable_mem_reuse": True},
                          {"vae_encoder": {"enable_cpu_mem_arena": True, "enable_mem_reuse": False},
