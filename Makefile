@@ -19,7 +19,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv optimum-venv export engines image test bench clean
+.PHONY: venv optimum-venv export engines image test bench scale-check clean
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -66,6 +66,14 @@ $(OPTIMUM_VENV)/.installed: Makefile
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 bench: venv optimum-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python $(BENCH_ARGS)
+
+# Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
+# again per stage's output): sd3-fullsize through export and the ORT fp16 build, each stage's
+# peak RSS measured from outside and written to BENCHMARKS.md; fails over SCALE_BUDGET_GIB.
+SCALE_MODEL ?= sd3-fullsize
+SCALE_BUDGET_GIB ?= 16
+scale-check: venv
+	$(PY) -m bench.scale_check --model $(SCALE_MODEL) --budget-gib $(SCALE_BUDGET_GIB)
 
 clean:
 	rm -rf build

@@ -88,3 +88,20 @@ def render(r: dict, previous: str = "") -> str:
         if title not in measured:
             lines += [f"## {title}", "", body, ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def with_section(previous: str, title: str, body: str) -> str:
+    """`previous` (a BENCHMARKS.md) with the "## `title`" section's body replaced by `body`, in
+    place, or appended when it has none; for the checks that measure one table of their own."""
+    lines, out, skipping = previous.rstrip().splitlines(), [], False
+    for line in lines:
+        if line.startswith("## "):
+            skipping = line[3:] == title
+            if skipping:
+                out += [line, "", body, ""]
+                continue
+        if not skipping:
+            out.append(line)
+    if f"## {title}" not in out:
+        out += ["", f"## {title}", "", body]
+    return "\n".join(out).rstrip() + "\n"

@@ -18,7 +18,7 @@ from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
 from engines.calibration import describe as describe_calibration
 from engines.passes import PASSES, PassContext, PassPipeline, check_pass_names
 from engines.passes.ort_tools import request_session_options
-from engines.precisions import RECIPES
+from engines.precisions import RECIPES, Recipe
 from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, TargetError, get_target
 from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
@@ -50,6 +50,19 @@ def passes_fingerprint(names: dict[str, list[str]]) -> str:
     return digest([names, sorted(p.read_text() for p in used | shared)])
 
 
+def _recipe(source: dict, precision: str, onnx_dir: Path) -> Recipe:
+    """The precision's passes. They turn float32 graphs into the precision; graphs exported in
+    float16 are fp16 already and build as they are (and into nothing else: the quantizers and
+    the fp16 converter start from float32)."""
+    exported = source.get("dtype", "float32")
+    if exported == "float32":
+        return RECIPES[precision]
+    if precision != "fp16":
+        raise TargetError(f"{onnx_dir} was exported in {exported}: it builds --precision fp16 only. For "
+                          f"{precision}, export in float32 (python -m export MODEL --dtype float32)")
+    return Recipe()
+
+
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
                    passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings(),
                    options: BuildOptions = BuildOptions(), fallback: str | None = None,
@@ -79,7 +92,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise TargetError("--memory-budget is a setting of --memory: add --memory")
     memory_passes = list(tgt.memory.passes) if memory else []
     base = check_pass_names(tgt.passes if passes is None else passes)
-    pipelines = {name: PassPipeline(base + list(RECIPES[precision].for_submodule(sub)) + memory_passes)
+    recipe = _recipe(source, precision, onnx_dir)
+    pipelines = {name: PassPipeline(base + list(recipe.for_submodule(sub)) + memory_passes)
                  for name, sub in source["submodules"].items()}
     calibration_dir = None
     if any(p.needs_calibration for p in pipelines.values()):
@@ -131,6 +145,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         write_manifest(tmp, {
             "stage": "artifact",
             "cache_key": cache_key,
+            "exported_dtype": source.get("dtype", "float32"),
             "model": source["model"],
             **settings,
             "passes": base,

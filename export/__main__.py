@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from export.onnx_export import DEFAULT_OPSET
+from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES
 from export.registry import MODELS
 
 
@@ -15,6 +15,9 @@ def main(argv=None) -> int:
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--image-size", default=None, metavar="MIN,OPT,MAX",
                    help="image side range in pixels the engines are built for (default: the model's entry)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
+                   help="weights and computation of the graphs (default: the model's entry; float32 for most); "
+                        "float16 halves the memory the export needs and builds fp16 engines only")
     p.add_argument("--force", action="store_true", help="re-export even if OUT/onnx is up to date")
     args = p.parse_args(argv)
 
@@ -23,7 +26,8 @@ def main(argv=None) -> int:
     from runners.cli import run_cli
 
     sizes = args.image_size.split(",") if args.image_size else None
-    return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes),
+    return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes,
+                                                 dtype=args.dtype),
                    (SourceError, ValueError), "nothing was written")
 
 

@@ -1,12 +1,13 @@
 """`export_model`: every submodule of a pipeline to ONNX, into <out>/onnx/ with a manifest.
 
-One submodule is in memory at a time. The folder is written under a temporary name and
-renamed when every graph has passed its parity check, so it is complete or absent.
+One submodule at a time, traced without its weights, which stream from the checkpoint into the
+graph (`export/lazy_weights.py`); each submodule's peak RSS is measured and recorded. The folder is
+written under a temporary name and renamed when every graph has passed its parity check, so it is
+complete or absent.
 """
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import shutil
 import time
@@ -14,13 +15,13 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
-from export.onnx_export import DEFAULT_OPSET, export_submodule
+from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
 from export.source import ModelSource, resolve
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
-EXPORT_FORMAT = 2  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 3  # bump when the graphs this code writes change for the same inputs
 BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
 
 
@@ -82,12 +83,17 @@ def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
 
 
 def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
-                 image_size: tuple[int, int, int] | None = None) -> Path:
+                 image_size: tuple[int, int, int] | None = None, dtype: str | None = None) -> Path:
     """Export `model` (registry name or folder) into `out`/onnx and return that folder.
 
-    `image_size` (min, opt, max pixels) overrides the range the engines are built for."""
+    `image_size` (min, opt, max pixels) overrides the range the engines are built for. `dtype`
+    (float32, float16; default: the registry entry's) is the weights' and the computation's: an
+    fp16 export never holds fp32 weights, and builds only fp16 engines."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()
     src = model if isinstance(model, ModelSource) else resolve(model)
+    dtype = dtype or src.entry.export_dtype
     constants = src.family.constants(src)
     if image_size:
         sizes = _check_sizes(image_size, image_multiple(constants))
@@ -96,24 +102,21 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)
     specs = [s for s in family.submodules if src.has(s.component)]
-    cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset,
+    cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset, dtype,
                          [s.name for s in specs], package_versions()])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
         return dest
-    _log(f"{entry.name}: {len(specs)} submodules from {src.folder}")
+    _log(f"{entry.name}: {len(specs)} submodules in {dtype} from {src.folder}")
     dynamic = set(ranges)
     with atomic_folder(dest) as tmp:
         submodules = {}
         for spec in specs:
+            _log(f"{spec.name}: tracing without weights, then streaming them from {src.folder / spec.component}")
             t0 = time.perf_counter()
             measured = reset_peak()
-            component = src.load(spec.component, **spec.load_kwargs).eval()
-            module = spec.wrap(component).eval()
-            report = export_submodule(spec, module, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
-            del module, component
-            gc.collect()
+            report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
             report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
             worst = max(p["max_abs_err"] for p in report["parity"])
             report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
@@ -131,6 +134,7 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
         write_manifest(tmp, {
             "stage": "onnx",
             "cache_key": cache_key,
+            "dtype": dtype,
             "model": {"name": entry.name, "family": family.name, "source": entry.hub_id or str(src.folder),
                       "fingerprint": src.fingerprint},
             "pipeline": {**family.runtime_constants(src), "default_image_size": entry.image_size[1],

@@ -1,7 +1,13 @@
 """Export one submodule to ONNX with the dynamo exporter, name its dynamic axes, and prove it
-against PyTorch in ONNX Runtime at two shapes before it counts as done."""
+against PyTorch in ONNX Runtime at two shapes before it counts as done.
+
+The graph is traced without weights and given them from the checkpoint (`export/lazy_weights.py`);
+the PyTorch reference for the check is loaded after the graph is written, run, and freed before
+ONNX Runtime opens the graph: at no point are two copies of the weights in memory.
+"""
 from __future__ import annotations
 
+import gc
 import re
 import time
 from dataclasses import dataclass
@@ -10,12 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.lazy_weights import attach_weights, checkpoint_index, defer_weight_transposes, weightless_component
 from export.shapes import concrete
 from export.spec import SubmoduleSpec
+from runners.manifest import save_graph
 
 DEFAULT_OPSET = 20  # MatMul/Softmax attention: builds on every target (opset 23's Attention does not)
-# fp32 export parity: observed ~1e-6; the bound leaves room for summation-order noise only.
-PARITY_RTOL = 1e-4
+EXPORT_DTYPES = ("float32", "float16")
+# Parity bound relative to max(1, |reference|). fp32: observed ~1e-6, room for summation order
+# only. fp16: PyTorch and ONNX Runtime round different intermediates to fp16 (~1e-3 each).
+PARITY_RTOL = {"float32": 1e-4, "float16": 2e-2}
 
 
 class ExportParityError(RuntimeError):
@@ -27,10 +37,33 @@ class ParityResult:
     dims: dict
     max_abs_err: float
     max_abs_ref: float
+    rtol: float
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_err <= PARITY_RTOL * max(1.0, self.max_abs_ref)
+        return self.max_abs_err <= self.rtol * max(1.0, self.max_abs_ref)
+
+
+class TypedIO(torch.nn.Module):
+    """Runs a submodule wrapper whose weights are in `dtype` on float32 inputs: floating inputs
+    are cast to `dtype` and outputs back to float32, so a graph's I/O are the same whatever its
+    precision. The wrapper's children become this module's own: weight names do not change."""
+
+    def __init__(self, wrapper: torch.nn.Module, dtype: str):
+        super().__init__()
+        self._modules.update(wrapper._modules)
+        self.__dict__["wrapper"] = wrapper  # not a child: its parameters are already ours
+        self.dtype = getattr(torch, dtype)
+
+    def forward(self, *inputs):
+        cast = [x.to(self.dtype) if x.is_floating_point() else x for x in inputs]
+        return tuple(y.float() for y in self.wrapper(*cast))
+
+
+def wrapped(spec: SubmoduleSpec, component, dtype: str = "float32") -> torch.nn.Module:
+    """The module the exporter traces: the spec's wrapper, with float32 I/O when `dtype` is not."""
+    module = spec.wrap(component).eval()
+    return module if dtype == "float32" else TypedIO(module, dtype).eval()
 
 
 def example_inputs(spec: SubmoduleSpec, dims: dict, constants: dict, seed: int) -> list[np.ndarray]:
@@ -48,13 +81,10 @@ def example_inputs(spec: SubmoduleSpec, dims: dict, constants: dict, seed: int) 
     return arrays
 
 
-def _dynamic_shapes(spec: SubmoduleSpec, dynamic: set[str]) -> dict:
+def _dynamic_shapes(spec: SubmoduleSpec, dynamic: set[str]) -> tuple:
     # Dim.AUTO lets torch.export infer the relations (even latent sides, ...); the symbols it
     # picks are renamed to our dimension names afterwards.
-    return {
-        t.name: {i: torch.export.Dim.AUTO for i, d in enumerate(t.shape) if d in dynamic}
-        for t in spec.inputs
-    }
+    return tuple({i: torch.export.Dim.AUTO for i, d in enumerate(t.shape) if d in dynamic} for t in spec.inputs)
 
 
 def _name_axes(model, spec: SubmoduleSpec, dynamic: set[str]) -> None:
@@ -84,50 +114,104 @@ def _name_axes(model, spec: SubmoduleSpec, dynamic: set[str]) -> None:
                                     for d, old in zip(t.shape, value.shape)])
 
 
-def export_submodule(
-    spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic: set[str],
-    probes: list[dict], out_path: Path, opset: int = DEFAULT_OPSET,
-) -> dict:
-    """Export `module` (already wrapped) to `out_path` and check it; returns the report."""
-    t0 = time.perf_counter()
-    example = [torch.from_numpy(a) for a in example_inputs(spec, probes[0], constants, seed=0)]
+def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic: set[str], probe: dict,
+          opset: int = DEFAULT_OPSET, optimize: bool = True):
+    """torch.onnx.export (dynamo) of `module` at the `probe` shape, axes named; the ONNXProgram."""
+    example = [torch.from_numpy(a) for a in example_inputs(spec, probe, constants, seed=0)]
+    shapes = _dynamic_shapes(spec, dynamic)
+    if isinstance(module, TypedIO):
+        shapes = (shapes,)  # its forward(*inputs) takes them as one argument
     with torch.no_grad():
         program = torch.onnx.export(
-            module, tuple(example), dynamo=True, opset_version=opset,
+            module, tuple(example), dynamo=True, opset_version=opset, optimize=optimize,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
-            dynamic_shapes=_dynamic_shapes(spec, dynamic), verbose=False,
+            dynamic_shapes=shapes, verbose=False,
         )
     _name_axes(program.model, spec, dynamic)
-    program.save(out_path)
+    return program
+
+
+def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str], probe: dict,
+                      opset: int = DEFAULT_OPSET):
+    """The submodule's graph traced without weights, then given them from the checkpoint (still
+    on disk: they are read when the graph is written). Returns (onnx-ir model, counts)."""
+    module = wrapped(spec, weightless_component(src, spec.component, dtype, **spec.load_kwargs), dtype)
+    program = trace(spec, module, constants, dynamic, probe, opset, optimize=False)
+    counts = attach_weights(program.model, module, checkpoint_index(src.folder / spec.component))
+    counts["transposes_deferred"] = defer_weight_transposes(program.model)
+    program.optimize()  # the exporter's own optimizer, as torch.onnx.export(optimize=True) runs it
+    return program.model, counts
+
+
+def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str],
+                     probes: list[dict], out_path: Path, opset: int = DEFAULT_OPSET) -> dict:
+    """Export `spec`'s component of `src` with `dtype` weights to `out_path` and check it against
+    PyTorch; returns the report."""
+    t0 = time.perf_counter()
+    model, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset)
+    files = save_graph(model, out_path)
+    del model
     export_seconds = time.perf_counter() - t0
-    parity = check_parity(spec, module, constants, probes, out_path)
+    parity = check_parity(spec, src, dtype, constants, probes, out_path)
     bad = [p for p in parity if not p.ok]
     if bad:
         raise ExportParityError(
             f"{spec.name}: ONNX Runtime differs from PyTorch by {bad[0].max_abs_err:.3g} at {bad[0].dims} "
-            f"(allowed {PARITY_RTOL:g} x max(1, |reference| = {bad[0].max_abs_ref:.3g}))"
+            f"(allowed {bad[0].rtol:g} x max(1, |reference| = {bad[0].max_abs_ref:.3g}))"
         )
-    files = [out_path] + [p for p in out_path.parent.glob(out_path.name + ".data")]
     return {
         "export_seconds": round(export_seconds, 2),
-        "bytes": sum(f.stat().st_size for f in files),
+        "bytes": sum((out_path.parent / f).stat().st_size for f in files),
         "opset": opset,
+        "dtype": dtype,
+        "weights": counts,
         "parity": [{"dims": p.dims, "max_abs_err": p.max_abs_err, "max_abs_ref": p.max_abs_ref} for p in parity],
     }
 
 
-def check_parity(spec, module, constants, probes, onnx_path) -> list[ParityResult]:
+class Float32Products(torch.overrides.TorchFunctionMode):
+    """Matrix products and convolutions of fp16 tensors computed in fp32 and rounded back to fp16,
+    as GPUs do them (fp32 accumulation). PyTorch's own fp16 products on a CPU without fp16 matrix
+    units run at 0.4 GFLOP/s here (fp32: 160): a real-size fp16 reference would take hours. Only
+    one product's operands are ever in fp32: the weights stay in fp16."""
+
+    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+                torch.baddbmm, torch.nn.functional.conv2d, torch.nn.functional.scaled_dot_product_attention}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.PRODUCTS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args):
+            wide = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            wide_kwargs = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                           for k, v in kwargs.items()}
+            return func(*wide, **wide_kwargs).half()
+        return func(*args, **kwargs)
+
+
+def check_parity(spec, src, dtype, constants, probes, onnx_path) -> list[ParityResult]:
+    """PyTorch (the component from_pretrained in `dtype`) against ONNX Runtime at each probe.
+    The references are computed and the module freed before the session opens."""
+    import contextlib
+
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    component = src.load(spec.component, torch_dtype=getattr(torch, dtype), **spec.load_kwargs)
+    module = wrapped(spec, component.eval(), dtype)
+    feeds = [example_inputs(spec, dims, constants, seed=100 + i) for i, dims in enumerate(probes)]
+    products = Float32Products() if dtype == "float16" else contextlib.nullcontext()
+    with torch.no_grad(), products:
+        refs = [[r.numpy() for r in module(*[torch.from_numpy(a) for a in inputs])] for inputs in feeds]
+    del module, component
+    gc.collect()
+    options = ort.SessionOptions()
+    # Basic optimizations: the full level makes float32 copies of fp16 weights on a CPU.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     results = []
-    for i, dims in enumerate(probes):
-        inputs = example_inputs(spec, dims, constants, seed=100 + i)
-        with torch.no_grad():
-            ref = module(*[torch.from_numpy(a) for a in inputs])
+    for dims, inputs, ref in zip(probes, feeds, refs):
         got = session.run(None, {t.name: a for t, a in zip(spec.inputs, inputs)})
-        err = max(float(np.max(np.abs(g - r.numpy()))) for g, r in zip(got, ref))
-        scale = max(float(np.max(np.abs(r.numpy()))) for r in ref)
+        err = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref))
+        scale = max(float(np.max(np.abs(r))) for r in ref)
         used = {k: v for k, v in dims.items() if any(k in t.shape for t in spec.inputs + spec.outputs)}
-        results.append(ParityResult(used, err, scale))
+        results.append(ParityResult(used, err, scale, PARITY_RTOL[dtype]))
     return results

@@ -19,6 +19,8 @@ class ModelEntry:
     image_size: tuple[int, int, int] = (256, 1024, 1536)
     batch: tuple[int, int, int] = (1, 2, 8)  # transformer batch is 2x the images (guidance)
     t5_length: tuple[int, int, int] = (1, 256, 512)
+    # The weights' and the graphs' dtype: float16 halves the export's memory, and its engines are fp16.
+    export_dtype: str = "float32"
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -191,6 +193,7 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("sd3-bench", "sd3", random_configs=SD3_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    description="SD3-medium widths, 2 layers per stack, random seeded weights (benchmarks)"),
         ModelEntry("sd3-fullsize", "sd3", random_configs=SD3_FULLSIZE, image_size=(256, 1024, 1024), batch=(1, 2, 4),
+                   export_dtype="float16",
                    description="SD3-medium at its true shapes, random weights streamed in fp16 (make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),

@@ -120,3 +120,11 @@ def resolve(model: str) -> ModelSource:
         entry = ModelEntry(name=path.resolve().name, family=family, description=f"local folder {path}")
         return ModelSource(entry, path.resolve(), _folder_fingerprint(path))
     raise SourceError(f"unknown model '{model}': not a folder, and not one of: {', '.join(MODELS)}")
+
+
+if __name__ == "__main__":  # python -m export.source MODEL: build (once) and print a model's folder
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python -m export.source MODEL (one of: {', '.join(MODELS)}, or a folder)")
+    print(resolve(sys.argv[1]).folder)

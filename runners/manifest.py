@@ -102,3 +102,21 @@ def atomic_folder(dest: Path):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights in NAME.onnx.data
+
+
+def save_graph(model, path: Path) -> list[str]:
+    """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB, else in one
+    external file beside it, streamed there a tensor at a time from wherever they live (a
+    checkpoint, a memory map, a tensor computed on demand). Returns the file names written."""
+    import onnx_ir as ir
+
+    path = Path(path)
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    data = f"{path.name}.data" if size > ONNX_INLINE_LIMIT else None
+    if data is None:  # inline: weights that still point at another file (a checkpoint) are read in
+        ir.external_data.load_to_model(model)
+    ir.save(model, path, external_data=data)
+    return [path.name] + ([data] if data else [])

@@ -212,3 +212,32 @@ def test_measuring_pass_without_calibration_says_so():
     with pytest.raises(PassFailed, match="pass 'to_fp16' measures the model on calibration inputs, and none "
                                          "were given for m"):
         run_passes(ir.from_proto(_overflow_model()), ["to_fp16"], "m")
+
+
+@pytest.fixture(scope="module")
+def fp16_export(tmp_path_factory, tiny_source):
+    """sd3-tiny exported with float16 weights (`--dtype float16`: the memory-bounded path for real sizes)."""
+    from export.api import export_model
+
+    build = tmp_path_factory.mktemp("sd3-tiny-fp16-export")
+    export_model(tiny_source, build, dtype="float16")
+    return build
+
+
+def test_an_fp16_export_builds_fp16_engines_as_they_are(fp16_export, fp32_images):
+    from engines.api import build_artifact
+    from engines.targets import TargetError
+
+    artifact = build_artifact(fp16_export, "ort", "fp16")
+    built = manifest(artifact)
+    assert built["exported_dtype"] == "float16" and "calibration" not in built  # no converter: nothing to measure
+    assert all("to_fp16" not in {r["name"] for r in s["passes"]} for s in built["submodules"].values())
+    latents, refs = fp32_images
+    pipe = Pipeline.load(artifact)
+    for prompt, ref in zip(PROMPTS, refs):
+        image = pipe(prompt, latents=latents, num_inference_steps=6, output_type="np")
+        psnr = _psnr(ref, image)
+        print(f"fp16 export {prompt!r}: PSNR {psnr:.1f} dB")
+        assert psnr >= MIN_PSNR["fp16"], (prompt, psnr)
+    with pytest.raises(TargetError, match="exported in float16: it builds --precision fp16 only"):
+        build_artifact(fp16_export, "ort", "int8")

@@ -1,0 +1,151 @@
+"""Export without holding the weights: trace the submodule with weightless parameters, then point
+each initializer of the graph at its bytes in the component's safetensors files.
+
+The parameters are FakeTensors (shapes and dtypes, no storage) on the CPU device: tracing sees
+exactly what it sees with real CPU weights, so the graph is the ordinary export's (the meta device
+is not: there, SDPA decomposes differently). Buffers are built real by the module's constructor.
+After tracing, `attach_weights` gives every parameter's initializer its checkpoint bytes in place
+(`ir.ExternalTensor`), and `defer_weight_transposes` turns the exporter's Transpose of a weight
+(every linear layer has one) into a tensor computed when it is written. Saving then streams the
+weights from the checkpoint into the graph's external data one at a time: a submodule's weights
+are never in memory as a whole, nor twice.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
+
+
+class WeightsError(RuntimeError):
+    """A parameter of the traced graph has no usable tensor in the checkpoint."""
+
+
+def weightless_component(src, component: str, dtype: str, **load_kwargs):
+    """The component as from_pretrained would give it in `dtype`, with FakeTensor parameters.
+
+    The module is built on the meta device from its config (accelerate's `init_empty_weights`),
+    cast to `dtype` except the modules its class keeps in float32 (`_keep_in_fp32_modules`:
+    T5's `wo`, which overflows fp16), then each parameter becomes a FakeTensor on the CPU."""
+    import torch
+    from accelerate import init_empty_weights
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    library, class_name = src.model_index()[component]
+    cls = getattr(importlib.import_module(library), class_name)
+    folder = src.folder / component
+    with init_empty_weights(include_buffers=False):
+        if hasattr(cls, "load_config"):  # diffusers
+            module = cls.from_config(cls.load_config(folder))
+        else:  # transformers
+            module = cls._from_config(cls.config_class.from_pretrained(folder), **load_kwargs)
+    module.tie_weights() if hasattr(module, "tie_weights") else None  # outside the context: ties meta params
+    module.to(getattr(torch, dtype))
+    keep = getattr(module, "_keep_in_fp32_modules", None) or []
+    for name, sub in module.named_modules():
+        if any(part in keep for part in name.split(".")):
+            sub.float()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # real inputs and buffers meet fake weights
+    fakes = {}  # one fake per parameter object: tied parameters stay tied
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                if id(p) not in fakes:
+                    with mode:
+                        fakes[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                sub._parameters[name] = fakes[id(p)]
+    return module.eval()
+
+
+def checkpoint_index(folder: Path) -> dict[str, dict]:
+    """{tensor name: file, dtype, shape, offset, length} over the folder's safetensors files, read
+    from their headers only."""
+    index = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(size))
+        for name, t in header.items():
+            if name != "__metadata__":
+                start, end = t["data_offsets"]
+                index[name] = {"file": path, "dtype": t["dtype"], "shape": t["shape"], "offset": 8 + size + start,
+                               "length": end - start}
+    return index
+
+
+def attach_weights(model: ir.Model, wrapper, index: dict[str, dict]) -> dict[str, int]:
+    """Give the graph traced from `wrapper` its weights: each initializer named after a parameter
+    of the wrapped component reads its checkpoint bytes in place, converted when it is written if
+    the dtypes differ (T5's float32 `wo` from an fp16 checkpoint). Returns counts."""
+    params = {}  # every name of a parameter (tied ones have several) -> the names of that tensor
+    for name, p in wrapper.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), []).append(name)
+    aliases = {name: group for group in params.values() for name in group}
+    counts = {"weights_mapped": 0, "weights_converted": 0}
+    for name, value in model.graph.initializers.items():
+        if name not in aliases:
+            continue  # a buffer or a constant of the exporter: it holds its real value
+        stored = _stored(name, aliases[name], index)
+        want = value.const_value.dtype
+        if stored.dtype == want:
+            value.const_value = stored
+            counts["weights_mapped"] += 1
+        else:
+            value.const_value = ir.LazyTensor(
+                lambda s=stored, w=want: ir.tensor(_read(s).astype(w.numpy())), dtype=want, shape=stored.shape, name=name)
+            counts["weights_converted"] += 1
+    return counts
+
+
+def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> ir.ExternalTensor:
+    # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own parameters.
+    keys = [alias.split(".", 1)[1] for alias in aliases]
+    key = next((k for k in keys if k in index), None)
+    if key is None:
+        raise WeightsError(f"parameter {name} is not in the checkpoint (looked for {', '.join(keys)})")
+    entry = index[key]
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise WeightsError(f"{key}: checkpoint dtype {entry['dtype']} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
+    dtype = ir.DataType.from_numpy(np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]]))
+    return ir.ExternalTensor(entry["file"].name, entry["offset"], entry["length"], dtype,
+                             shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
+
+
+def _read(tensor) -> np.ndarray:
+    """The tensor's values as a new array, leaving no mapping of the checkpoint resident."""
+    array = np.array(tensor.numpy())
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()
+    return array
+
+
+def defer_weight_transposes(model: ir.Model) -> int:
+    """Replace each Transpose of a weight by an initializer computed when the graph is written.
+
+    The exporter's optimizer folds these (a linear layer's weight is stored transposed for MatMul)
+    by computing them all in memory: the whole submodule's weights again. Done here first, each is
+    computed, written and dropped in turn; the graph is the same. Returns how many were deferred."""
+    deferred = 0
+    for node in list(model.graph):
+        source = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None
+        if source is None or not source.is_initializer() or source.const_value is None:
+            continue
+        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+        weight, out = source.const_value, node.outputs[0]
+        shape = ir.Shape([weight.shape[i] for i in perm] if perm else list(reversed(weight.shape)))
+        folded = ir.Value(name=out.name, shape=shape, type=ir.TensorType(weight.dtype))
+        folded.const_value = ir.LazyTensor(lambda w=weight, p=perm: ir.tensor(np.ascontiguousarray(np.transpose(_read(w), p))),
+                                           dtype=weight.dtype, shape=shape, name=out.name)
+        out.replace_all_uses_with(folded)
+        model.graph.remove(node, safe=True)
+        model.graph.register_initializer(folded)
+        if not source.uses() and not source.is_graph_output():
+            model.graph.initializers.pop(source.name)
+        deferred += 1
+    return deferred
