@@ -173,6 +173,15 @@ SD3_FULLSIZE = {
     "weights_dtype": "float16",
 }
 
+# SD3.5-large's MMDiT (8.1 B parameters: 38 blocks of 38 heads, q/k RMS norm) and nothing else
+# with weights: the other components are configs only, which give the shapes (`weights_for`).
+SD35_LARGE_TRANSFORMER = {
+    **SD3_FULLSIZE,
+    "transformer": {**_mmdit(heads=38, head_dim=64, joint=4096, pooled=2048, sample=128, pos_max=192,
+                             qk_norm="rms_norm"), "num_layers": 38},
+    "weights_for": ["transformer"],
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -195,6 +204,9 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("sd3-fullsize", "sd3", random_configs=SD3_FULLSIZE, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    export_dtype="float16",
                    description="SD3-medium at its true shapes, random weights streamed in fp16 (make scale-check)"),
+        ModelEntry("sd3.5-large-transformer", "sd3", random_configs=SD35_LARGE_TRANSFORMER,
+                   image_size=(256, 1024, 1024), batch=(1, 2, 4), export_dtype="float16",
+                   description="SD3.5-large's transformer alone at its true shapes, random fp16 weights (make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sdxl-tiny", "sdxl", random_configs=SDXL_TINY, image_size=(64, 128, 256),

@@ -61,9 +61,18 @@ def _folder_fingerprint(folder: Path) -> str:
     return digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
 
 
+def _random_key(entry: ModelEntry) -> str:
+    """What the random weights depend on: the configs and, for weights streamed by
+    export/random_weights.py, the version of how it draws them."""
+    from export.random_weights import FORMAT
+
+    streamed = entry.random_configs.get("weights_dtype") is not None
+    return digest([entry.random_configs, FORMAT] if streamed else entry.random_configs)
+
+
 def _build_random(entry: ModelEntry) -> Path:
     """Build (once) the random-weight pipeline folder of a registry entry, atomically."""
-    key = digest(entry.random_configs)
+    key = _random_key(entry)
     folder = cache_root() / "models" / f"{entry.name}-{key}"
     if (folder / "model_index.json").exists():
         return folder
@@ -110,7 +119,7 @@ def resolve(model: str) -> ModelSource:
         entry = MODELS[model]
         if entry.random_configs is not None:
             folder = _build_random(entry)
-            return ModelSource(entry, folder, digest(entry.random_configs))
+            return ModelSource(entry, folder, _random_key(entry))
         folder = _hub_snapshot(entry)
         _detect_family(folder)
         return ModelSource(entry, folder, _folder_fingerprint(folder))

@@ -1,6 +1,6 @@
 """Real-size models on a small machine: random weights streamed tensor by tensor load through
-from_pretrained like a real checkpoint (proven on sd3-tiny's configs), and sd3-fullsize has
-SD3-medium's true shapes."""
+from_pretrained like a real checkpoint (proven on sd3-tiny's configs), sd3-fullsize has
+SD3-medium's true shapes and sd3.5-large-transformer SD3.5-large's transformer."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,8 @@ def test_streamed_weights_load_like_a_checkpoint(streamed):
     t5 = pipe.text_encoder_3
     assert t5.shared.weight.dtype == torch.float16 and t5.encoder.embed_tokens.weight is t5.shared.weight
     weight = pipe.transformer.transformer_blocks[0].attn.to_q.weight.float()
-    assert abs(weight.std().item() - 0.02) < 0.002 and pipe.transformer.transformer_blocks[0].attn.to_q.bias.abs().max() == 0
+    expected = 0.5 / weight.shape[1] ** 0.5  # INIT_GAIN / sqrt(fan-in)
+    assert abs(weight.std().item() - expected) < 0.1 * expected and pipe.transformer.transformer_blocks[0].attn.to_q.bias.abs().max() == 0
 
 
 def test_sd3_fullsize_has_the_true_sd3_medium_shapes():
@@ -50,5 +51,30 @@ def test_sd3_fullsize_has_the_true_sd3_medium_shapes():
         }
         count = {name: sum(p.numel() for p in m.parameters()) for name, m in count.items()}
     assert count == {"transformer": 2_028_328_000, "text_encoder_2": 694_659_840, "text_encoder_3": 4_762_310_656}
-    assert cfg["weights_dtype"] == "float16"
+    assert cfg["weights_dtype"] == "float16" and MODELS["sd3-fullsize"].export_dtype == "float16"
+
+
+def test_sd35_large_transformer_has_its_true_shape_and_nothing_else_has_weights():
+    from diffusers import SD3Transformer2DModel
+
+    cfg = MODELS["sd3.5-large-transformer"].random_configs
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel(**cfg["transformer"])
+    assert sum(p.numel() for p in transformer.parameters()) == 8_056_627_520
+    assert cfg["weights_for"] == ["transformer"]
+
+
+def test_components_without_weights_are_configs_only(tmp_path):
+    from export.families.sd3 import build_random
+    from export.registry import ModelEntry
+    from export.source import ModelSource
+
+    build_random({**SD3_TINY, "weights_dtype": "float16", "t5_vocab_size": 2000, "weights_for": ["transformer"]},
+                 tmp_path)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["text_encoder"] == [None, None] and index["transformer"][1] == "SD3Transformer2DModel"
+    assert not list((tmp_path / "vae").glob("*.safetensors")) and (tmp_path / "vae" / "config.json").exists()
+    src = ModelSource(ModelEntry("only-transformer", "sd3"), tmp_path, "x")
+    assert [s.name for s in src.family.submodules if src.has(s.component)] == ["transformer"]
+    assert src.family.constants(src)["clip_width"] == SD3_TINY["text_encoder"]["hidden_size"]  # shapes from configs
 

@@ -125,7 +125,7 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
         }, seed, streamed=dtype is not None)
         save_pipeline("StableDiffusion3Pipeline", modules,
                       {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), **tok},
-                      out_dir, dtype, seed)
+                      out_dir, dtype, seed, configs.get("weights_for"))
 
 
 FAMILY = Family(
