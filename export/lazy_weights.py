@@ -45,7 +45,8 @@ def weightless_component(src, component: str, dtype: str, **load_kwargs):
             module = cls.from_config(cls.load_config(folder))
         else:  # transformers
             module = cls._from_config(cls.config_class.from_pretrained(folder), **load_kwargs)
-    module.tie_weights() if hasattr(module, "tie_weights") else None  # outside the context: ties meta params
+    if hasattr(module, "tie_weights"):  # outside the context: ties the meta parameters
+        module.tie_weights()
     module.to(getattr(torch, dtype))
     keep = getattr(module, "_keep_in_fp32_modules", None) or []
     for name, sub in module.named_modules():
@@ -82,16 +83,23 @@ def checkpoint_index(folder: Path) -> dict[str, dict]:
 def attach_weights(model: ir.Model, wrapper, index: dict[str, dict]) -> dict[str, int]:
     """Give the graph traced from `wrapper` its weights: each initializer named after a parameter
     of the wrapped component reads its checkpoint bytes in place, converted when it is written if
-    the dtypes differ (T5's float32 `wo` from an fp16 checkpoint). Returns counts."""
+    the dtypes differ (T5's float32 `wo` from an fp16 checkpoint). A buffer the checkpoint holds
+    (SD3's position embedding) is read from it too, as from_pretrained does; the others keep the
+    value the constructor gave them. Returns counts."""
     params = {}  # every name of a parameter (tied ones have several) -> the names of that tensor
     for name, p in wrapper.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), []).append(name)
     aliases = {name: group for group in params.values() for name in group}
-    counts = {"weights_mapped": 0, "weights_converted": 0}
+    buffers = {name for name, _ in wrapper.named_buffers()}
+    counts = {"weights_mapped": 0, "weights_converted": 0, "buffers_from_checkpoint": 0}
     for name, value in model.graph.initializers.items():
-        if name not in aliases:
-            continue  # a buffer or a constant of the exporter: it holds its real value
-        stored = _stored(name, aliases[name], index)
+        if name in aliases:
+            stored = _stored(name, aliases[name], index)
+        elif name in buffers and _key(name) in index:
+            stored = _stored(name, [name], index)
+            counts["buffers_from_checkpoint"] += 1
+        else:
+            continue  # a buffer the checkpoint lacks, or a constant of the exporter: it has its value
         want = value.const_value.dtype
         if stored.dtype == want:
             value.const_value = stored
@@ -103,9 +111,13 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict]) -> dict[str
     return counts
 
 
+def _key(name: str) -> str:
+    # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own tensors.
+    return name.split(".", 1)[1]
+
+
 def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> ir.ExternalTensor:
-    # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own parameters.
-    keys = [alias.split(".", 1)[1] for alias in aliases]
+    keys = [_key(alias) for alias in aliases]
     key = next((k for k in keys if k in index), None)
     if key is None:
         raise WeightsError(f"parameter {name} is not in the checkpoint (looked for {', '.join(keys)})")

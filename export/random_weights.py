@@ -1,9 +1,11 @@
 """Random-weight components written tensor by tensor, for models too large to hold in memory
 (sd3-fullsize: 7.5 B parameters, 15 GB in fp16).
 
-The module is built on the meta device (shapes only), its config saved where from_pretrained
-reads it, and each weight drawn from a generator seeded by its name and streamed into one
-safetensors file in the storage dtype, in blocks: building never holds more than one block.
+The module is built with its parameters on the meta device (shapes only) and its buffers real
+(small; a checkpoint holds the persistent ones: SD3's sin-cos position embedding), its config
+saved where from_pretrained reads it, and each weight drawn from a generator seeded by its name
+and streamed into one safetensors file in the storage dtype, in blocks: building never holds
+more than one block.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32"}
 # A width-independent std (0.02) makes T5-XXL's unscaled logits so large that fp16 rounding picks
 # different attention winners than fp32: its outputs then differ by 30% (measured on 8 layers).
 INIT_GAIN = 0.5
-FORMAT = 2  # bump when the values written for the same configs change (part of the model's cache key)
+FORMAT = 3  # bump when the values written for the same configs change (part of the model's cache key)
 
 
 def _tensors(module) -> dict[str, tuple[int, ...]]:
@@ -64,12 +66,13 @@ def write_config(module, folder: Path) -> Path:
 
 
 def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0) -> int:
-    """Write `module` (built on the meta device) as a from_pretrained folder with random weights;
+    """Write `module` (parameters on the meta device) as a from_pretrained folder with random weights;
     returns the bytes written."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"storage dtype {dtype!r}: use float16 or float32")
     path = write_config(module, folder)
     tensors = _tensors(module)
+    buffers = dict(module.named_buffers())
     itemsize = np.dtype(dtype).itemsize
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in tensors.items():
@@ -82,14 +85,16 @@ def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0)
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name, shape in tensors.items():
-            for block in _values(name, shape, seed, dtype):
+            buffer = buffers.get(name)  # the constructor's own values (SD3's sin-cos position embedding)
+            blocks = [buffer.detach().float().numpy().astype(dtype)] if buffer is not None else _values(name, shape, seed, dtype)
+            for block in blocks:
                 f.write(block.tobytes())
     return offset
 
 
 def build_modules(builders: dict, seed: int, streamed: bool) -> dict:
     """{component: module}, built in order: with real weights under seed + its position, or
-    (`streamed`) as shapes only on the meta device, for `save_pipeline` to stream."""
+    (`streamed`) with parameters on the meta device, for `save_pipeline` to stream."""
     import torch
 
     def seeded(offset: int, build):
@@ -98,8 +103,14 @@ def build_modules(builders: dict, seed: int, streamed: bool) -> dict:
 
     if not streamed:
         return {name: seeded(i, build) for i, (name, build) in enumerate(builders.items())}
-    with torch.device("meta"):
-        return {name: build().eval() for name, build in builders.items()}
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # buffers are small: real, as the constructor makes them
+        modules = {name: build().eval() for name, build in builders.items()}
+    for module in modules.values():  # tied once the context is left (T5's embedding is its `shared`)
+        if hasattr(module, "tie_weights"):
+            module.tie_weights()
+    return modules
 
 
 def save_pipeline(pipeline_class: str, modules: dict, others: dict, out_dir: Path, dtype: str | None = None,

@@ -63,6 +63,15 @@ def test_lazy_export_gives_the_ordinary_graph(tiny_source, setting, name):
         assert counts["transposes_deferred"] > 0
 
 
+def test_buffers_the_checkpoint_holds_come_from_it(tiny_source, setting):
+    """As from_pretrained loads them: a checkpoint's position embedding wins over the constructor's."""
+    constants, dynamic, probe = setting
+    spec = next(s for s in SD3.submodules if s.name == "transformer")
+    lazy, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    assert counts["buffers_from_checkpoint"] == 1
+    assert isinstance(lazy.graph.initializers["transformer.pos_embed.pos_embed"].const_value, ir.ExternalTensor)
+
+
 def test_weights_stay_in_the_checkpoint_until_written(tiny_source, setting):
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == "text_encoder_3")

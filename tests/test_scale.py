@@ -22,7 +22,7 @@ def streamed(tmp_path_factory):
 
 
 def test_streamed_weights_load_like_a_checkpoint(streamed):
-    from diffusers import StableDiffusion3Pipeline
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     from diffusers.utils import logging
 
     index = json.loads((streamed / "model_index.json").read_text())
@@ -35,6 +35,9 @@ def test_streamed_weights_load_like_a_checkpoint(streamed):
     t5 = pipe.text_encoder_3
     assert t5.shared.weight.dtype == torch.float16 and t5.encoder.embed_tokens.weight is t5.shared.weight
     weight = pipe.transformer.transformer_blocks[0].attn.to_q.weight.float()
+    # buffers are the constructor's, not random: the position embedding is SD3's sin-cos table
+    built = SD3Transformer2DModel(**SD3_TINY["transformer"]).pos_embed.pos_embed
+    assert torch.allclose(pipe.transformer.pos_embed.pos_embed.float(), built, atol=1e-3)
     expected = 0.5 / weight.shape[1] ** 0.5  # INIT_GAIN / sqrt(fan-in)
     assert abs(weight.std().item() - expected) < 0.1 * expected and pipe.transformer.transformer_blocks[0].attn.to_q.bias.abs().max() == 0
 
