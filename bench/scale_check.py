@@ -93,8 +93,10 @@ def main(argv=None) -> int:
     python, out = sys.executable, Path(args.out or f"build/{args.model}")
     t0 = time.perf_counter()
     stages = run_measured([python, "-m", "export.source", args.model], "model folder (random weights)")
-    stages += run_measured([python, "-m", "export", args.model, "--out", str(out)], "export: tokenizers, manifest")
-    stages += run_measured([python, "-m", "engines", str(out), "--target", "ort", "--precision", "fp16"],
+    # --force: a check measures every stage, it never reuses an earlier run's output
+    stages += run_measured([python, "-m", "export", args.model, "--out", str(out), "--force"],
+                           "export: tokenizers, manifest")
+    stages += run_measured([python, "-m", "engines", str(out), "--target", "ort", "--precision", "fp16", "--force"],
                            "engines: tokenizers, manifest")
     budget = args.budget_gib * 1024
     command = f"python -m bench.scale_check {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
