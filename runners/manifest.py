@@ -105,6 +105,7 @@ def atomic_folder(dest: Path):
 
 
 ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights in NAME.onnx.data
+SMALL_INLINE_BYTES = 1024
 
 
 def save_graph(model, path: Path) -> list[str]:
@@ -118,5 +119,7 @@ def save_graph(model, path: Path) -> list[str]:
     data = f"{path.name}.data" if size > ONNX_INLINE_LIMIT else None
     if data is None:  # inline: weights that still point at another file (a checkpoint) are read in
         ir.external_data.load_to_model(model)
-    ir.save(model, path, external_data=data)
+    # Small constants stay inline even then: ONNX Runtime reads shapes, axes and split sizes
+    # (Split's widths after fuse_qkv) at load time, and refuses them as external data.
+    ir.save(model, path, external_data=data, size_threshold_bytes=SMALL_INLINE_BYTES)
     return [path.name] + ([data] if data else [])

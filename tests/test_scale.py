@@ -115,3 +115,21 @@ def test_passes_run_on_a_graph_over_2gb_without_reading_its_weights(tmp_path):
     assert model.graph.node(0).outputs[0].shape == ir.Shape(["batch", cols])
     assert isinstance(model.graph.initializers["w"].const_value, ir.ExternalTensor)
     assert np.dtype(model.graph.initializers["w"].const_value.dtype.numpy()) == np.float16
+
+
+def test_a_graph_with_external_weights_keeps_its_small_constants_inline(tiny_build, tmp_path, monkeypatch):
+    """Over 2 GB the weights go to NAME.onnx.data and small constants stay inline (ONNX Runtime
+    reads Split's widths, made by fuse_qkv, and shapes at load time): forced here on sd3-tiny by a
+    zero limit, the artifact builds, its graph files are kilobytes, and it makes an image."""
+    import shutil
+
+    import runners.manifest
+    from engines.api import build_artifact
+    from runners.pipeline import Pipeline
+
+    monkeypatch.setattr(runners.manifest, "ONNX_INLINE_LIMIT", 0)
+    shutil.copytree(tiny_build / "onnx", tmp_path / "onnx")
+    artifact = build_artifact(tmp_path, "ort", "fp32")  # its session check opens every graph
+    assert (artifact / "transformer.onnx.data").exists()
+    image = Pipeline.load(artifact)("a cat", num_inference_steps=2, output_type="np")
+    assert image.shape[-1] == 3 and os.path.getsize(artifact / "transformer.onnx") < 2**20
