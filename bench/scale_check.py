@@ -3,9 +3,10 @@ resident memory measured from outside the process that runs it.
 
 The stages are the user's own commands: building the random-weight model folder, `python -m
 export` and `python -m engines --target ort --precision fp16`. Each runs as a child process; a
-stage ends where the child prints that a submodule is done. At that line the child's kernel
-high-water mark (VmHWM in /proc/PID/status, file-backed pages of memory-mapped weights included)
-is read and reset (/proc/PID/clear_refs), so each submodule's export and build gets its own peak.
+stage ends where the child prints that a submodule is done. The child's kernel high-water mark
+(VmHWM in /proc/PID/status, file-backed pages of memory-mapped weights included) is sampled every
+50 ms, read at that line and reset there (/proc/PID/clear_refs), so each submodule's export and
+build gets its own peak.
 The table goes into BENCHMARKS.md under the command that produced it; the check fails when a
 stage goes over the budget.
 
@@ -18,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,31 +47,53 @@ def _reset_peak(pid: int) -> None:
         f.write("5")
 
 
-def run_measured(command: list[str], label: str) -> list[Stage]:
+def run_measured(command: list[str], label: str, interval: float = 0.05) -> list[Stage]:
     """Run `command`, echoing its output; one Stage per submodule it reports done, and one for
     what follows the last (named `label`: writing the manifest, or the whole command if it
-    reports no submodules)."""
+    reports no submodules).
+
+    The child's high-water mark is sampled every `interval` seconds and the largest kept per
+    stage: the export resets its own mark as it starts each submodule (for the manifest's
+    figures), which can happen before this process has read the line that ended the last one."""
     print(f"[scale-check] $ {' '.join(command)}", flush=True)
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    stages, start, peak = [], time.perf_counter(), 0.0
+    peak, lock, done = [0.0], threading.Lock(), threading.Event()
+
+    def sample():
+        while not done.wait(interval):
+            try:
+                mark = _status_mib(child.pid, "VmHWM")
+            except (OSError, StopIteration):  # exited: its last samples stand
+                continue
+            with lock:
+                peak[0] = max(peak[0], mark)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stages, start = [], time.perf_counter()
     try:
         for line in child.stdout:
             sys.stdout.write(line)
-            try:  # the child's own high-water mark, also kept between lines in case it exits
-                peak = _status_mib(child.pid, "VmHWM")
-            except (OSError, StopIteration):
-                pass
             match = _DONE.match(line)
             if match:
-                stages.append(Stage(f"{match[1]} {match[2]}", time.perf_counter() - start, peak))
-                _reset_peak(child.pid)
-                start, peak = time.perf_counter(), 0.0
+                with lock:
+                    try:
+                        peak[0] = max(peak[0], _status_mib(child.pid, "VmHWM"))
+                        _reset_peak(child.pid)
+                    except (OSError, StopIteration):
+                        pass
+                    stages.append(Stage(f"{match[1]} {match[2]}", time.perf_counter() - start, peak[0]))
+                    peak[0] = 0.0
+                start = time.perf_counter()
         if child.wait():
             raise SystemExit(f"[scale-check] {label} failed (exit {child.returncode}); see its output above")
     except BaseException:
         child.kill()
         raise
-    stages.append(Stage(label, time.perf_counter() - start, peak))
+    finally:
+        done.set()
+        sampler.join()
+    stages.append(Stage(label, time.perf_counter() - start, peak[0]))
     return stages
 
 
@@ -105,8 +129,8 @@ def main(argv=None) -> int:
             f"(`make scale-check` runs it): `{command}`", "",
             "Each stage is a submodule's export (trace without weights, weights streamed from the checkpoint, "
             "parity against PyTorch at two shapes) or its ORT fp16 build (graph passes, writing, a session "
-            "opened once). Peak RSS is the child process's VmHWM, read and reset from outside at the line "
-            "that ends each stage; it counts memory-mapped weight pages too.", "",
+            "opened once). Peak RSS is the child process's VmHWM, sampled from outside every 50 ms and reset "
+            "at the line that ends each stage; it counts memory-mapped weight pages too.", "",
             *_table(stages, budget), "",
             f"Budget {args.budget_gib:g} GiB: " + ("every stage within it." if not over else
                                                    f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")]
