@@ -12,10 +12,10 @@ _CHILD = """
 import time
 print("[export] small: 1.0 s, ...", flush=True)
 time.sleep(0.3)
-block = bytearray(400 * 2**20)  # touched: 400 MiB resident
+block = bytearray(400 * 2**20)  # touched: 400 MiB resident, then freed before the stage ends
 time.sleep(0.3)
-print("[export] large: 1.0 s, ...", flush=True)
 del block
+print("[export] large: 1.0 s, ...", flush=True)
 time.sleep(0.3)
 print("[engines] after: fp16-ort in 1.0 s, ...", flush=True)
 """
