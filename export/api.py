@@ -108,7 +108,7 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
         return dest
-    _log(f"{entry.name}: {len(specs)} submodules in {dtype} from {src.folder}")
+    _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
     with atomic_folder(dest) as tmp:
         submodules = {}
