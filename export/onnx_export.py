@@ -173,7 +173,7 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
 class Float32Products(torch.overrides.TorchFunctionMode):
     """Matrix products and convolutions of fp16 tensors computed in fp32 and rounded back to fp16,
     as GPUs do them (fp32 accumulation). PyTorch's own fp16 products on a CPU without fp16 matrix
-    units run at 0.4 GFLOP/s here (fp32: 160): a real-size fp16 reference would take hours. Only
+    units are orders of magnitude slower than fp32: a real-size fp16 reference would take hours. Only
     one product's operands are ever in fp32: the weights stay in fp16."""
 
     PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,

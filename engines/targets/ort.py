@@ -29,7 +29,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
     session_options = ort.SessionOptions()
     extra = session_settings(session_options, record.get("session_config"), record.get("session_options"))
     # Basic optimizations: the check proves the graph loads and every node has a kernel, and on a
-    # CPU the full level would first make float32 copies of fp16 weights (19 GB more for T5-XXL).
+    # CPU the full level would first make float32 copies of fp16 weights (twice their size again).
     session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     ort.InferenceSession(str(out), session_options, providers=["CPUExecutionProvider"], **extra)  # fails here, not at deploy
     return files, record
