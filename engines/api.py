@@ -97,7 +97,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
                  for name, sub in source["submodules"].items()}
     calibration_dir = None
     if any(p.needs_calibration for p in pipelines.values()):
-        calibration_dir = collect(build_dir, calibration)
+        # The precision is measured on the fp32 ORT artifact's own engine calls: built first.
+        calibration_dir = collect(build_artifact(build_dir, "ort", "fp32"), calibration)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version(),
                 **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {}),
                 **({"memory": {"passes": memory_passes, "budget": memory_budget}} if memory else {})}

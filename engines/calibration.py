@@ -74,13 +74,12 @@ def _log(msg: str) -> None:
     print(f"[calibration] {msg}", flush=True)
 
 
-def collect(build_dir: Path, settings: CalibrationSettings = CalibrationSettings()) -> Path:
-    """Record every engine call of the fp32 ORT artifact over the calibration prompts (building the
-    artifact if needed) and return the folder that holds them."""
-    from engines.api import build_artifact
+def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings()) -> Path:
+    """Record every engine call of the fp32 ORT `artifact` (its caller builds it) over the
+    calibration prompts, and return the folder beside it that holds them."""
     from runners.pipeline import Pipeline
 
-    artifact = build_artifact(build_dir, "ort", "fp32")
+    build_dir = Path(artifact).parent
     prompts = PROMPTS[:settings.prompts]
     key = digest([read_manifest(artifact, verify=False)["cache_key"], dataclasses.asdict(settings), prompts])
     dest = Path(build_dir) / "calibration" / key

@@ -15,8 +15,18 @@ from runners.schedulers import load_scheduler
 from runners.text import TextTokenizer
 
 
+FAMILIES: dict[str, type["Pipeline"]] = {}  # manifest's model.family -> its pipeline class
+
+
 class Pipeline:
     family = ""
+
+    def __init_subclass__(cls, **kwargs):
+        # A family module registers itself by defining its class: `load` never imports the
+        # families, so they may import this module (runners/__init__.py imports them all).
+        super().__init_subclass__(**kwargs)
+        if cls.family:
+            FAMILIES[cls.family] = cls
 
     @classmethod
     def load(cls, artifact_dir, *, threads: int | None = None, providers: list[str] | None = None,
@@ -26,11 +36,7 @@ class Pipeline:
         the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files;
         `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents);
         `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0)."""
-        from runners.sd3 import SD3Pipeline
-        from runners.sd15 import SD15Pipeline
-        from runners.sdxl import SDXLPipeline
-
-        families = {p.family: p for p in (SD3Pipeline, SD15Pipeline, SDXLPipeline)}
+        families = FAMILIES
         folder = Path(artifact_dir)
         manifest = read_manifest(folder, verify=verify)
         family = manifest["model"]["family"]
