@@ -10,6 +10,7 @@ import time
 import onnx_ir as ir
 
 from engines.passes.base import PassContext
+from engines.passes.registry import PASSES, check_pass_names
 
 
 class PassFailed(RuntimeError):
@@ -18,8 +19,6 @@ class PassFailed(RuntimeError):
 
 class PassPipeline:
     def __init__(self, names: list[str] | tuple[str, ...]):
-        from engines.passes import PASSES, check_pass_names
-
         self.names = check_pass_names(names)
         self._passes = [PASSES[n]() for n in self.names]
 
