@@ -19,22 +19,44 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv optimum-venv export engines image test bench scale-check clean
+.PHONY: venv lock upgrade-lock optimum-venv export engines image test bench scale-check clean
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# constraints.txt is the lock: the exact versions CI tested (`make lock` writes it from the ranges in
+# pyproject.toml). Every install goes through it, so a fresh machine gets what CI ran.
+# A machine without an NVIDIA GPU gets the small CPU build of torch first, so nothing pulls a CUDA build.
 ifeq ($(HAS_GPU),1)
-	$(PY) -m pip install -q -e '.[build,gpu,dev]'
+EXTRAS := build,gpu,dev
 else
-	# CPU machine: the small CPU build of torch first, so nothing pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[build,cpu,dev]'
+EXTRAS := build,cpu,dev
+TORCH_CPU := torch==2.13.0
 endif
+define install_project  # $(1): the venv; $(2): extra pip flags
+	$(1)/bin/python -m pip install -q $(2) --upgrade pip
+	$(if $(TORCH_CPU),$(1)/bin/python -m pip install -q $(2) $(TORCH_CPU))
+	$(1)/bin/python -m pip install -q $(2) -e '.[$(EXTRAS)]'
 	# The real CLIP BPE table ships in this wheel; its deps (torchvision) are not needed.
-	$(PY) -m pip install -q --no-deps open-clip-torch
+	$(1)/bin/python -m pip install -q $(2) --no-deps open-clip-torch
+endef
+
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call install_project,$(VENV),-c constraints.txt)
 	touch $@
+
+# The newest versions pyproject.toml's ranges allow, resolved in a fresh venv, become the lock.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(call install_project,$(LOCK_VENV),)
+	{ echo "# The versions CI tested: written by 'make lock' (CPU machine, $$($(LOCK_VENV)/bin/python -V)); do not edit."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v '^diffusion-aot' | sed 's/+cpu$$//'; \
+	} > constraints.txt.tmp && mv constraints.txt.tmp constraints.txt
+	rm -rf $(LOCK_VENV)
+
+# Moving to new releases (a new onnxruntime, say) is one deliberate step: a new lock, then the suite on it.
+upgrade-lock: lock
+	$(MAKE) test
 
 export: venv
 	$(PY) -m export $(MODEL) --out $(BUILD) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))

@@ -429,7 +429,7 @@ class Bench:
                                         *(f"build {a}" for a in built)], "rows": rows, "notes": notes})
 
     def write(self):
-        from export.api import package_versions
+        from export.versions import package_versions
 
         report = {"command": self.command, "model": self.src.entry.name, "description": self.src.entry.description,
                   "versions": package_versions(("torch", "diffusers", "transformers", "onnxruntime")),

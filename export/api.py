@@ -12,27 +12,16 @@ import logging
 import shutil
 import time
 import warnings
-from importlib import metadata
 from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
 from export.source import ModelSource, resolve
+from export.versions import package_versions
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
 EXPORT_FORMAT = 3  # bump when the graphs this code writes change for the same inputs
-BUILD_PACKAGES = ("torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "diffusion-aot")
-
-
-def package_versions(names=BUILD_PACKAGES) -> dict[str, str]:
-    out = {}
-    for name in names:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def _quiet_libraries() -> None:

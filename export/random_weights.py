@@ -23,7 +23,6 @@ _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32"}
 # A width-independent std (0.02) makes T5-XXL's unscaled logits so large that fp16 rounding picks
 # different attention winners than fp32, and fp16 outputs stop agreeing with fp32 ones.
 INIT_GAIN = 0.5
-FORMAT = 3  # bump when the values written for the same configs change (part of the model's cache key)
 
 
 def _tensors(module) -> dict[str, tuple[int, ...]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from export.families import FAMILIES
 from export.registry import MODELS, ModelEntry
+from export.versions import package_versions
 from runners.manifest import atomic_folder, digest
 
 
@@ -61,13 +62,21 @@ def _folder_fingerprint(folder: Path) -> str:
     return digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
 
 
-def _random_key(entry: ModelEntry) -> str:
-    """What the random weights depend on: the configs and, for weights streamed by
-    export/random_weights.py, the version of how it draws them."""
-    from export.random_weights import FORMAT
+# What writes a random-weight model folder: the family builders, the weight streamer and the
+# offline tokenizers. A change to any of them, or to the libraries that construct and save the
+# modules (torch draws their initial weights), builds the folder anew.
+_RANDOM_MODEL_CODE = ("families", "random_weights.py", "offline_tokenizers.py")
+_RANDOM_MODEL_PACKAGES = ("torch", "diffusers", "transformers", "tokenizers", "sentencepiece", "safetensors")
 
-    streamed = entry.random_configs.get("weights_dtype") is not None
-    return digest([entry.random_configs, FORMAT] if streamed else entry.random_configs)
+
+def _random_key(entry: ModelEntry) -> str:
+    """Everything that shapes a random-weight folder: its configs, the code that writes it and the
+    versions of the libraries that code drives."""
+    here = Path(__file__).parent
+    files = sorted(p for name in _RANDOM_MODEL_CODE for p in ([here / name] if name.endswith(".py")
+                                                             else (here / name).glob("*.py")))
+    return digest([entry.random_configs, [(p.name, p.read_text()) for p in files],
+                   package_versions(_RANDOM_MODEL_PACKAGES)])
 
 
 def _build_random(entry: ModelEntry) -> Path:

@@ -88,3 +88,23 @@ def test_every_import_is_declared():
             if dist is not None and dist.lower() not in declared:
                 missing.add(f"{top} ({p.relative_to(ROOT)})")
     assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"
+
+
+def test_installed_versions_are_the_locked_ones():
+    """The suite runs on the versions in constraints.txt (`make venv` installs through it), so what
+    passes here is what a fresh machine gets."""
+    from importlib import metadata
+
+    locked = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert {"torch", "onnxruntime", "diffusers", "transformers", "onnx-ir", "openvino"} <= {
+        n.lower().replace("_", "-") for n in locked}
+    differ = {}
+    for name, version in locked.items():
+        try:
+            installed = metadata.version(name).split("+")[0]  # torch's +cpu build
+        except metadata.PackageNotFoundError:
+            continue  # e.g. onnxruntime on a GPU machine, which installs onnxruntime-gpu
+        if installed != version:
+            differ[name] = f"{installed} installed, {version} locked"
+    assert not differ, f"run `make venv` (or `make lock` to move the lock): {differ}"

@@ -94,3 +94,25 @@ def test_hub_model_without_offline_weights_says_how_to_pass_a_folder(tmp_path, m
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(SourceError, match="not in the Hugging Face cache.*MODEL=/path/to/stable-diffusion-3-medium"):
         resolve("sd3")
+
+
+def test_random_model_key_covers_code_and_libraries(monkeypatch, tmp_path):
+    """A random-weight folder is rebuilt when its configs, the code that writes it, or the library
+    versions that code drives change (the cache must not hand back a stale model)."""
+    from pathlib import Path
+
+    import export.source as source
+
+    entry = MODELS["sd3-tiny"]
+    key = source._random_key(entry)
+    assert source._random_key(entry) == key
+    real = source.package_versions
+    monkeypatch.setattr(source, "package_versions", lambda names: {**real(names), "diffusers": "0.0.1"})
+    assert source._random_key(entry) != key
+    monkeypatch.undo()
+    code = tmp_path / "export"
+    (code / "families").mkdir(parents=True)
+    for name in ("random_weights.py", "offline_tokenizers.py", "families/sd3.py"):
+        (code / name).write_text((Path(source.__file__).parent / name).read_text() + "\n# changed\n")
+    monkeypatch.setattr(source, "__file__", str(code / "source.py"))
+    assert source._random_key(entry) != key
