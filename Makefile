@@ -86,8 +86,12 @@ $(OPTIMUM_VENV)/.installed: Makefile
 
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
+# Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
+# batch (skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
 bench: venv optimum-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python $(BENCH_ARGS)
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory \
+	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 
 # Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
 # again per stage's output): sd3-fullsize through export and the ORT fp16 build, each stage's

@@ -45,6 +45,7 @@ def _parse(argv):
                    help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
                         "--out are kept as they are, each with the command that produced it")
     p.add_argument("--out", default="BENCHMARKS.md")
+    p.add_argument("--build-dir", default="build", help="where the model's export and artifacts are built (cached)")
     args = p.parse_args(argv)
     args.tables = [t for t in args.tables.split(",") if t]
     unknown = [t for t in args.tables if t not in TABLES]
@@ -64,7 +65,7 @@ class Bench:
         from bench.prepare import export_and_build
         from export.source import resolve
 
-        self.build = in_child(export_and_build, self.args.model)
+        self.build = in_child(export_and_build, self.args.model, Path(self.args.build_dir))
         self.src = resolve(self.args.model)  # built by the child: only read here
         self.onnx_dir = self.build / "onnx"
         self.onnx_manifest = read_manifest(self.onnx_dir, verify=False)  # export_model just verified it

@@ -38,23 +38,25 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
     of `pass_lists()`, or only `labels`)."""
     import onnx_ir as ir
 
-    from engines.api import passes_fingerprint
+    from engines.api import passes_fingerprint, submodule_entry
     from engines.passes import run_passes
-    from engines.targets.ort import build_submodule
+    from engines.targets import BuildInput, BuildOptions
     from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
 
-    source = read_manifest(onnx_dir, verify=False)["files"][f"{submodule}.onnx"]
+    export = read_manifest(onnx_dir, verify=False)
+    target = get_target("ort", "fp32")
     out = {}
     for label, names in pass_lists().items():
         if labels is not None and label not in labels:
             continue
         dest = out_root / _slug(label)
-        key = digest([source, passes_fingerprint(names)])
+        key = digest([export["files"][f"{submodule}.onnx"], passes_fingerprint({submodule: names})])
         if not is_current(dest, key):
             _log(f"{submodule} with passes [{', '.join(names)}]")
             with atomic_folder(dest) as tmp:
                 model, reports = run_passes(ir.load(onnx_dir / f"{submodule}.onnx"), names, submodule)
-                files = build_submodule(model, tmp, submodule)
+                built = BuildInput(model, submodule, submodule_entry(export, submodule), export["constants"])
+                files, _ = target.build_submodule(built, tmp, BuildOptions())
                 write_manifest(tmp, {"cache_key": key, "passes": reports, "file": files[0]})
         record = read_manifest(dest, verify=False)
         out[label] = (dest / record["file"], record["passes"])

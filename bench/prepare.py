@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def export_and_build(model: str) -> Path:
+def export_and_build(model: str, build_root: Path) -> Path:
     from engines.api import build_artifact
     from export.api import export_model
     from export.source import resolve
 
     src = resolve(model)
-    build = Path("build") / src.entry.name
+    build = Path(build_root) / src.entry.name
     export_model(src, build)
     build_artifact(build, "ort", "fp32")
     return build

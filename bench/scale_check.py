@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import with_section
+from bench.report import machine, machine_size, with_section
 
 # The lines that end a stage: "[export] transformer: 312.4 s, ..." and "[engines] transformer: ort-fp16 in ..."
 _DONE = re.compile(r"^\[(export|engines)\] (\w+): (?:[\d.]+ s,|\w+-\w+ in )")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     command = f"python -m bench.scale_check {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
     over = [s for s in stages if s.peak_mib > budget]
     body = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {(time.perf_counter() - t0) / 60:.0f} min "
-            f"(`make scale-check` runs it): `{command}`", "",
+            f"(`make scale-check` runs it) on {machine()}: `{command}`", "",
             "Each stage is a submodule's export (trace without weights, weights streamed from the checkpoint, "
             "parity against PyTorch at two shapes) or its ORT fp16 build (graph passes, writing, a session "
             "opened once). Peak RSS is the child process's VmHWM, sampled from outside every 50 ms and reset "
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                                                    f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")]
     report = Path(args.report)
     previous = report.read_text() if report.exists() else ""
-    report.write_text(with_section(previous, f"Scale check: {args.model} on a 2-core, 24 GiB machine", "\n".join(body)))
+    report.write_text(with_section(previous, f"Scale check: {args.model} on {machine_size()}", "\n".join(body)))
     print(f"[scale-check] wrote the table to {report}", flush=True)
     if args.remove_after:
         shutil.rmtree(out, ignore_errors=True)

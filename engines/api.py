@@ -31,9 +31,12 @@ def _log(msg: str) -> None:
     print(f"[engines] {msg}", flush=True)
 
 
-def _submodule_dims(sub: dict, dims: dict) -> dict:
+def submodule_entry(export: dict, name: str) -> dict:
+    """A submodule's artifact manifest entry as its builder reads it: its inputs, outputs and the
+    min/opt/max of the dims they use, from the export's manifest."""
+    sub, dims = export["submodules"][name], export["dims"]
     used = {d for t in sub["inputs"] + sub["outputs"] for d in t["shape"] if isinstance(d, str) and d in dims}
-    return {d: dims[d] for d in sorted(used)}
+    return {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": {d: dims[d] for d in sorted(used)}}
 
 
 def passes_fingerprint(names: dict[str, list[str]]) -> str:
@@ -119,7 +122,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             model, reports = pipelines[name](model, name, log=_log, context=context)
             if memory:
                 request_session_options(model, **tgt.memory.options_for(name))
-            entry = {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": _submodule_dims(sub, source["dims"])}
+            entry = submodule_entry(source, name)
             built = BuildInput(model, name, entry, source["constants"])
             try:
                 files, record = tgt.build_submodule(built, tmp, options)

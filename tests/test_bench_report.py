@@ -28,3 +28,14 @@ def test_an_earlier_one_command_file_keeps_its_command_per_table():
     new = render(_report("python -m bench --tables passes", "Passes", "22"), old)
     end_to_end = new.split("## End to end")[1].split("## ")[0]
     assert "Measured by an earlier run of 2026-11-22 00:26 UTC, `python -m bench --reps 3`" in end_to_end
+
+
+def test_machine_line_says_whether_a_gpu_exists(tmp_path, monkeypatch):
+    from bench.report import machine, machine_size
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    assert machine().endswith("no GPU") and machine_size().endswith("GiB machine")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA L4 (UUID: GPU-1234)'\n")
+    smi.chmod(0o755)
+    assert machine().endswith("NVIDIA L4") and machine_size().endswith("machine with NVIDIA L4")

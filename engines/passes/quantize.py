@@ -95,7 +95,7 @@ class QuantizeFp8(LibraryPass):
                             # the quantizer silently drops activations it deems removable (Relu).
                             calibrate_method=CalibrationMethod.Distribution,
                             # The distribution calibrator keeps every activation of the calls it has read
-                            # (24 GB on sd3-bench's 128 transformer calls): read a few calls at a time.
+                            # (all of a calibration run's transformer calls would not fit): a few at a time.
                             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
                                            "QDQKeepRemovableActivations": True,
                                            "CalibStridedMinMax": feeds.chunk()})

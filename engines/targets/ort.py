@@ -48,7 +48,7 @@ TARGETS = [Target(
     # default's time (BENCHMARKS.md): without the arena, ONNX Runtime's buffer reuse keeps the
     # decoder lowest; the encoder's peak is lowest with the arena and no reuse (its planner keeps a
     # reused buffer alive between its uses). sd15-bench's UNet at 512x512, batch 2, peaks lowest
-    # with ONNX Runtime's arena and reuse both on (3979 MiB, against 4057 with both off).
+    # with ONNX Runtime's arena and reuse both on (BENCHMARKS.md, "Activation memory: unet").
     memory=MemoryProfile(("fuse_elementwise", "schedule_memory", "remat"),
                          {"enable_cpu_mem_arena": False, "enable_mem_reuse": True},
                          {"vae_encoder": {"enable_cpu_mem_arena": True, "enable_mem_reuse": False},

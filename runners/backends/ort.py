@@ -43,9 +43,9 @@ class OrtSession:
             self._profile_dir = tempfile.TemporaryDirectory(prefix="ort-profile-")
             options.enable_profiling = True
             options.profile_file_prefix = os.path.join(self._profile_dir.name, Path(path).stem)
-        # The memory pattern plans one block per input shape and keeps the arena's buffers from the
-        # first run beside it: measured once by hand on sd3-bench, the transformer at 1024x1024 peaked at 17.5 GB
-        # on its second run with it and 9.2 GB without, at the same speed (4.9 vs 9.4 GB for the VAE).
+        # The memory pattern plans one block per input shape and keeps it beside the arena's buffers
+        # from the first run: with dynamic shapes a second run holds the working memory twice, at no
+        # gain in speed (the peak RSS columns of BENCHMARKS.md are measured with it off).
         options.enable_mem_pattern = False
         extra = session_settings(options, session_config, session_options)
         if threads:
@@ -63,8 +63,8 @@ class OrtSession:
                                f"(it would have run on {self.session.get_providers()}); check the CUDA install")
         self.output_names = [o.name for o in self.session.get_outputs()]
         # Hands the arena's buffers back after a call, so that a pipeline of several engines holds
-        # the working memory of one stage at a time, not the sum of all of them (sd3-bench at
-        # 1024x1024: the transformer's arena stays at 8 GB after its last step without it).
+        # the working memory of one stage at a time, not the sum of all of them (without it the
+        # transformer's arena stays at its peak through the VAE decode).
         self._release = None
         if options.enable_cpu_mem_arena:  # without the arena, freed buffers go back at once
             self._release = ort.RunOptions()
