@@ -76,7 +76,10 @@ class QuantizeFp8(LibraryPass):
     summary = "ONNX Runtime quantize_static: fp8 E4M3 Q/DQ on linear layers, scales calibrated on the pipeline"
     READS_WEIGHTS = True
     needs_calibration = True
-    # ONNX Runtime's CPU QDQ fusions handle int8 only: the fp8 pairs must run unfused.
+    # ONNX Runtime's CPU QDQ fusions handle int8 only: the fp8 pairs must run unfused. Before 1.32 it
+    # refuses the graph at its default optimization level without this; 1.32 leaves fp8 pairs unfused
+    # by itself and computes the same bits with or without it. An artifact may be run by an older
+    # onnxruntime than the one that built it (pyproject.toml admits >= 1.22), so the manifest keeps it.
     SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
 
     def transform(self, proto):

@@ -57,8 +57,10 @@ def fp32_islands(proto, ranges: dict[str, float], limit: float) -> list[str]:
 
 
 def _drop_duplicate_casts(proto) -> int:
-    """The converter gives every fp32 consumer of an fp16 tensor its own Cast to fp32, all with the
-    same name and output when two consumers share the tensor (Resize's scales in the VAE): keep one."""
+    """ONNX Runtime's converter before 1.32 gives every fp32 consumer of an fp16 tensor its own Cast
+    to fp32, all with the same name and output when two consumers share the tensor (Resize's scales
+    in the VAE): keep one. From 1.32 on it emits one shared Cast, and this drops nothing; it stays
+    for the older releases pyproject.toml admits."""
     seen, keep = set(), []
     for node in proto.graph.node:
         if node.op_type == "Cast" and node.output[0] in seen:

@@ -34,8 +34,9 @@ class OrtSession:
                  profile: bool = False, session_config: dict[str, str] | None = None,
                  session_options: dict | None = None):
         """`session_config` and `session_options`: what the artifact's manifest asks of ONNX Runtime
-        (fp8 graphs need `session.disable_quant_qdq`: its QDQ fusions are int8 only; graphs whose
-        memory passes ran need their node order kept, see `session_settings`)."""
+        (fp8 graphs need `session.disable_quant_qdq` on onnxruntime before 1.32, whose QDQ fusions
+        are int8 only; graphs whose memory passes ran need their node order kept, see
+        `session_settings`)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
