@@ -85,6 +85,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise TargetError(f"unknown fallback '{fallback}'; the only fallback is 'ort'")
     ort_target = get_target("ort", precision) if fallback else None
     options = dataclasses.replace(options, cache_dir=options.cache_dir or build_dir / "engine-cache")
+    if tgt.build_options and options.cache_dir.exists() and not options.cache_dir.is_dir():
+        raise TargetError(f"--engine-cache {options.cache_dir} is a file: give a folder (created if missing)")
     onnx_dir = build_dir / "onnx"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")

@@ -92,19 +92,34 @@ def _build_random(entry: ModelEntry) -> Path:
 
 
 def _hub_snapshot(entry: ModelEntry) -> Path:
+    """The hub model's snapshot: from the Hugging Face cache, else downloaded where the network
+    allows. Only "not in the cache and the hub cannot be reached" says so; a gated or unknown
+    repository, an HTTP error or a full disk is reported as what it is."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    where = f"'{entry.name}' ({entry.hub_id})"
     try:
         return Path(snapshot_download(entry.hub_id, local_files_only=True))
-    except Exception:
-        pass
+    except LocalEntryNotFoundError:
+        pass  # not in the cache: download it, where the network allows
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false"):
         try:
             return Path(snapshot_download(entry.hub_id))
-        except Exception:
-            pass
+        except LocalEntryNotFoundError:
+            pass  # the hub could not be reached: said below
+        except GatedRepoError:
+            raise SourceError(f"{where} is gated: accept its license on the hub and log in (`hf auth login`), or "
+                              f"pass a local folder") from None
+        except RepositoryNotFoundError:
+            raise SourceError(f"{where} was not found on the hub, or it is private and your token cannot read it: "
+                              f"check the id and log in (`hf auth login`)") from None
+        except HfHubHTTPError as e:
+            raise SourceError(f"downloading {where} failed: {e}") from None
+        except OSError as e:  # a full disk, a cache folder that cannot be written
+            raise SourceError(f"downloading {where} failed writing to disk: {e}") from None
     raise SourceError(
-        f"the weights of '{entry.name}' ({entry.hub_id}) are not in the Hugging Face cache and cannot be "
+        f"the weights of {where} are not in the Hugging Face cache and cannot be "
         f"downloaded here. Download them where the network allows, or pass a local folder: "
         f"make engines MODEL=/path/to/{entry.hub_id.split('/')[-1]}"
     )

@@ -1,7 +1,9 @@
 """What every stage's command line does with failures: expected errors become one line on
-stderr and exit code 2; Ctrl-C says that nothing was left half-written and exits with 130."""
+stderr and exit code 2, and so does a full disk; Ctrl-C says that nothing was left half-written
+and exits with 130."""
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Callable
 
@@ -15,4 +17,11 @@ def run_cli(action: Callable[[], object], expected: tuple[type[BaseException], .
     except KeyboardInterrupt:
         print(f"interrupted: {interrupted}", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # Every stage writes through runners.manifest.atomic_folder: the partial output is gone.
+        print(f"error: no space left on the disk{f' writing {e.filename}' if e.filename else ''}: {interrupted}; "
+              "free some space and run the command again", file=sys.stderr)
+        return 2
     return 0

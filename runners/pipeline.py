@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from runners.backends import open_session
-from runners.manifest import read_manifest
+from runners.manifest import ManifestError, read_manifest
 from runners.profile import Profiler
 from runners.schedulers import load_scheduler
 from runners.text import TextTokenizer
@@ -39,6 +39,11 @@ class Pipeline:
         families = FAMILIES
         folder = Path(artifact_dir)
         manifest = read_manifest(folder, verify=verify)
+        stage = manifest.get("stage")
+        if stage != "artifact":  # the export's folder (or a calibration's) has a manifest too
+            build = folder.parent if stage == "onnx" else "BUILD_DIR"
+            raise ManifestError(f"{folder} is not an artifact but a {stage!r} folder: build an artifact from the "
+                                f"export with `python -m engines {build}` and load {build}/ort-fp32")
         family = manifest["model"]["family"]
         if family not in families:
             raise ValueError(f"{folder}: model family {family!r} has no runner; known: {', '.join(families)}")

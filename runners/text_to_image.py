@@ -13,6 +13,30 @@ from runners.tiling import tiled
 OUTPUT_TYPES = ("pil", "np", "latent")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _prompts(name: str, value) -> list[str]:
+    """A prompt argument as a list of strings: one string, or a non-empty list of them."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(p, str) for p in items):
+        raise ValueError(f"{name}={value!r:.60} is not allowed: pass a string or a non-empty list of strings")
+    return list(items)
+
+
+def _check_request(num_images_per_prompt, seed, guidance_scale) -> None:
+    """The request's numbers, before any engine runs (the engines would fail later and less clearly)."""
+    if not _is_int(num_images_per_prompt) or num_images_per_prompt < 1:
+        raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} is not allowed: use an integer >= 1")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed={seed!r} is not allowed: use an integer from 0 to 2**63 - 1, or None for a random one")
+    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.number)) \
+            or not np.isfinite(guidance_scale):
+        raise ValueError(f"guidance_scale={guidance_scale!r} is not allowed: use a finite number "
+                         "(<= 1 turns classifier-free guidance off)")
+
+
 class TextToImage(Pipeline):
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, **options):
@@ -22,8 +46,11 @@ class TextToImage(Pipeline):
         if missing:
             raise ValueError(f"text to image needs {', '.join(missing)}, which this pipeline was loaded without "
                              "(Pipeline.load(..., submodules=...))")
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        height, width = height or c["default_image_size"], width or c["default_image_size"]
+        prompts = _prompts("prompt", prompt)
+        _check_request(num_images_per_prompt, seed, guidance_scale)
+        # None, not 0, means "not given": 0 is refused by the size check below.
+        height = c["default_image_size"] if height is None else height
+        width = c["default_image_size"] if width is None else width
         cfg = guidance_scale > 1
         n_images = len(prompts) * num_images_per_prompt
         self._check(height, width, n_images * (2 if cfg else 1), output_type)
@@ -76,8 +103,8 @@ class TextToImage(Pipeline):
 
     @staticmethod
     def _negatives(prompts: list[str], negative_prompt) -> list[str]:
-        negative = negative_prompt or ""
-        negatives = len(prompts) * [negative] if isinstance(negative, str) else list(negative)
+        negative = "" if negative_prompt is None else negative_prompt
+        negatives = len(prompts) * [negative] if isinstance(negative, str) else _prompts("negative_prompt", negative)
         if len(negatives) != len(prompts):
             raise ValueError(f"negative_prompt has {len(negatives)} entries for {len(prompts)} prompts")
         return negatives
@@ -86,7 +113,7 @@ class TextToImage(Pipeline):
         multiple = self.constants["vae_scale_factor"] * self.constants["latent_multiple"]
         for name, value in (("height", height), ("width", width)):
             lo, _, hi = self.dims[f"image_{name}"]
-            if value % multiple or not lo <= value <= hi:
+            if not _is_int(value) or value % multiple or not lo <= value <= hi:
                 raise ValueError(f"{name}={value} is not allowed: use a multiple of {multiple} "
                                  f"from {lo} to {hi} (the range this artifact was built for)")
         lo, _, hi = self.dims["batch"]

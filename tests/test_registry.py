@@ -116,3 +116,40 @@ def test_random_model_key_covers_code_and_libraries(monkeypatch, tmp_path):
         (code / name).write_text((Path(source.__file__).parent / name).read_text() + "\n# changed\n")
     monkeypatch.setattr(source, "__file__", str(code / "source.py"))
     assert source._random_key(entry) != key
+
+
+def _hub_error(name: str):
+    """The error the hub client raises for `name` (no request is sent): its HTTP errors by class
+    name, or a full disk."""
+    import httpx2
+    from huggingface_hub import errors
+
+    if name == "disk full":
+        return OSError(28, "No space left on device")
+    status = {"GatedRepoError": 401, "RepositoryNotFoundError": 404, "HfHubHTTPError": 503}[name]
+    response = httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/x"))
+    return getattr(errors, name)(f"{status} error", response=response)
+
+
+@pytest.mark.parametrize("error, message", [
+    ("GatedRepoError",
+     r"'sd3' \(stabilityai/stable-diffusion-3-medium-diffusers\) is gated: accept its license on the hub and log in"),
+    ("RepositoryNotFoundError", "was not found on the hub, or it is private and your token cannot read it"),
+    ("HfHubHTTPError", "downloading 'sd3' .* failed: 503 error"),
+    ("disk full", "failed writing to disk: .*No space left on device"),
+])
+def test_hub_errors_are_reported_as_what_they_are(monkeypatch, error, message):
+    """Only a model that is not cached and cannot be fetched says "not in the cache"; a gated or
+    unknown repository, an HTTP error or a full disk says what happened."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def snapshot_download(repo_id, local_files_only=False):
+        if local_files_only:
+            raise LocalEntryNotFoundError("not in the cache")
+        raise _hub_error(error)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(SourceError, match=message):
+        resolve("sd3")

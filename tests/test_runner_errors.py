@@ -26,7 +26,7 @@ def pipe(tiny_artifact):
     (dict(num_images_per_prompt=5), "batch 10 .* up to 8"),
     (dict(max_sequence_length=1000), "max_sequence_length=1000 is outside this artifact's range 1..512"),
     (dict(latents=[[0.0]]), r"latents have shape \(1, 1\); this request needs \(1, 16, 16, 16\)"),
-    (dict(num_inference_steps=0), "num_inference_steps must be >= 1"),
+    (dict(num_inference_steps=0), "num_inference_steps=0 is not allowed: use an integer from 1 to 1000"),
 ])
 def test_bad_request(pipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -80,3 +80,67 @@ def test_cli_writes_a_png(tiny_artifact, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "denoise" in r.stdout and "3/3" in r.stderr
     assert Image.open(out).size == (96, 64)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(height=0), "height=0 is not allowed: use a multiple of 16 from 64 to 512"),
+    (dict(width=-16), "width=-16 is not allowed"),
+    (dict(height=64.0), "height=64.0 is not allowed"),
+    (dict(num_images_per_prompt=0), "num_images_per_prompt=0 is not allowed: use an integer >= 1"),
+    (dict(seed=-1), r"seed=-1 is not allowed: use an integer from 0 to 2\*\*63 - 1"),
+    (dict(guidance_scale=float("nan")), "guidance_scale=nan is not allowed: use a finite number"),
+    (dict(guidance_scale=float("inf")), "guidance_scale=inf is not allowed"),
+    (dict(num_inference_steps=1001), "num_inference_steps=1001 is not allowed: use an integer from 1 to 1000"),
+    (dict(num_inference_steps=2.5), "num_inference_steps=2.5 is not allowed"),
+    (dict(negative_prompt=["a", "b"]), "negative_prompt has 2 entries for 1 prompts"),
+    (dict(negative_prompt=3), "negative_prompt=3 is not allowed: pass a string or a non-empty list of strings"),
+])
+def test_bad_numbers_are_refused_before_any_engine_runs(pipe, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pipe("a cat", **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [None, [], ["a", 3], 7])
+def test_bad_prompt_is_refused(pipe, prompt):
+    with pytest.raises(ValueError, match="prompt=.* is not allowed: pass a string or a non-empty list of strings"):
+        pipe(prompt)
+
+
+def test_pndm_refuses_more_steps_than_training_timesteps():
+    """Past num_train_timesteps PNDM's stride is 0: a silently wrong schedule, refused as diffusers does."""
+    from runners.schedulers import load_scheduler
+
+    pndm = load_scheduler({"_class_name": "PNDMScheduler", "num_train_timesteps": 1000, "skip_prk_steps": True,
+                           "steps_offset": 1})
+    pndm.start(1000)
+    with pytest.raises(ValueError, match="num_inference_steps=1001 is not allowed: use an integer from 1 to 1000"):
+        pndm.start(1001)
+
+
+def test_export_folder_is_not_an_artifact(tiny_artifact):
+    with pytest.raises(ManifestError, match=r"onnx is not an artifact but a 'onnx' folder: build an artifact from "
+                                            r"the export with `python -m engines .*` and load .*/ort-fp32"):
+        Pipeline.load(tiny_artifact.parent / "onnx")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--height", "0"], "error: height=0 is not allowed"),
+    (["--num-images", "0"], "error: num_images_per_prompt=0 is not allowed"),
+    (["--seed", "-1"], "error: seed=-1 is not allowed"),
+    (["--guidance", "nan"], "error: guidance_scale=nan is not allowed"),
+    (["--guidance", "inf"], "error: guidance_scale=inf is not allowed"),
+    (["--steps", "5000"], "error: num_inference_steps=5000 is not allowed"),
+])
+def test_cli_bad_numbers_exit_2_and_write_nothing(tiny_artifact, tmp_path, args, message):
+    out = tmp_path / "x.png"
+    run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "1",
+                          "--out", str(out), *args], capture_output=True, text=True)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not out.exists()
+
+
+def test_cli_on_the_export_folder(tiny_artifact, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact.parent / "onnx"), "--prompt", "a cat",
+                          "--out", str(tmp_path / "x.png")], capture_output=True, text=True)
+    assert run.returncode == 2 and "is not an artifact but a 'onnx' folder" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

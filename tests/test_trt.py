@@ -154,3 +154,15 @@ def test_device_map_places_engines(rtx):
     assert pipe.device_map == {"text_encoder_3": GPUS - 1}
     with pytest.raises(ValueError, match=f"device {GPUS} does not exist"):
         Pipeline.load(rtx["fp32"], device_map={"transformer": GPUS})
+
+
+@needs_rtx
+def test_engine_cache_that_is_a_file(tiny_build, tmp_path):
+    """A cache path that is a file is refused in one line (the CLI exits 2), before any build."""
+    cache = tmp_path / "cache"
+    cache.write_text("")
+    run = subprocess.run([sys.executable, "-m", "engines", str(tiny_build), "--target", "trt-rtx",
+                          "--engine-cache", str(cache)], capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr
+    assert f"error: --engine-cache {cache} is a file: give a folder (created if missing)" in run.stderr
+    assert "Traceback" not in run.stderr

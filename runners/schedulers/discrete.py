@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.schedulers.schedule import refuse
+from runners.schedulers.schedule import check_steps, refuse
 
 SPACINGS = ("leading", "linspace", "trailing")
 # What every discrete port implements; each adds its own options to this.
@@ -37,8 +37,7 @@ class DiscreteNoise:
 
     def spaced(self, steps: int, ascending: bool = False) -> np.ndarray:
         """The integer timesteps of `steps` inference steps, descending (ascending for PNDM's layout)."""
-        if steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {steps}")
+        check_steps(steps, self.n)
         n = self.n
         if self.spacing == "linspace":
             t = np.linspace(0, n - 1, steps).round()

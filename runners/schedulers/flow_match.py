@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from runners.schedulers.schedule import Schedule
+from runners.schedulers.schedule import Schedule, check_steps
 
 _UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
                 "stochastic_sampling")
@@ -43,8 +43,7 @@ class FlowMatchEulerDiscrete:
 
     def timesteps(self, num_inference_steps: int, mu: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(timesteps, sigmas): float32, sigmas one longer and ending in 0."""
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        check_steps(num_inference_steps, self.num_train_timesteps)
         n = self.num_train_timesteps
         t = np.linspace(self.sigma_max * n, self.sigma_min * n, num_inference_steps)
         sigmas = t / n

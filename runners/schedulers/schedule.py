@@ -24,3 +24,12 @@ def refuse(config: dict, allowed: dict) -> None:
     if bad:
         raise ValueError(f"scheduler options not supported by the runner: "
                          + ", ".join(f"{k}={v!r} (supported: {allowed[k]})" for k, v in bad.items()))
+
+
+def check_steps(num_inference_steps, num_train_timesteps: int) -> None:
+    """1 to the scheduler's training timesteps, as diffusers allows: past that, spaced schedules
+    repeat timesteps (PNDM's stride becomes 0) and the run is silently wrong."""
+    if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, (int, np.integer)) or not (
+            1 <= num_inference_steps <= num_train_timesteps):
+        raise ValueError(f"num_inference_steps={num_inference_steps!r} is not allowed: use an integer from 1 to "
+                         f"{num_train_timesteps} (the scheduler's num_train_timesteps)")
