@@ -119,16 +119,17 @@ def test_random_model_key_covers_code_and_libraries(monkeypatch, tmp_path):
 
 
 def _hub_error(name: str):
-    """The error the hub client raises for `name` (no request is sent): its HTTP errors by class
-    name, or a full disk."""
-    import httpx2
+    """The error the hub client raises for `name`: its HTTP errors by class name (made without the
+    HTTP response their constructor reads: no request exists), or a full disk."""
     from huggingface_hub import errors
 
     if name == "disk full":
         return OSError(28, "No space left on device")
-    status = {"GatedRepoError": 401, "RepositoryNotFoundError": 404, "HfHubHTTPError": 503}[name]
-    response = httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/models/x"))
-    return getattr(errors, name)(f"{status} error", response=response)
+    cls = getattr(errors, name)
+    error = cls.__new__(cls)
+    Exception.__init__(error, {"GatedRepoError": "401", "RepositoryNotFoundError": "404",
+                               "HfHubHTTPError": "503"}[name] + " error")
+    return error
 
 
 @pytest.mark.parametrize("error, message", [
