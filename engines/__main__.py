@@ -34,6 +34,10 @@ def main(argv=None) -> int:
                      help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
     trt.add_argument("--fallback", choices=["ort"], default=None,
                      help="build a submodule the target rejects for ONNX Runtime instead (the manifest says which)")
+    ov = p.add_argument_group("OpenVINO target (openvino)")
+    ov.add_argument("--ov-device", default=None, metavar="CPU",
+                    help="also compile each model for this OpenVINO device at build time and ship the compiled "
+                         "blob, so that the runner's first call does not compile (default: IR only)")
     mem = p.add_argument_group("memory (ort): python -m engines inspect shows what a graph holds")
     mem.add_argument("--memory", action="store_true",
                      help="add the memory passes (fusion, schedule, recompute) and the runtime settings that keep "
@@ -69,7 +73,8 @@ def main(argv=None) -> int:
     return run_cli(lambda: build_artifact(
         args.build_dir, args.target, args.precision, force=args.force, passes=passes,
         calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
-        options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache),
+        options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache,
+                             args.ov_device),
         fallback=args.fallback, memory=args.memory,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None),
         (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, ValueError),

@@ -97,7 +97,9 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise TargetError("--memory-budget is a setting of --memory: add --memory")
     memory_passes = list(tgt.memory.passes) if memory else []
     base = check_pass_names(tgt.passes if passes is None else passes)
-    recipe = _recipe(source, precision, onnx_dir)
+    # A target that takes the precision as a hint (OpenVINO) runs no precision passes: it records the hint.
+    recipe = _recipe(source, precision, onnx_dir).for_target(target)
+    runtime = RECIPES[precision].hint(target)
     pipelines = {name: PassPipeline(base + list(recipe.for_submodule(sub)) + memory_passes)
                  for name, sub in source["submodules"].items()}
     calibration_dir = None
@@ -106,7 +108,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         calibration_dir = collect(build_artifact(build_dir, "ort", "fp32"), calibration)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version(),
                 **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {}),
-                **({"memory": {"passes": memory_passes, "budget": memory_budget}} if memory else {})}
+                **({"memory": {"passes": memory_passes, "budget": memory_budget}} if memory else {}),
+                **({"runtime": runtime} if runtime else {})}
     plan_dims = {**source["constants"], **{d: v[1] for d, v in source["dims"].items()}}
     cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
                         passes_fingerprint({n: p.names for n, p in pipelines.items()})])
@@ -125,7 +128,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             if memory:
                 request_session_options(model, **tgt.memory.options_for(name))
             entry = submodule_entry(source, name)
-            built = BuildInput(model, name, entry, source["constants"])
+            built = BuildInput(model, name, entry, source["constants"], runtime)
             try:
                 files, record = tgt.build_submodule(built, tmp, options)
             except SubmoduleBuildFailed as e:

@@ -28,11 +28,12 @@ class BuildOptions:
     compute_capabilities: tuple[str, ...] = ()  # TensorRT-RTX: the GPUs to build for ("SM89", ...)
     workspace_mib: int | None = None  # the builder's workspace memory pool limit
     cache_dir: Path | None = None  # engines and the timing cache, reused across builds
+    device: str | None = None  # OpenVINO: the device to compile for at build time ("CPU"); None: IR only
 
     def settings(self) -> dict:
         """What changes an engine: part of the artifact's cache key (the cache folder is not)."""
         return {"static": self.static, "compute_capabilities": list(self.compute_capabilities),
-                "workspace_mib": self.workspace_mib}
+                "workspace_mib": self.workspace_mib, **({"device": self.device} if self.device else {})}
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class BuildInput:
     name: str
     entry: dict
     constants: dict
+    # What the precision asks of a runtime that takes a hint instead of graph types (OpenVINO's
+    # {"INFERENCE_PRECISION_HINT": "bf16"}: engines.precisions.Recipe.hints); {} for the others.
+    runtime: dict = field(default_factory=dict)
 
     def input_shapes(self, static: bool) -> dict[str, tuple[list[int], list[int], list[int]]]:
         """{input: (min, opt, max) shape}; `static` gives the opt shape three times."""
@@ -86,6 +90,7 @@ class Target:
     unavailable: Callable[[], str | None] = lambda: None
     build_options: bool = False  # whether BuildOptions change what it builds (engine builders)
     memory: MemoryProfile | None = None  # None: the backend plans its own memory (TensorRT)
+    refuses: dict = field(default_factory=dict)  # {precision it does not take: why}, said in its refusal
 
     def backend_version(self) -> str:
         for dist in self.backend_distributions:
@@ -97,9 +102,9 @@ class Target:
 
 
 def _targets() -> dict[str, Target]:
-    from engines.targets import ort, trt
+    from engines.targets import openvino, ort, trt
 
-    return {t.name: t for t in (*ort.TARGETS, *trt.TARGETS)}
+    return {t.name: t for t in (*ort.TARGETS, *trt.TARGETS, *openvino.TARGETS)}
 
 
 def get_target(name: str, precision: str) -> Target:
@@ -107,6 +112,11 @@ def get_target(name: str, precision: str) -> Target:
     if name not in targets:
         raise TargetError(f"unknown target '{name}'; known targets: {', '.join(targets)}")
     target = targets[name]
+    takers = [t.name for t in targets.values() if precision in t.precisions]
+    if precision not in target.precisions and takers:
+        why = f" ({target.refuses[precision]})" if precision in target.refuses else ""
+        raise TargetError(f"target '{name}' does not take precision '{precision}'{why}; "
+                          f"the targets that take it: {', '.join(takers)}")
     if precision not in target.precisions:
         raise TargetError(f"unknown precision '{precision}' for target '{name}'; "
                           f"it builds: {', '.join(target.precisions)}")

@@ -41,6 +41,9 @@ TARGETS = [Target(
     backend_distributions=("onnxruntime", "onnxruntime-gpu"),
     install_hint="pip install 'diffusion-aot[cpu]' (or [gpu] for onnxruntime-gpu)",
     precisions=("fp32", "fp16", "int8", "fp8"),
+    # onnxruntime 1.32's CPU provider: a bfloat16 MatMul has no kernel, and Conv's schema does not
+    # admit bfloat16 (checked on one-node graphs), so bf16 would only add casts around fp32 work.
+    refuses={"bf16": "ONNX Runtime's CPU has no bf16 MatMul or Conv kernel"},
     passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
     # Fusion, then schedule, then recompute on the fused and scheduled graph. The arena and buffer

@@ -17,4 +17,11 @@ def open_session(target: str, path, device: int | None = None, **options):
         from runners.backends.trt import TrtSession
 
         return TrtSession(path, rtx=target == "trt-rtx", device=device or 0)
-    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx")
+    if target == "openvino":
+        from runners.backends.openvino import OpenVinoSession
+
+        if device is not None:
+            raise ValueError(f"{path}: a device map places TensorRT engines; this is an OpenVINO model "
+                             "(its device was chosen at build time: --ov-device)")
+        return OpenVinoSession(path, **options)
+    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx, openvino")

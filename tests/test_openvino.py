@@ -1,0 +1,223 @@
+"""The openvino target and its runner backend on sd3-tiny: every submodule against ONNX Runtime fp32,
+the runner against diffusers, bf16 against fp32, the compiled model shipped with the artifact, a
+runner without torch, and the one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino")
+
+from conftest import assert_real_image  # noqa: E402
+from engines.api import build_artifact  # noqa: E402
+from engines.targets import BuildOptions, TargetError, get_target  # noqa: E402
+from export.families import FAMILIES  # noqa: E402
+from export.onnx_export import example_inputs  # noqa: E402
+from runners import Pipeline  # noqa: E402
+from runners.backends.openvino import OpenVinoSession  # noqa: E402
+from runners.backends.ort import OrtSession  # noqa: E402
+
+# OpenVINO fp32 against ONNX Runtime fp32, every sd3-tiny submodule at both export shapes. Measured
+# (OpenVINO 2026.4.1, onnxruntime 1.32): at most 2.0e-6 of the output's scale (the VAE decoder; the
+# text encoders and the transformer 2e-7 to 5e-7).
+SUBMODULE_RTOL = 1e-4
+ONE_LEVEL = 1 / 255
+# bf16 images against the openvino-fp32 artifact's, same prompts and latents, 128x128, 6 steps:
+# measured 43.6 to 44.4 dB on sd3-tiny over these four prompts. The bound sits about 10 dB under.
+BF16_MIN_PSNR = 34.0
+PROMPTS = ("a photo of a cat", "a castle in the rain", "an astronaut riding a horse", "a red dragon")
+
+
+@pytest.fixture(scope="module")
+def ov_fp32(tiny_build):
+    return build_artifact(tiny_build, "openvino", "fp32")
+
+
+@pytest.fixture(scope="module")
+def ov_bf16(tiny_build):
+    """bf16 with the models compiled for the CPU at build time (`--ov-device CPU`)."""
+    return build_artifact(tiny_build, "openvino", "bf16", options=BuildOptions(device="CPU"))
+
+
+def _manifest(folder) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def _session(folder, name: str) -> OpenVinoSession:
+    sub = _manifest(folder)["submodules"][name]
+    return OpenVinoSession(folder / sub["file"], session_config=sub["session_config"],
+                           session_options=sub["session_options"])
+
+
+def _weight_bytes(xml) -> dict[str, int]:
+    """{element type: bytes} of the IR's floating-point constants."""
+    import openvino as ov
+
+    sizes = {}
+    for op in ov.Core().read_model(xml).get_ops():
+        if op.get_type_name() == "Constant" and op.get_element_type().is_real():
+            kind = op.get_element_type().get_type_name()
+            sizes[kind] = sizes.get(kind, 0) + op.get_byte_size()
+    return sizes
+
+
+def test_manifest_records_the_ir_and_the_precision_hint(ov_fp32, ov_bf16):
+    for folder, hint in ((ov_fp32, "f32"), (ov_bf16, "bf16")):
+        manifest = _manifest(folder)
+        assert manifest["target"] == "openvino" and manifest["runtime"] == {"INFERENCE_PRECISION_HINT": hint}
+        assert manifest["passes"] == list(get_target("openvino", "fp32").passes)
+        for name, sub in manifest["submodules"].items():
+            assert sub["file"] == f"{name}.xml" and (folder / f"{name}.bin").exists()
+            assert sub["session_config"] == {"INFERENCE_PRECISION_HINT": hint}
+            assert [r["name"] for r in sub["passes"]] == manifest["passes"]  # no precision passes
+            weights = _weight_bytes(folder / sub["file"])
+            if hint == "f32":  # fp32 keeps fp32 weights
+                assert set(weights) == {"f32"}, (name, weights)
+            else:  # stored as fp16 (OpenVINO keeps a few scalars of shape arithmetic in f32: 8 to 16 bytes)
+                assert weights.get("f32", 0) <= 64 and weights["f16"] > 10_000, (name, weights)
+    assert "compiled_model" not in _manifest(ov_fp32)["submodules"]["transformer"]["session_options"]
+    assert _manifest(ov_bf16)["build_options"]["device"] == "CPU"
+
+
+def test_every_submodule_matches_onnx_runtime(tiny_build, ov_fp32):
+    manifest = _manifest(tiny_build / "onnx")
+    for spec in FAMILIES["sd3"].submodules:
+        sub = manifest["submodules"][spec.name]
+        ours, ref = _session(ov_fp32, spec.name), OrtSession(tiny_build / "ort-fp32" / sub["file"])
+        for probe in sub["export"]["parity"]:
+            arrays = example_inputs(spec, probe["dims"], manifest["constants"], seed=1)
+            feeds = {t.name: a for t, a in zip(spec.inputs, arrays)}
+            expected, got = ref.run(feeds), ours.run(feeds)
+            assert set(got) == set(expected)
+            for name, r in expected.items():
+                assert got[name].shape == r.shape and got[name].dtype == r.dtype
+                err = float(np.abs(got[name] - r).max())
+                assert err <= SUBMODULE_RTOL * max(1.0, float(np.abs(r).max())), (spec.name, probe["dims"], name, err)
+
+
+def test_outputs_are_copies_the_caller_owns(tiny_build, ov_fp32):
+    spec = next(s for s in FAMILIES["sd3"].submodules if s.name == "transformer")
+    export = _manifest(tiny_build / "onnx")
+    constants, dims = export["constants"], export["submodules"]["transformer"]["export"]["parity"][0]["dims"]
+    session = _session(ov_fp32, "transformer")
+    first = session.run(dict(zip([t.name for t in spec.inputs], example_inputs(spec, dims, constants, seed=1))))
+    kept = {k: v.copy() for k, v in first.items()}
+    session.run(dict(zip([t.name for t in spec.inputs], example_inputs(spec, dims, constants, seed=2))), release=True)
+    for name in first:
+        assert np.array_equal(first[name], kept[name])
+
+
+def _latents(seed: int, n: int, height: int, width: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
+
+
+@pytest.mark.parametrize("case", [dict(prompt="a photo of a cat", height=128, width=128),
+                                  dict(prompt="a dragon", negative_prompt="blurry, dark", height=80, width=144)],
+                         ids=["square", "non_square_with_negative"])
+def test_runner_on_openvino_fp32_matches_diffusers(ov_fp32, reference_pipeline, case):
+    import torch
+
+    kwargs = dict(case, num_inference_steps=6, max_sequence_length=64)
+    latents = _latents(len(case["prompt"]), 1, case["height"], case["width"])
+    ours = Pipeline.load(ov_fp32)(latents=latents, output_type="np", **kwargs)
+    ref = reference_pipeline(latents=torch.from_numpy(latents), output_type="np", **kwargs).images
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= ONE_LEVEL
+    assert_real_image(ref)
+
+
+def test_bf16_images_against_fp32(ov_fp32, ov_bf16):
+    fp32, bf16 = Pipeline.load(ov_fp32), Pipeline.load(ov_bf16)
+    latents = _latents(0, 1, 128, 128)
+    for prompt in PROMPTS:
+        kwargs = dict(prompt=prompt, latents=latents, output_type="np", height=128, width=128,
+                      num_inference_steps=6, max_sequence_length=64)
+        ref, ours = fp32(**kwargs), bf16(**kwargs)
+        assert np.isfinite(ours).all()
+        psnr = 10 * np.log10(1 / float(np.mean((ours - ref) ** 2)))
+        assert psnr >= BF16_MIN_PSNR, (prompt, psnr)
+        assert psnr < 80, (prompt, psnr)  # bf16 really ran: not the fp32 numerics
+        assert_real_image(ref)
+
+
+def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
+    import openvino as ov
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compile_model called for an artifact that ships its compiled models")
+
+    monkeypatch.setattr(ov.Core, "compile_model", no_compile)
+    pipe = Pipeline.load(ov_bf16)
+    assert all(s.imported for s in pipe.sessions.values())
+    for name, sub in _manifest(ov_bf16)["submodules"].items():
+        assert sub["session_options"] == {"device": "CPU", "compiled_model": f"{name}.cpu.blob"}
+    assert pipe("a cat", height=64, width=64, num_inference_steps=1, seed=0, output_type="np").shape == (1, 64, 64, 3)
+
+
+def test_openvino_runner_imports_no_torch_diffusers_or_transformers(ov_bf16):
+    script = textwrap.dedent(f"""
+        import sys
+        FORBIDDEN = ("torch", "diffusers", "transformers")
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in FORBIDDEN:
+                    raise ImportError("the runner imported " + name)
+
+        sys.meta_path.insert(0, Block())
+        from runners import Pipeline
+        pipe = Pipeline.load({str(ov_bf16)!r})
+        images = pipe("a photo of a cat", height=64, width=64, num_inference_steps=2, seed=0)
+        assert images[0].size == (64, 64)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
+        print("LOADED", loaded)
+        sys.exit(1 if loaded else 0)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "LOADED []" in r.stdout
+
+
+def test_missing_openvino_says_what_to_install(monkeypatch, ov_fp32):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else find_spec(name, *a))
+    with pytest.raises(TargetError, match=r"needs the 'openvino' module, which is not installed: "
+                                          r"pip install 'diffusion-aot\[openvino\]'"):
+        get_target("openvino", "bf16")
+    monkeypatch.setitem(sys.modules, "openvino", None)  # the runner's import fails
+    with pytest.raises(RuntimeError, match=r"runs on OpenVINO, which is not installed .*diffusion-aot\[openvino\]"):
+        Pipeline.load(ov_fp32)
+
+
+def _engines(*args):
+    return subprocess.run([sys.executable, "-m", "engines", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "ort", "--precision", "bf16"],
+     "error: target 'ort' does not take precision 'bf16' (ONNX Runtime's CPU has no bf16 MatMul or Conv kernel); "
+     "the targets that take it: openvino"),
+    (["--target", "openvino", "--precision", "int8"], "error: target 'openvino' does not take precision 'int8'"),
+    (["--target", "openvino", "--ov-device", "NPU7"],
+     "error: OpenVINO device 'NPU7' is not present on this machine; it has: CPU"),
+])
+def test_cli_errors_are_one_line(tiny_build, args, message):
+    r = _engines(tiny_build, *args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(message)
+    assert not (tiny_build / "openvino-int8").exists() and not (tiny_build / "ort-bf16").exists()
+
+
+def test_list_passes_names_the_openvino_target_and_bf16():
+    listed = _engines("--list-passes")
+    assert listed.returncode == 0
+    assert ("target openvino (fp32, bf16, fp16): passes fold_constants, infer_shapes, remove_dead_nodes, "
+            "fuse_qkv, fuse_attention") in listed.stdout
+    assert "precision bf16: passes none; openvino: no passes, runtime INFERENCE_PRECISION_HINT=bf16" in listed.stdout
