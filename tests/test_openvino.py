@@ -159,6 +159,19 @@ def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
     assert pipe("a cat", height=64, width=64, num_inference_steps=1, seed=0, output_type="np").shape == (1, 64, 64, 3)
 
 
+def test_a_blob_openvino_cannot_import_is_said_and_the_ir_compiled(ov_bf16, tmp_path, capsys):
+    import shutil
+
+    folder = shutil.copytree(ov_bf16, tmp_path / "artifact")
+    (folder / "transformer.cpu.blob").write_bytes(b"not a compiled model")
+    session = _session(folder, "transformer")
+    assert not session.imported
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].endswith("); compiling the IR instead")
+    assert said[0].startswith("[runners] transformer.xml: OpenVINO could not import transformer.cpu.blob "
+                              "([CPU] Cannot import compiled blob: ")  # OpenVINO's reason, not its source line
+
+
 def test_openvino_runner_imports_no_torch_diffusers_or_transformers(ov_bf16):
     script = textwrap.dedent(f"""
         import sys

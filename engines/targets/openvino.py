@@ -56,7 +56,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
             model = ov.convert_model(onnx_path)
         except Exception as e:  # the ONNX frontend raises OpConversionFailure and plain RuntimeErrors
             raise SubmoduleBuildFailed(f"OpenVINO could not read {sub.name}: {type(e).__name__}: "
-                                       f"{str(e).strip().splitlines()[0]}") from e
+                                       f"{str(e).strip().splitlines()[-1]}") from e
         files = [f"{sub.name}.xml", f"{sub.name}.bin"]
         # Weights stored as fp16 only where the precision computes below fp32.
         ov.save_model(model, out_dir / files[0], compress_to_fp16=config[HINT] != "f32")

@@ -48,7 +48,7 @@ class OpenVinoSession:
                 self.imported = True
             except RuntimeError as e:  # another OpenVINO release or CPU: compiling the IR gives the same model
                 print(f"[runners] {path.name}: OpenVINO could not import {blob} "
-                      f"({str(e).strip().splitlines()[0]}); compiling the IR instead", file=sys.stderr, flush=True)
+                      f"({str(e).strip().splitlines()[-1]}); compiling the IR instead", file=sys.stderr, flush=True)
         if not self.imported:
             self.compiled = core.compile_model(path, self.device, config)
         self.request = self.compiled.create_infer_request()
