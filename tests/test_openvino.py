@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -173,27 +172,9 @@ def test_a_blob_openvino_cannot_import_is_said_and_the_ir_compiled(ov_bf16, tmp_
 
 
 def test_openvino_runner_imports_no_torch_diffusers_or_transformers(ov_bf16):
-    script = textwrap.dedent(f"""
-        import sys
-        FORBIDDEN = ("torch", "diffusers", "transformers")
+    from test_runner_isolation import assert_runs_without_build_libraries
 
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in FORBIDDEN:
-                    raise ImportError("the runner imported " + name)
-
-        sys.meta_path.insert(0, Block())
-        from runners import Pipeline
-        pipe = Pipeline.load({str(ov_bf16)!r})
-        images = pipe("a photo of a cat", height=64, width=64, num_inference_steps=2, seed=0)
-        assert images[0].size == (64, 64)
-        loaded = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
-        print("LOADED", loaded)
-        sys.exit(1 if loaded else 0)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "LOADED []" in r.stdout
+    assert_runs_without_build_libraries(ov_bf16)
 
 
 def test_missing_openvino_says_what_to_install(monkeypatch, ov_fp32):

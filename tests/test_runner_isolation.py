@@ -10,6 +10,12 @@ FORBIDDEN = ("torch", "diffusers", "transformers")
 
 
 def test_runner_runs_without_torch_diffusers_or_transformers(tiny_artifact):
+    assert_runs_without_build_libraries(tiny_artifact)
+
+
+def assert_runs_without_build_libraries(artifact) -> None:
+    """Load `artifact` and make an image in a process where importing torch, diffusers or
+    transformers fails (every backend's test calls this)."""
     script = textwrap.dedent(f"""
         import sys
         FORBIDDEN = {FORBIDDEN!r}
@@ -21,7 +27,7 @@ def test_runner_runs_without_torch_diffusers_or_transformers(tiny_artifact):
 
         sys.meta_path.insert(0, Block())
         from runners import Pipeline
-        pipe = Pipeline.load({str(tiny_artifact)!r})
+        pipe = Pipeline.load({str(artifact)!r})
         images = pipe("a photo of a cat", height=64, width=64, num_inference_steps=2, seed=0)
         assert images[0].size == (64, 64)
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
