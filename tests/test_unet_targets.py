@@ -9,9 +9,16 @@ import pytest
 
 from conftest import manifest
 from runners import Pipeline
-from test_precision import MIN_PSNR, _psnr
+from test_precision import _psnr
 
 FAMILIES = ["sd15", "sdxl"]
+# Image PSNR against fp32 per prompt ("a photo of a cat", ""), measured by this test with
+# onnxruntime 1.32: sd15 fp16 76.3, 79.5 dB, int8 58.3, 75.9, fp8 43.8, 58.2; sdxl fp16 74.3, 73.9,
+# int8 55.6, 54.1, fp8 40.2, 41.7. Bounds 5 dB under each: a 10 dB regression fails.
+UNET_MIN_PSNR = {
+    "sd15": {"fp16": (71.0, 74.0), "int8": (53.0, 70.0), "fp8": (38.0, 53.0)},
+    "sdxl": {"fp16": (69.0, 68.0), "int8": (50.0, 49.0), "fp8": (35.0, 36.0)},
+}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -33,8 +40,11 @@ def test_precisions_against_fp32(build, precision):
     if precision == "fp8":  # only the denoiser is quantized to fp8, with the embedders kept in float
         counts = {r["name"]: r["counts"] for r in manifest(artifact)["submodules"]["unet"]["passes"]}
         assert counts["quantize_fp8"]["linear_fp8"] > 0
-    for ref, image in zip(_images(build.folder / "ort-fp32"), _images(artifact)):
-        assert np.isfinite(image).all() and _psnr(ref, image) >= MIN_PSNR[precision], _psnr(ref, image)
+    bounds = UNET_MIN_PSNR[build.source.entry.family][precision]
+    for ref, image, bound in zip(_images(build.folder / "ort-fp32"), _images(artifact), bounds):
+        psnr = _psnr(ref, image)
+        print(f"{build.source.entry.family} {precision}: PSNR {psnr:.1f} dB")
+        assert np.isfinite(image).all() and psnr >= bound, psnr
 
 
 def test_memory_artifact_keeps_the_images(build):
