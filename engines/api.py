@@ -36,7 +36,8 @@ def submodule_entry(export: dict, name: str) -> dict:
     min/opt/max of the dims they use, from the export's manifest."""
     sub, dims = export["submodules"][name], export["dims"]
     used = {d for t in sub["inputs"] + sub["outputs"] for d in t["shape"] if isinstance(d, str) and d in dims}
-    return {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": {d: dims[d] for d in sorted(used)}}
+    return {"inputs": sub["inputs"], "outputs": sub["outputs"], "dims": {d: dims[d] for d in sorted(used)},
+            "quantization": sub.get("quantization", {})}
 
 
 def passes_fingerprint(names: dict[str, list[str]]) -> str:
@@ -63,7 +64,7 @@ def _recipe(source: dict, precision: str, onnx_dir: Path) -> Recipe:
     if precision != "fp16":
         raise TargetError(f"{onnx_dir} was exported in {exported}: it builds --precision fp16 only. For "
                           f"{precision}, export in float32 (python -m export MODEL --dtype float32)")
-    return Recipe()
+    return Recipe(targets=RECIPES["fp16"].targets)
 
 
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
@@ -97,19 +98,19 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise TargetError("--memory-budget is a setting of --memory: add --memory")
     memory_passes = list(tgt.memory.passes) if memory else []
     base = check_pass_names(tgt.passes if passes is None else passes)
-    # A target that takes the precision as a hint (OpenVINO) runs no precision passes: it records the hint.
+    # A target that takes the precision its own way (OpenVINO) runs no precision passes.
     recipe = _recipe(source, precision, onnx_dir).for_target(target)
-    runtime = RECIPES[precision].hint(target)
+    own = recipe.targets.get(target)
     pipelines = {name: PassPipeline(base + list(recipe.for_submodule(sub)) + memory_passes)
                  for name, sub in source["submodules"].items()}
     calibration_dir = None
-    if any(p.needs_calibration for p in pipelines.values()):
+    if any(p.needs_calibration for p in pipelines.values()) or (own and own.quantize):
         # The precision is measured on the fp32 ORT artifact's own engine calls: built first.
         calibration_dir = collect(build_artifact(build_dir, "ort", "fp32"), calibration)
     settings = {"target": target, "precision": precision, "backend": tgt.backend_version(),
                 **({"build_options": options.settings(), "fallback": fallback} if tgt.build_options else {}),
                 **({"memory": {"passes": memory_passes, "budget": memory_budget}} if memory else {}),
-                **({"runtime": runtime} if runtime else {})}
+                **({"runtime": own.runtime} if own else {})}
     plan_dims = {**source["constants"], **{d: v[1] for d, v in source["dims"].items()}}
     cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
                         passes_fingerprint({n: p.names for n, p in pipelines.items()})])
@@ -122,13 +123,13 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         for name, sub in source["submodules"].items():
             t0 = time.perf_counter()
             model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
-            context = PassContext(name, sub, calibration_dir and CalibrationFeeds(calibration_dir, name),
-                                  plan_dims, memory_budget)
+            feeds = calibration_dir and CalibrationFeeds(calibration_dir, name)
+            context = PassContext(name, sub, feeds, plan_dims, memory_budget)
             model, reports = pipelines[name](model, name, log=_log, context=context)
             if memory:
                 request_session_options(model, **tgt.memory.options_for(name))
             entry = submodule_entry(source, name)
-            built = BuildInput(model, name, entry, source["constants"], runtime)
+            built = BuildInput(model, name, entry, source["constants"], own, feeds)
             try:
                 files, record = tgt.build_submodule(built, tmp, options)
             except SubmoduleBuildFailed as e:

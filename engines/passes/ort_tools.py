@@ -72,23 +72,21 @@ def request_session_options(model, **options) -> None:
     for key, value in options.items():
         current[key] = sorted(set(current.get(key, [])) | set(value)) if isinstance(value, list) else value
     model.metadata_props[SESSION_OPTIONS_KEY] = json.dumps(current, sort_keys=True)
+
+
 NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's module path of every node
 
 
-def nodes_in_scopes(proto, scopes, op_types) -> list[str]:
-    """The `op_types` nodes exported from a module whose dotted path has one of `scopes` as a
-    component ("norm_out" matches transformer.norm_out.linear), read from the exporter's metadata."""
+def in_scopes(metadata, scopes) -> bool:
+    """Whether a node with this metadata was exported from a module whose dotted path has one of
+    `scopes` as a component ("norm_out" matches transformer.norm_out.linear)."""
     import ast
 
-    scopes = set(scopes)
-    found = []
-    for node in proto.graph.node:
-        if node.op_type not in op_types:
-            continue
-        meta = {p.key: p.value for p in node.metadata_props}
-        if NAME_SCOPES_KEY not in meta:
-            continue
-        paths = ast.literal_eval(meta[NAME_SCOPES_KEY])
-        if any(scopes & set(path.split(".")) for path in paths):
-            found.append(node.name)
-    return found
+    paths = ast.literal_eval(metadata.get(NAME_SCOPES_KEY, "[]"))
+    return any(set(scopes) & set(path.split(".")) for path in paths)
+
+
+def nodes_in_scopes(proto, scopes, op_types) -> list[str]:
+    """The `op_types` nodes of an ONNX model exported from a module under one of `scopes`."""
+    return [node.name for node in proto.graph.node if node.op_type in op_types
+            and in_scopes({p.key: p.value for p in node.metadata_props}, scopes)]

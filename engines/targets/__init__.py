@@ -45,9 +45,10 @@ class BuildInput:
     name: str
     entry: dict
     constants: dict
-    # What the precision asks of a runtime that takes a hint instead of graph types (OpenVINO's
-    # {"INFERENCE_PRECISION_HINT": "bf16"}: engines.precisions.Recipe.hints); {} for the others.
-    runtime: dict = field(default_factory=dict)
+    # The precision as a target that takes it its own way builds it (engines.precisions.TargetRecipe:
+    # OpenVINO's inference precision and int8 quantizer); None for the others.
+    precision: Any = None
+    calibration: Any = None  # engines.calibration.CalibrationFeeds when the precision measures the model
 
     def input_shapes(self, static: bool) -> dict[str, tuple[list[int], list[int], list[int]]]:
         """{input: (min, opt, max) shape}; `static` gives the opt shape three times."""

@@ -6,14 +6,18 @@ OpenVINO takes its precision as a hint (INFERENCE_PRECISION_HINT), not from grap
 precision recipe gives the hint (`engines.precisions`), the manifest records it per submodule as the
 runtime's config, and the runner passes it to `compile_model`. fp32 keeps the IR's weights in fp32;
 bf16 and fp16 store them as fp16 (`save_model(compress_to_fp16=True)`), which the plugin turns into
-its inference precision when it compiles. The IR has the export's dynamic dims.
+its inference precision when it compiles. int8 is NNCF's quantization of the IR, calibrated on
+the pipeline's recordings (`engines.targets.openvino_int8`), with what stays in float run in bf16.
+The IR has the export's dynamic dims.
 """
 from __future__ import annotations
 
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Target, TargetError
+from engines.targets import openvino_int8
 
 # What OpenVINO 2026.4's ONNX reader accepts, measured on every sd3-tiny submodule (convert_model,
 # then compile_model on the CPU, then outputs against ONNX Runtime at both export shapes): all of
@@ -45,7 +49,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
     if options.static or options.compute_capabilities or options.workspace_mib:
         raise TargetError("--static, --compute-capability and --workspace-mib are TensorRT settings; "
                           "the openvino target takes --ov-device")
-    config = {HINT: sub.runtime[HINT]}
+    config = {HINT: sub.precision.runtime[HINT]}
     core = ov.Core()
     if options.device:
         check_device(core, options.device)
@@ -57,6 +61,10 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
         except Exception as e:  # the ONNX frontend raises OpConversionFailure and plain RuntimeErrors
             raise SubmoduleBuildFailed(f"OpenVINO could not read {sub.name}: {type(e).__name__}: "
                                        f"{str(e).strip().splitlines()[-1]}") from e
+        quantized = {}
+        if sub.precision.quantize:
+            model, counts, details = openvino_int8.quantize(model, sub.model, sub.entry, sub.calibration)
+            quantized = {"quantization": {"tool": f"nncf {metadata.version('nncf')}", "counts": counts, **details}}
         files = [f"{sub.name}.xml", f"{sub.name}.bin"]
         # Weights stored as fp16 only where the precision computes below fp32.
         ov.save_model(model, out_dir / files[0], compress_to_fp16=config[HINT] != "f32")
@@ -75,7 +83,8 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
         core.compile_model(out_dir / files[0], "CPU", config)
     return files, {"session_config": config, "session_options": session_options,
                    "engine": {"openvino": ov.get_version(), "weights": "f32" if config[HINT] == "f32" else "f16",
-                              **({"compiled_for": options.device} if options.device else {})}}
+                              **({"compiled_for": options.device} if options.device else {})},
+            **quantized}
 
 
 TARGETS = [Target(
@@ -84,7 +93,7 @@ TARGETS = [Target(
     backend_distributions=("openvino",),
     install_hint="pip install 'diffusion-aot[openvino]'",
     # fp16 is for GPU and NPU devices (the CPU plugin has no f16 hint on most CPUs).
-    precisions=("fp32", "bf16", "fp16"),
+    precisions=("fp32", "bf16", "fp16", "int8"),
     passes=PASSES,
     build_submodule=build_submodule,
     build_options=True,
