@@ -14,7 +14,7 @@ from bench.report import render
 from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
-TABLES = ("submodules", "e2e", "passes", "profile", "precision", "profiling", "tiling", "memory", "export")
+TABLES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "memory", "export")
 
 
 def _log(msg: str) -> None:
@@ -41,6 +41,11 @@ def _parse(argv):
     p.add_argument("--compile", action="store_true", help="add (b) diffusers + torch.compile (compiles for minutes)")
     p.add_argument("--optimum-python", default=None,
                    help="python of an environment with optimum-onnx (make optimum-venv): adds (c)")
+    p.add_argument("--optimum-intel-python", default=None,
+                   help="python of an environment with optimum-intel (make optimum-intel-venv): adds it to the "
+                        "openvino table")
+    p.add_argument("--openvino-reps", type=int, default=3,
+                   help="repetitions of the openvino table (each runs every variant end to end at --size, --steps)")
     p.add_argument("--tables", default=",".join(TABLES),
                    help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
                         "--out are kept as they are, each with the command that produced it")
@@ -242,9 +247,9 @@ class Bench:
         a = self.args
         calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
         built = in_child(build_precisions, self.build, calibration)
-        errors = in_child(accuracy, self.build, self.constants, a.size, a.precision_steps)
-        artifacts = {"fp32": str(self.default_artifact), **built}
-        variants = [self.variants[0]] + [Variant(f"ours ort-{p}", "ours", path) for p, path in artifacts.items()]
+        errors = in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
+        artifacts = {"reference": str(self.default_artifact), **built}
+        variants = [self.variants[0]] + [Variant(f"ours {Path(path).name}", "ours", path) for path in artifacts.values()]
         precision_of = {v.label: p for v, p in zip(variants[1:], artifacts)}
         step = {"job": "submodules", "names": ["transformer"], "calls": 3, "height": a.size, "width": a.size}
         e2e = {"job": "e2e", "steps": a.precision_steps, "height": a.size, "width": a.size}
@@ -255,15 +260,8 @@ class Bench:
         runs = _against_first(variants, samples, lambda s: s[1]["seconds"])
         rows = []
         for (v, st, ratio), (_, run, run_ratio) in zip(steps, runs):
-            err = errors.get(precision_of.get(v.label), {})
-            accuracy_cells = ["-"] * 3 + [("yes" if err["finite"] else "NO") if err else "-"]
-            if "psnr_min" in err:
-                accuracy_cells[:3] = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",
-                                      ", ".join(f"{e:.1e}" for e in err["transformer_rel_err"].values())]
-            elif err:
-                accuracy_cells[0] = "reference"
-            rows.append([v.label, f"{st.median * 1e3:.0f}", ratio, f"{run.median:.1f}", run_ratio, *accuracy_cells,
-                         f"{peaks[v.label]:.0f}"])
+            rows.append([v.label, f"{st.median * 1e3:.0f}", ratio, f"{run.median:.1f}", run_ratio,
+                         *_accuracy_cells(errors.get(precision_of.get(v.label), {})), f"{peaks[v.label]:.0f}"])
         timesteps = ", ".join(errors[PRECISIONS[0]]["transformer_rel_err"])
         self.tables.append({
             "title": f"Precision at {a.size}x{a.size}: transformer step (batch 2) and end to end ({a.precision_steps} "
@@ -281,6 +279,76 @@ class Bench:
                       f"--calibration-size {a.calibration_size} --calibration-steps {a.calibration_steps}`). "
                       "ONNX Runtime's CPU kernels run fp16 and fp8 as a simulation of the GPU numerics, mostly by "
                       "casting to fp32, so their speed here says nothing about a GPU's."]})
+
+    def measure_openvino(self):
+        """Our CPU artifacts (ONNX Runtime and OpenVINO, each precision) against diffusers eager and
+        optimum-intel: the transformer step, the VAE decode and a whole run, load and first-call time,
+        peak RSS, and the error against the ort-fp32 artifact."""
+        from bench.openvino import build_openvino
+        from bench.precision import PROMPTS, accuracy, psnr
+
+        if "openvino" not in self.args.tables:
+            return
+        a = self.args
+        calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
+        built = in_child(build_openvino, self.build, calibration)
+        errors = in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
+        variants = [self.variants[0], Variant(f"ours {self.default_artifact.name}", "ours", str(self.default_artifact))]
+        variants += [Variant(f"ours {label}", "ours", path) for label, path in built.items()]
+        error_of = {v.label: label for v, label in zip(variants[1:], ["reference", *built])}
+        if a.optimum_intel_python:
+            from bench.optimum_intel import optimum_intel_export
+
+            folder, seconds = optimum_intel_export(a.optimum_intel_python, self.src.folder, self.build, _log)
+            variants.append(Variant("optimum-intel OVStableDiffusion3Pipeline, its defaults", "optimum-intel",
+                                    str(folder), a.optimum_intel_python))
+            errors["peer"] = self._peer_error(variants[1], variants[-1], PROMPTS, psnr)
+            error_of[variants[-1].label] = "peer"
+        job = {"height": a.size, "width": a.size}
+        jobs = [{"job": "loaded", **job}, {"job": "submodules", **job},  # cold: the first call of each engine
+                {"job": "submodules", "names": ["transformer"], "calls": 3, **job},
+                {"job": "submodules", "names": ["vae_decoder"], **job}, {"job": "e2e", "steps": a.steps, **job}]
+        samples, peaks, failed = interleaved_fresh(variants, self.constants, jobs, a.openvino_reps, _log)
+        if failed:
+            raise RuntimeError(f"openvino table: {'; '.join(failed.values())}")
+        rows = []
+        columns = zip(*(_against_first(variants, samples, key) for key in (
+            lambda s: s[2]["transformer"], lambda s: s[3]["vae_decoder"], lambda s: s[4]["seconds"])))
+        for (v, step, step_ratio), (_, vae, vae_ratio), (_, run, run_ratio) in columns:
+            first = statistics.median(s[0]["seconds"] + sum(s[1].values()) for s in samples[v.label])
+            rows.append([v.label, f"{step.median * 1e3:.0f}", step_ratio, f"{vae.median:.2f}", vae_ratio,
+                         f"{run.median:.1f}", run_ratio, f"{first:.1f}",
+                         *_accuracy_cells(errors.get(error_of.get(v.label), {})), f"{peaks[v.label]:.0f}"])
+        timesteps = ", ".join(errors["ort-int8"]["transformer_rel_err"])
+        self.tables.append({
+            "title": f"CPU runtimes at {a.size}x{a.size}: transformer step (batch 2), VAE decode, end to end "
+                     f"({a.steps} steps), error against ort-fp32",
+            "columns": ["variant", "step ms", "step speed-up vs (a)", "VAE decode s", "VAE speed-up vs (a)",
+                        "end to end s", "speed-up vs (a)", "load + first call of each submodule s",
+                        f"image PSNR dB (worst of 4, {a.precision_steps} steps)", "image max abs",
+                        f"transformer rel. err at t = {timesteps}", "all finite", "peak RSS MiB"],
+            "rows": rows,
+            "notes": [f"Medians of {a.openvino_reps} repetitions; each runs every variant in a fresh process, in "
+                      "turn: load, one cold call of each submodule (with the load: the load + first call column), "
+                      "three transformer calls, one VAE decode, one end-to-end run. OpenVINO's artifacts compile "
+                      "their IR at load unless compiled for the CPU at build (`--ov-device CPU`). Errors as in the "
+                      "precision table: the same 4 prompts and starting latents; int8 is calibrated on 32 prompts x "
+                      f"{a.calibration_steps} steps at {a.calibration_size}x{a.calibration_size}."]})
+
+    def _peer_error(self, reference: Variant, peer: Variant, prompts, psnr) -> dict:
+        """The peer's images against the reference artifact's, both made in their own worker process
+        from the same prompts and starting latents (the transformer's error is ours only)."""
+        import tempfile
+
+        import numpy as np
+
+        with tempfile.TemporaryDirectory() as out, running([reference, peer], self.constants, _log) as workers:
+            job = {"job": "images", "prompts": list(prompts), "steps": self.args.precision_steps,
+                   "height": self.args.size, "width": self.args.size}
+            files = [w.ask({**job, "out": str(Path(out) / str(i))})["files"] for i, w in enumerate(workers)]
+            pairs = [(np.load(r), np.load(p)) for r, p in zip(*files)]
+        return {"psnr_min": min(psnr(r, p) for r, p in pairs), "max_abs": max(float(np.abs(r - p).max()) for r, p in pairs),
+                "transformer_rel_err": {}, "finite": bool(all(np.isfinite(p).all() for _, p in pairs))}
 
     def measure_profiling(self):
         """What `profile=` costs end to end, and what the runner costs with it off."""
@@ -444,6 +512,18 @@ class Bench:
         _log(f"wrote {self.args.out}")
 
 
+def _accuracy_cells(err: dict) -> list[str]:
+    """Image PSNR, image max abs, transformer rel. errors, all finite: of one variant's entry in
+    bench.precision.accuracy's result ({} for a variant it did not run)."""
+    cells = ["-"] * 3 + [("yes" if err["finite"] else "NO") if err else "-"]
+    if "psnr_min" in err:
+        cells[:3] = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",
+                     ", ".join(f"{e:.1e}" for e in err["transformer_rel_err"].values()) or "-"]
+    elif err:
+        cells[0] = "reference"
+    return cells
+
+
 def _against_first(variants: list[Variant], samples: dict, key) -> list[tuple]:
     """(variant, Stat, ratio text) for each variant, the first one being the reference."""
     ref = [key(s) for s in samples[variants[0].label]]
@@ -465,7 +545,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
-                  bench.measure_precision, bench.measure_profiling, bench.measure_tiling, bench.measure_memory, bench.export_table,
+                  bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling, bench.measure_memory, bench.export_table,
                   bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()

@@ -21,10 +21,10 @@ def build_precisions(build: Path, calibration: dict) -> dict[str, str]:
     return {p: str(build_artifact(build, "ort", p, calibration=settings)) for p in PRECISIONS}
 
 
-def accuracy(build: Path, constants: dict, size: int, steps: int) -> dict[str, dict]:
-    """Per precision: image PSNR (worst prompt) and max abs error against fp32, the transformer
-    output's relative error at the first, middle and last step, and whether all stayed finite
-    (for fp32 itself, only the last)."""
+def accuracy(reference: str, artifacts: dict[str, str], constants: dict, size: int, steps: int) -> dict[str, dict]:
+    """Per artifact ({label: folder}): image PSNR (worst prompt) and max abs error against the
+    `reference` artifact (fp32), the transformer output's relative error at the first, middle and
+    last step, and whether all stayed finite (for the reference itself, under "reference", only the last)."""
     from bench.variants import start_latents
     from runners import Pipeline
 
@@ -40,26 +40,29 @@ def accuracy(build: Path, constants: dict, size: int, steps: int) -> dict[str, d
         return [pipe(p, height=size, width=size, num_inference_steps=steps, latents=latents, output_type="np")
                 for p in PROMPTS]
 
-    ref = Pipeline.load(build / "ort-fp32", verify=False)
+    ref = Pipeline.load(reference, verify=False)
     ref.recorder = record
     ref_images = images(ref)
     ref.recorder = None
     steps_feeds = [feeds[i] for i in checked]
     ref_noise = [ref.run("transformer", **f)["noise_pred"] for f in steps_feeds]
     del ref
-    results = {"fp32": {"finite": bool(all(np.isfinite(x).all() for x in ref_images + ref_noise))}}
-    for precision in PRECISIONS:
-        pipe = Pipeline.load(build / f"ort-{precision}", verify=False)
+    results = {"reference": {"finite": bool(all(np.isfinite(x).all() for x in ref_images + ref_noise))}}
+    for label, folder in artifacts.items():
+        pipe = Pipeline.load(folder, verify=False)
         got = images(pipe)
         noise = [pipe.run("transformer", **f)["noise_pred"] for f in steps_feeds]
         del pipe
-        errors = [float(np.abs(a - b).max()) for a, b in zip(ref_images, got)]
-        psnr = [float(10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2))) for a, b in zip(ref_images, got)]
-        results[precision] = {
-            "psnr_min": min(psnr),
-            "max_abs": max(errors),
+        results[label] = {
+            "psnr_min": min(psnr(a, b) for a, b in zip(ref_images, got)),
+            "max_abs": max(float(np.abs(a - b).max()) for a, b in zip(ref_images, got)),
             "transformer_rel_err": {f"{f['timestep'][0]:.0f}": float(np.linalg.norm(n - r) / np.linalg.norm(r))
                                     for f, n, r in zip(steps_feeds, noise, ref_noise)},
             "finite": bool(all(np.isfinite(x).all() for x in got + noise)),
         }
     return results
+
+
+def psnr(reference: np.ndarray, image: np.ndarray) -> float:
+    """Of images in [0, 1]."""
+    return float(10 * np.log10(1 / np.mean((reference.astype(np.float64) - image) ** 2)))

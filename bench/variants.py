@@ -40,6 +40,16 @@ def start_latents(constants: dict, height: int, width: int) -> np.ndarray:
     return np.random.default_rng(42).standard_normal(shape, dtype=np.float32)
 
 
+def _save(images, out: str) -> list[str]:
+    from pathlib import Path
+
+    Path(out).mkdir(parents=True)
+    files = [str(Path(out) / f"{i}.npy") for i in range(len(images))]
+    for f, image in zip(files, images):
+        np.save(f, image)
+    return files
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -61,6 +71,10 @@ class Ours:
         return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
                                         num_inference_steps=steps, latents=latents, output_type="np",
                                         max_sequence_length=T5_LENGTH, **options))
+
+    def images(self, prompts, latents, height: int, width: int, steps: int, out: str) -> list[str]:
+        return _save([self.pipe(p, height=height, width=width, num_inference_steps=steps, latents=latents,
+                                output_type="np", max_sequence_length=T5_LENGTH)[0] for p in prompts], out)
 
 
 class OursWithoutHook(Ours):
@@ -104,6 +118,11 @@ class _DiffusersCall:
         return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
                                         num_inference_steps=steps, latents=self.torch.from_numpy(latents),
                                         output_type="np", max_sequence_length=T5_LENGTH))
+
+    def images(self, prompts, latents, height: int, width: int, steps: int, out: str) -> list[str]:
+        return _save([self.pipe(p, height=height, width=width, num_inference_steps=steps,
+                                latents=self.torch.from_numpy(latents), output_type="np",
+                                max_sequence_length=T5_LENGTH).images[0] for p in prompts], out)
 
 
 class Diffusers(_DiffusersCall):

@@ -32,7 +32,8 @@ def main() -> None:
     kind, path, constants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     t0 = time.perf_counter()
     variant = make_variant(kind, path)
-    _reply({"loaded_seconds": time.perf_counter() - t0})
+    loaded = time.perf_counter() - t0
+    _reply({"loaded_seconds": loaded})
     for line in sys.stdin:
         job = json.loads(line)
         h, w = job["height"], job["width"]
@@ -45,6 +46,11 @@ def main() -> None:
         elif job["job"] == "vae_decode":
             z = start_latents(constants, h, w)
             _reply({"seconds": variant.vae_decode(z, job["tiling"], job.get("tile"))})
+        elif job["job"] == "loaded":
+            _reply({"seconds": loaded})
+        elif job["job"] == "images":  # written as .npy files: a job's reply is one line of JSON
+            latents = start_latents(constants, h, w)
+            _reply({"files": variant.images(job["prompts"], latents, h, w, job["steps"], job["out"])})
         elif job["job"] == "peak_rss":
             _reply({"peak_rss_mib": peak_rss_mib()})
 
