@@ -237,17 +237,25 @@ class Bench:
                       "ops are listed until 97% of the kernel time is covered. Rows without FLOPs are memory-bound "
                       "ops (Add, Gelu, LayerNorm, reshapes)."]})
 
+    def _built_and_checked(self, build) -> tuple[dict[str, str], dict[str, dict]]:
+        """The artifacts `build(build_dir, calibration settings)` makes ({label: folder}, in a child
+        process), and their error against the default artifact (bench.precision.accuracy)."""
+        from bench.precision import accuracy
+
+        a = self.args
+        calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
+        built = in_child(build, self.build, calibration)
+        return built, in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
+
     def measure_precision(self):
         """Each precision ONNX Runtime's CPU runs: the transformer step and a whole run against diffusers
         eager fp32, and the error of its images and transformer output against the fp32 artifact."""
-        from bench.precision import PRECISIONS, PROMPTS, accuracy, build_precisions
+        from bench.precision import PRECISIONS, PROMPTS, build_precisions
 
         if "precision" not in self.args.tables:
             return
         a = self.args
-        calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
-        built = in_child(build_precisions, self.build, calibration)
-        errors = in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
+        built, errors = self._built_and_checked(build_precisions)
         artifacts = {"reference": str(self.default_artifact), **built}
         variants = [self.variants[0]] + [Variant(f"ours {Path(path).name}", "ours", path) for path in artifacts.values()]
         precision_of = {v.label: p for v, p in zip(variants[1:], artifacts)}
@@ -285,14 +293,12 @@ class Bench:
         optimum-intel: the transformer step, the VAE decode and a whole run, load and first-call time,
         peak RSS, and the error against the ort-fp32 artifact."""
         from bench.openvino import build_openvino
-        from bench.precision import PROMPTS, accuracy, psnr
+        from bench.precision import PROMPTS, psnr
 
         if "openvino" not in self.args.tables:
             return
         a = self.args
-        calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
-        built = in_child(build_openvino, self.build, calibration)
-        errors = in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
+        built, errors = self._built_and_checked(build_openvino)
         variants = [self.variants[0], Variant(f"ours {self.default_artifact.name}", "ours", str(self.default_artifact))]
         variants += [Variant(f"ours {label}", "ours", path) for label, path in built.items()]
         error_of = {v.label: label for v, label in zip(variants[1:], ["reference", *built])}
