@@ -19,7 +19,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv lock upgrade-lock optimum-venv export engines image test bench scale-check clean
+.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test bench scale-check clean
 venv: $(VENV)/.installed
 
 # constraints.txt is the lock: the exact versions CI tested (`make lock` writes it from the ranges in
@@ -82,6 +82,24 @@ $(OPTIMUM_VENV)/.installed: Makefile
 	$(OPTIMUM_VENV)/bin/python -m pip install -q -c $(OPTIMUM_VENV)/constraints.txt \
 	  "optimum-onnx[onnxruntime]==0.1.0" "optimum==2.1.0" "transformers==4.57.6" \
 	  "diffusers==0.39.0" "huggingface_hub==0.36.2"
+	touch $@
+
+# optimum-intel (the OpenVINO peer) pins transformers < 5.6: another environment of its own.
+# It declares torchvision, whose registry wheel pulls a CUDA torch and does not import with the
+# CPU one; optimum-intel does not need it for diffusion, so it is installed without its deps,
+# after the deps it does need.
+OPTIMUM_INTEL_VENV := .venv-optimum-intel
+optimum-intel-venv: $(OPTIMUM_INTEL_VENV)/.installed
+$(OPTIMUM_INTEL_VENV)/.installed: Makefile
+	test -x $(OPTIMUM_INTEL_VENV)/bin/python || $(PYTHON) -m venv $(OPTIMUM_INTEL_VENV)
+	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(OPTIMUM_INTEL_VENV)/constraints.txt
+	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q -c $(OPTIMUM_INTEL_VENV)/constraints.txt \
+	  "optimum==2.3.0" "transformers==5.5.4" "diffusers==0.39.0" "nncf==3.4.0" "openvino==2026.4.1" \
+	  "openvino-tokenizers==2026.4.1.0" "huggingface_hub==1.21.0" "accelerate==1.15.0" "sentencepiece==0.2.3"
+	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q --no-deps "optimum-intel==2.2.0"
+	$(OPTIMUM_INTEL_VENV)/bin/python -c "from optimum.intel import OVStableDiffusion3Pipeline"
 	touch $@
 
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
