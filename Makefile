@@ -106,8 +106,9 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
 # batch (skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
-bench: venv optimum-venv
-	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python $(BENCH_ARGS)
+bench: venv optimum-venv optimum-intel-venv
+	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
+	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 

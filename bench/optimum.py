@@ -42,21 +42,37 @@ def _transformers4_copy(src: Path, dest: Path) -> None:
         _rewrite(t5_config, rename)
 
 
+def export_once(build: Path, name: str, log, export) -> tuple[Path, float]:
+    """A peer's export into build/`name`, made once by `export(folder)` (which runs the peer's CLI
+    and returns the exported pipeline folder inside `folder`, and the seconds its export took);
+    returns that folder and the seconds, reused on later runs."""
+    dest = build / name
+    record = dest / "export.json"
+    if record.exists():
+        log(f"{dest} exists: reusing {name}'s export")
+        done = json.loads(record.read_text())
+        return dest / done["folder"], done["seconds"]
+    with atomic_folder(dest) as tmp:
+        folder, seconds = export(tmp)
+        (tmp / "export.json").write_text(json.dumps({"folder": folder.name, "seconds": seconds}))
+    return dest / folder.name, seconds
+
+
+def timed_cli(argv: list[str], log) -> float:
+    log(" ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True)
+    return time.perf_counter() - t0
+
+
 def optimum_export(python: str, src: Path, build: Path, log) -> tuple[Path, float]:
     """Export `src` with optimum-cli into build/optimum (once); returns the folder and export seconds."""
-    dest = build / "optimum"
-    record = dest / "export_seconds.json"
-    if record.exists():
-        log(f"{dest} exists: reusing Optimum's export")
-        return dest / "onnx", json.loads(record.read_text())["seconds"]
-    cli = Path(python).parent / "optimum-cli"
-    with atomic_folder(dest) as tmp:
+    def export(tmp: Path):
         _transformers4_copy(src, tmp / "source")
-        log("exporting with optimum-cli (legacy exporter)")
-        t0 = time.perf_counter()
-        subprocess.run([str(cli), "export", "onnx", "--model", str(tmp / "source"), "--task", "text-to-image",
-                        str(tmp / "onnx")], check=True)
-        seconds = time.perf_counter() - t0
+        cli = str(Path(python).parent / "optimum-cli")
+        seconds = timed_cli([cli, "export", "onnx", "--model", str(tmp / "source"), "--task", "text-to-image",
+                             str(tmp / "onnx")], log)
         shutil.rmtree(tmp / "source")
-        (tmp / "export_seconds.json").write_text(json.dumps({"seconds": seconds}))
-    return dest / "onnx", seconds
+        return tmp / "onnx", seconds
+
+    return export_once(build, "optimum", log, export)

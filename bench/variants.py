@@ -112,7 +112,8 @@ class VaeDecoder:
 
 
 class _DiffusersCall:
-    """The end-to-end call of a diffusers-style pipeline (torch latents), shared by (a), (b), (c)."""
+    """The end-to-end call of a diffusers-style pipeline (torch latents), shared by (a), (b), (c) and
+    optimum-intel."""
 
     def e2e(self, latents: np.ndarray, height: int, width: int, steps: int) -> float:
         return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
@@ -172,6 +173,28 @@ class Optimum(_DiffusersCall):
         return _timed(lambda: session.run(None, feeds))
 
 
+class OptimumIntel(_DiffusersCall):
+    """optimum-intel's OVStableDiffusion3Pipeline on its own export (in .venv-optimum-intel), with
+    its defaults: CPU, dynamic shapes, every model compiled at load."""
+
+    RENAMED_INPUTS = {"latent": "latent_sample"}
+
+    def __init__(self, folder: str):
+        import torch
+        from optimum.intel import OVStableDiffusion3Pipeline
+
+        self.torch = torch
+        self.pipe = OVStableDiffusion3Pipeline.from_pretrained(folder)
+        self.pipe.set_progress_bar_config(disable=True)
+
+    def call(self, name: str, feeds: dict) -> float:
+        # Each pipeline part (pipe.text_encoder, ..., pipe.vae_decoder) holds its compiled model in
+        # `request`, and calls it as below from its forward: this times the runtime alone.
+        request = getattr(self.pipe, name).request
+        feeds = {self.RENAMED_INPUTS.get(k, k): v for k, v in feeds.items()}
+        return _timed(lambda: request(feeds, share_inputs=True))
+
+
 class Graph:
     """One ONNX graph in a session with the runner's settings, whoever exported it: the unit of the
     pass table, where only the graph differs."""
@@ -200,4 +223,6 @@ def make_variant(kind: str, path: str):
         return Diffusers(path, compile=kind == "diffusers-compile")
     if kind == "optimum":
         return Optimum(path)
+    if kind == "optimum-intel":
+        return OptimumIntel(path)
     raise ValueError(f"unknown variant kind {kind!r}")
