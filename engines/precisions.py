@@ -46,9 +46,10 @@ def _openvino(hint: str, quantize: bool = False) -> dict[str, TargetRecipe]:
 RECIPES = {
     "fp32": Recipe(targets=_openvino("f32")),
     "fp16": Recipe(("to_fp16",), targets=_openvino("f16")),  # OpenVINO: for GPU and NPU devices
-    # bf16 has fp32's range: no overflow islands. Only OpenVINO takes it for now (ONNX Runtime's
-    # CPU has no bf16 MatMul or Conv kernel); its CPU plugin keeps what it needs in fp32 itself.
-    "bf16": Recipe(targets=_openvino("bf16")),
+    # bf16 has fp32's range: no overflow islands. The TensorRT targets read it from the graph's
+    # types; OpenVINO takes it as a hint, and its CPU plugin keeps what it needs in fp32 itself.
+    # ONNX Runtime's CPU has no bf16 MatMul or Conv kernel: the ort target refuses it.
+    "bf16": Recipe(("to_bf16",), targets=_openvino("bf16")),
     "fp8": Recipe(("to_fp16",), denoiser=("quantize_fp8",)),
     # OpenVINO: what NNCF leaves in float runs in bf16, the CPU plugin's own choice where it has bf16.
     "int8": Recipe(("quantize_int8",), targets=_openvino("bf16", quantize=True)),

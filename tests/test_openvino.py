@@ -250,6 +250,6 @@ def test_list_passes_names_the_openvino_target_and_bf16():
     assert listed.returncode == 0
     assert ("target openvino (fp32, bf16, fp16, int8): passes fold_constants, infer_shapes, remove_dead_nodes, "
             "fuse_qkv, fuse_attention") in listed.stdout
-    assert "precision bf16: passes none; openvino: no passes, runtime INFERENCE_PRECISION_HINT=bf16" in listed.stdout
+    assert "precision bf16: passes to_bf16; openvino: no passes, runtime INFERENCE_PRECISION_HINT=bf16" in listed.stdout
     assert ("precision int8: passes quantize_int8; openvino: no passes, runtime INFERENCE_PRECISION_HINT=bf16, "
             "int8 by its own quantizer") in listed.stdout

@@ -1,5 +1,5 @@
 """TensorRT targets: real TensorRT-RTX engines built on this CPU for every sd3-tiny submodule,
-as fp32, fp16 and fp8 graphs, with dynamic profiles and static shapes; the engine cache; the
+as fp32, fp16, bf16 and fp8 graphs, with dynamic profiles and static shapes; the engine cache; the
 fallback to ONNX Runtime; the device map; and the GPU-only checks, which skip without a GPU."""
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ SUBMODULES = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
 def rtx(tiny_build):
     from engines.api import build_artifact
 
-    return {p: build_artifact(tiny_build, "trt-rtx", p) for p in ("fp32", "fp16", "fp8")}
+    return {p: build_artifact(tiny_build, "trt-rtx", p) for p in ("fp32", "fp16", "bf16", "fp8")}
 
 
 @needs_rtx
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "fp8"])
 def test_every_submodule_builds_a_real_engine(rtx, precision):
     import tensorrt_rtx
 
@@ -53,7 +53,11 @@ def test_every_submodule_builds_a_real_engine(rtx, precision):
         transformer = {r["name"]: r for r in m["submodules"]["transformer"]["passes"]}
         assert transformer["quantize_fp8"]["counts"]["linear_fp8"] == 13
     if precision != "fp32":
-        assert all(s["passes"][-1]["name"] in ("to_fp16", "quantize_fp8") for s in m["submodules"].values())
+        assert all(s["passes"][-1]["name"] in ("to_fp16", "to_bf16", "quantize_fp8") for s in m["submodules"].values())
+    if precision == "bf16":  # a strongly typed bf16 graph: the weights are bf16, the norms' statistics fp32
+        for name, sub in m["submodules"].items():
+            counts = sub["passes"][-1]["counts"]
+            assert counts["weights_bf16"] > 0 and counts["activations_bf16"] > 0, name
     assert all(r["name"] != "fuse_attention" for s in m["submodules"].values() for r in s["passes"])
 
 

@@ -11,10 +11,11 @@ from engines.passes.quantize import QuantizeFp8, QuantizeInt8
 from engines.passes.remat import Remat
 from engines.passes.remove_dead_nodes import RemoveDeadNodes
 from engines.passes.schedule_memory import ScheduleMemory
+from engines.passes.to_bf16 import ToBf16
 from engines.passes.to_fp16 import ToFp16
 
-_PASSES = (FoldConstants, InferShapes, RemoveDeadNodes, FuseQKV, FuseAttention, ToFp16, QuantizeInt8, QuantizeFp8,
-           FuseElementwise, ScheduleMemory, Remat)
+_PASSES = (FoldConstants, InferShapes, RemoveDeadNodes, FuseQKV, FuseAttention, ToFp16, ToBf16, QuantizeInt8,
+           QuantizeFp8, FuseElementwise, ScheduleMemory, Remat)
 PASSES: dict[str, type] = {p.name: p for p in _PASSES}
 
 

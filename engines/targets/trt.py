@@ -3,8 +3,8 @@ which builds real engines on a machine without a GPU) and `trt` (TensorRT proper
 which needs one). One code path serves both: polygraphy imports `tensorrt_rtx` or `tensorrt`
 according to its USE_TENSORRT_RTX setting.
 
-Networks are strongly typed: the graph's types decide the precision (fp16 and fp8 come from the
-precision passes), so there are no precision flags. Each input gets one optimization profile from
+Networks are strongly typed: the graph's types decide the precision (fp16, bf16 and fp8 come from
+the precision passes), so there are no precision flags. Each input gets one optimization profile from
 the manifest's min/opt/max ranges, or one fixed shape with `static`. Engines are cached by a hash
 of the graph, the build settings and the TensorRT version, and TensorRT's timing cache is kept
 across builds, both in the options' cache folder (TensorRT-RTX has no timing cache: it picks its
@@ -125,10 +125,10 @@ def _no_gpu() -> str | None:
 
 TARGETS = [
     Target(name="trt-rtx", backend_module="tensorrt_rtx", backend_distributions=("tensorrt-rtx",),
-           install_hint="pip install 'diffusion-aot[trt-rtx]'", precisions=("fp32", "fp16", "fp8"), passes=PASSES,
+           install_hint="pip install 'diffusion-aot[trt-rtx]'", precisions=("fp32", "fp16", "bf16", "fp8"), passes=PASSES,
            build_submodule=_builder(rtx=True), build_options=True),
     Target(name="trt", backend_module="tensorrt", backend_distributions=("tensorrt", "tensorrt-cu12", "tensorrt-cu13"),
            install_hint="pip install 'diffusion-aot[trt]' (needs NVIDIA's package index to be reachable)",
-           precisions=("fp32", "fp16", "fp8"), passes=PASSES, build_submodule=_builder(rtx=False), unavailable=_no_gpu,
+           precisions=("fp32", "fp16", "bf16", "fp8"), passes=PASSES, build_submodule=_builder(rtx=False), unavailable=_no_gpu,
            build_options=True),
 ]
