@@ -70,18 +70,23 @@ image: engines
 test: venv
 	$(PY) -m pytest -q tests
 
+# A peer's environment of its own, on the same CPU torch as ours: $(1) its folder, $(2) its pinned
+# packages (any other torch request may pull a multi-GB CUDA build).
+define peer_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(1)/constraints.txt
+	$(1)/bin/python -m pip install -q -c $(1)/constraints.txt $(2)
+endef
+
 # Optimum-ONNX pins transformers < 4.58, which current diffusers cannot use: it gets its own
-# environment, with the newest versions that resolve together (and the same CPU torch).
+# environment, with the newest versions that resolve together.
 OPTIMUM_VENV := .venv-optimum
 optimum-venv: $(OPTIMUM_VENV)/.installed
 $(OPTIMUM_VENV)/.installed: Makefile
-	test -x $(OPTIMUM_VENV)/bin/python || $(PYTHON) -m venv $(OPTIMUM_VENV)
-	$(OPTIMUM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(OPTIMUM_VENV)/bin/python -m pip install -q torch==2.13.0
-	echo "torch==2.13.0" > $(OPTIMUM_VENV)/constraints.txt
-	$(OPTIMUM_VENV)/bin/python -m pip install -q -c $(OPTIMUM_VENV)/constraints.txt \
-	  "optimum-onnx[onnxruntime]==0.1.0" "optimum==2.1.0" "transformers==4.57.6" \
-	  "diffusers==0.39.0" "huggingface_hub==0.36.2"
+	$(call peer_venv,$(OPTIMUM_VENV),"optimum-onnx[onnxruntime]==0.1.0" "optimum==2.1.0" \
+	  "transformers==4.57.6" "diffusers==0.39.0" "huggingface_hub==0.36.2")
 	touch $@
 
 # optimum-intel (the OpenVINO peer) pins transformers < 5.6: another environment of its own.
@@ -91,13 +96,9 @@ $(OPTIMUM_VENV)/.installed: Makefile
 OPTIMUM_INTEL_VENV := .venv-optimum-intel
 optimum-intel-venv: $(OPTIMUM_INTEL_VENV)/.installed
 $(OPTIMUM_INTEL_VENV)/.installed: Makefile
-	test -x $(OPTIMUM_INTEL_VENV)/bin/python || $(PYTHON) -m venv $(OPTIMUM_INTEL_VENV)
-	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q torch==2.13.0
-	echo "torch==2.13.0" > $(OPTIMUM_INTEL_VENV)/constraints.txt
-	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q -c $(OPTIMUM_INTEL_VENV)/constraints.txt \
-	  "optimum==2.3.0" "transformers==5.5.4" "diffusers==0.39.0" "nncf==3.4.0" "openvino==2026.4.1" \
-	  "openvino-tokenizers==2026.4.1.0" "huggingface_hub==1.21.0" "accelerate==1.15.0" "sentencepiece==0.2.3"
+	$(call peer_venv,$(OPTIMUM_INTEL_VENV),"optimum==2.3.0" "transformers==5.5.4" "diffusers==0.39.0" \
+	  "nncf==3.4.0" "openvino==2026.4.1" "openvino-tokenizers==2026.4.1.0" "huggingface_hub==1.21.0" \
+	  "accelerate==1.15.0" "sentencepiece==0.2.3")
 	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q --no-deps "optimum-intel==2.2.0"
 	$(OPTIMUM_INTEL_VENV)/bin/python -c "from optimum.intel import OVStableDiffusion3Pipeline"
 	touch $@
