@@ -327,6 +327,7 @@ class Bench:
                          *_accuracy_cells(errors.get(error_of.get(v.label), {})), f"{peaks[v.label]:.0f}"])
         timesteps = ", ".join(errors["ort-int8"]["transformer_rel_err"])
         self.tables.append({
+            "reps": a.openvino_reps,
             "title": f"CPU runtimes at {a.size}x{a.size}: transformer step (batch 2), VAE decode, end to end "
                      f"({a.steps} steps), error against ort-fp32",
             "columns": ["variant", "step ms", "step speed-up vs (a)", "VAE decode s", "VAE speed-up vs (a)",
