@@ -232,7 +232,7 @@ def _engines(*args):
 @pytest.mark.parametrize("args, message", [
     (["--target", "ort", "--precision", "bf16"],
      "error: target 'ort' does not take precision 'bf16' (ONNX Runtime's CPU has no bf16 MatMul or Conv kernel); "
-     "the targets that take it: openvino"),
+     "the targets that take it: trt-rtx, trt, openvino"),
     (["--target", "openvino", "--precision", "fp8"],
      "error: target 'openvino' does not take precision 'fp8'; the targets that take it: ort, trt-rtx"),
     (["--target", "openvino", "--ov-device", "NPU7"],
