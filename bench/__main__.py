@@ -293,8 +293,6 @@ class Bench:
         optimum-intel: the transformer step, the VAE decode and a whole run, load and first-call time,
         peak RSS, and the error against the ort-fp32 artifact."""
         from bench.openvino import build_openvino
-        from bench.precision import PROMPTS, psnr
-
         if "openvino" not in self.args.tables:
             return
         a = self.args
@@ -302,14 +300,17 @@ class Bench:
         variants = [self.variants[0], Variant(f"ours {self.default_artifact.name}", "ours", str(self.default_artifact))]
         variants += [Variant(f"ours {label}", "ours", path) for label, path in built.items()]
         error_of = {v.label: label for v, label in zip(variants[1:], ["reference", *built])}
+        notes = []
         if a.optimum_intel_python:
             from bench.optimum_intel import optimum_intel_export
 
             folder, seconds = optimum_intel_export(a.optimum_intel_python, self.src.folder, self.build, _log)
             variants.append(Variant("optimum-intel OVStableDiffusion3Pipeline, its defaults", "optimum-intel",
                                     str(folder), a.optimum_intel_python))
-            errors["peer"] = self._peer_error(variants[1], variants[-1], PROMPTS, psnr)
+            errors["peer"] = self._peer_error(variants[1], variants[-1])
             error_of[variants[-1].label] = "peer"
+            notes.append(f"optimum-intel's export of the same folder (`optimum-cli export openvino --task "
+                         f"text-to-image`, its defaults) took {seconds:.0f} s.")
         job = {"height": a.size, "width": a.size}
         jobs = [{"job": "loaded", **job}, {"job": "submodules", **job},  # cold: the first call of each engine
                 {"job": "submodules", "names": ["transformer"], "calls": 3, **job},
@@ -340,21 +341,24 @@ class Bench:
                       "three transformer calls, one VAE decode, one end-to-end run. OpenVINO's artifacts compile "
                       "their IR at load unless compiled for the CPU at build (`--ov-device CPU`). Errors as in the "
                       "precision table: the same 4 prompts and starting latents; int8 is calibrated on 32 prompts x "
-                      f"{a.calibration_steps} steps at {a.calibration_size}x{a.calibration_size}."]})
+                      f"{a.calibration_steps} steps at {a.calibration_size}x{a.calibration_size}.", *notes]})
 
-    def _peer_error(self, reference: Variant, peer: Variant, prompts, psnr) -> dict:
+    def _peer_error(self, reference: Variant, peer: Variant) -> dict:
         """The peer's images against the reference artifact's, both made in their own worker process
         from the same prompts and starting latents (the transformer's error is ours only)."""
         import tempfile
 
         import numpy as np
 
+        from bench.precision import PROMPTS, psnr
+
         with tempfile.TemporaryDirectory() as out, running([reference, peer], self.constants, _log) as workers:
-            job = {"job": "images", "prompts": list(prompts), "steps": self.args.precision_steps,
+            job = {"job": "images", "prompts": list(PROMPTS), "steps": self.args.precision_steps,
                    "height": self.args.size, "width": self.args.size}
             files = [w.ask({**job, "out": str(Path(out) / str(i))})["files"] for i, w in enumerate(workers)]
             pairs = [(np.load(r), np.load(p)) for r, p in zip(*files)]
-        return {"psnr_min": min(psnr(r, p) for r, p in pairs), "max_abs": max(float(np.abs(r - p).max()) for r, p in pairs),
+        return {"psnr_min": min(psnr(r, p) for r, p in pairs),
+                "max_abs": max(float(np.abs(r - p).max()) for r, p in pairs),
                 "transformer_rel_err": {}, "finite": bool(all(np.isfinite(p).all() for _, p in pairs))}
 
     def measure_profiling(self):
@@ -552,8 +556,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
-                  bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling, bench.measure_memory, bench.export_table,
-                  bench.write):
+                  bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling,
+                  bench.measure_memory, bench.export_table, bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

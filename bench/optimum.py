@@ -59,7 +59,8 @@ def export_once(build: Path, name: str, log, export) -> tuple[Path, float]:
 
 
 def timed_cli(argv: list[str], log) -> float:
-    log(" ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv)))
+    """Run a peer's CLI (its executable named by path); return the seconds it took."""
+    log(" ".join([Path(argv[0]).name, *argv[1:]]))
     t0 = time.perf_counter()
     subprocess.run(argv, check=True)
     return time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """The OpenVINO peer: optimum-intel's export of the same pipeline folder, run by its own
-OVStableDiffusion3Pipeline (bench.variants.OptimumIntel) in the openvino table. optimum-intel pins transformers < 5.6 and declares torchvision (whose registry wheel pulls a CUDA
-torch), so it lives in .venv-optimum-intel (the Makefile's `optimum-intel-venv` target).
+OVStableDiffusion3Pipeline (bench.variants.OptimumIntel) in the openvino table. optimum-intel
+pins transformers < 5.6 and declares torchvision (whose registry wheel pulls a CUDA torch), so it
+lives in .venv-optimum-intel (the Makefile's `optimum-intel-venv` target).
 
 Unlike Optimum-ONNX (bench/optimum.py), it runs transformers 5, which reads the folder as we
 save it: it exports the source folder itself, without a rewritten copy.

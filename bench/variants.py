@@ -4,6 +4,7 @@ from the same seeds in every variant, so every variant computes the same thing."
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,8 +42,7 @@ def start_latents(constants: dict, height: int, width: int) -> np.ndarray:
 
 
 def _save(images, out: str) -> list[str]:
-    from pathlib import Path
-
+    """The images as out/<i>.npy (a worker's reply is one line of JSON); returns the files."""
     Path(out).mkdir(parents=True)
     files = [str(Path(out) / f"{i}.npy") for i in range(len(images))]
     for f, image in zip(files, images):

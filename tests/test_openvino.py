@@ -171,6 +171,7 @@ def test_int8_records_what_nncf_quantized(tiny_build, ov_int8):
     assert manifest["runtime"] == {"INFERENCE_PRECISION_HINT": "bf16"} and "calibration" in manifest
     counts = {name: sub["quantization"]["counts"] for name, sub in manifest["submodules"].items()}
     assert counts == INT8_COUNTS
+    assert {sub["engine"]["weights"] for sub in manifest["submodules"].values()} == {"i8 and f16"}
     transformer = manifest["submodules"]["transformer"]["quantization"]
     assert transformer["calibration_calls"] == manifest["calibration"]["calls"]["transformer"] > 0
     export = _manifest(tiny_build / "onnx")["submodules"]["transformer"]

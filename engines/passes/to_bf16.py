@@ -58,10 +58,14 @@ class ToBf16(GraphPass):
         kept = [node for node in list(graph) if node.op_type in FP32_OPS]
         for node in kept:
             self._keep_fp32(graph, node)
-        inputs = sum(self._cast_input(graph, v) for v in graph.inputs if v.dtype == FLOAT)
-        outputs = sum(self._cast_output(graph, i) for i, v in enumerate(graph.outputs) if v.dtype == BF16)
+        inputs = [v for v in graph.inputs if v.dtype == FLOAT]
+        for value in inputs:
+            self._cast_input(graph, value)
+        outputs = [i for i, v in enumerate(graph.outputs) if v.dtype == BF16]
+        for i in outputs:
+            self._cast_output(graph, i)
         return {"weights_bf16": weights, "constants_bf16": constants, "activations_bf16": activations,
-                "fp32_nodes": len(kept), "io_casts": inputs + outputs}
+                "fp32_nodes": len(kept), "io_casts": len(inputs) + len(outputs)}
 
     @staticmethod
     def _keep_fp32(graph, node) -> None:
@@ -83,17 +87,18 @@ class ToBf16(GraphPass):
                     reader.replace_input_with(index, cast.outputs[0])
 
     @staticmethod
-    def _cast_input(graph, value) -> int:
+    def _cast_input(graph, value) -> None:
+        """The graph's float32 input stays; its readers read a bf16 copy."""
         readers = list(value.uses())
         cast = ir.node("Cast", [value], {"to": BF16}, name=f"{value.name}/to_bf16")
         cast.outputs[0].dtype = BF16
         graph.insert_before(graph.node(0), cast)
         for reader, index in readers:
             reader.replace_input_with(index, cast.outputs[0])
-        return 1
 
     @staticmethod
-    def _cast_output(graph, i: int) -> int:
+    def _cast_output(graph, i: int) -> None:
+        """Graph output `i` becomes a float32 cast of its bf16 value, under the same name."""
         value = graph.outputs[i]
         cast = ir.node("Cast", [value], {"to": FLOAT}, name=f"{value.name}/to_fp32")
         out = cast.outputs[0]
@@ -103,4 +108,3 @@ class ToBf16(GraphPass):
         value.name = f"{name}_bf16"
         out.name = name
         graph.outputs[i] = out
-        return 1

@@ -82,7 +82,8 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
     else:  # no blob: prove the IR compiles here (CPU), as the ORT target opens a session
         core.compile_model(out_dir / files[0], "CPU", config)
     return files, {"session_config": config, "session_options": session_options,
-                   "engine": {"openvino": ov.get_version(), "weights": "f32" if config[HINT] == "f32" else "f16",
+                   "engine": {"openvino": ov.get_version(),
+                              "weights": "f32" if config[HINT] == "f32" else "i8 and f16" if quantized else "f16",
                               **({"compiled_for": options.device} if options.device else {})},
             **quantized}
 

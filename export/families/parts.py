@@ -77,7 +77,7 @@ VAE_DECODER = SubmoduleSpec(
     inputs=(T("latent", "float32", _LATENT),),
     outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
     wrap=_VaeDecoder,
-    # A fifth of a 28-step SD3 run once the denoiser is fast: int8 activations where a target
+    # Where the end-to-end time goes once the denoiser is fast: int8 activations where a target
     # quantizes whole submodules (OpenVINO's NNCF).
     quantization={"activations": True},
 )
