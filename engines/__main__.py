@@ -9,6 +9,14 @@ from pathlib import Path
 from engines.calibration import CalibrationSettings
 
 
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    sizes = [size.split("x") for size in text.split(",")]
+    if not all(len(sides) == 2 and all(side.isdigit() for side in sides) for sides in sizes):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of sizes like 512x512,768x1024 "
+                                         "(height x width in pixels)")
+    return tuple((int(h), int(w)) for h, w in sizes)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["inspect"]:
@@ -38,6 +46,12 @@ def main(argv=None) -> int:
     ov.add_argument("--ov-device", default=None, metavar="CPU",
                     help="also compile each model for this OpenVINO device at build time and ship the compiled "
                          "blob, so that the runner's first call does not compile (default: IR only)")
+    ov.add_argument("--ov-shapes", choices=("per-size", "dynamic"), default=None,
+                    help="how the runner shapes the denoiser: per-size (the default) compiles it for each request's "
+                         "shapes at their first call and keeps it; dynamic compiles one model for every shape")
+    ov.add_argument("--ov-sizes", type=_sizes, default=(), metavar="512x512[,HxW...]",
+                    help="also compile the denoiser static for these image sizes (height x width) at build time, "
+                         "for --ov-device (alone, --ov-device does it for the model's default size)")
     mem = p.add_argument_group("memory (ort): python -m engines inspect shows what a graph holds")
     mem.add_argument("--memory", action="store_true",
                      help="add the memory passes (fusion, schedule, recompute) and the runtime settings that keep "
@@ -74,7 +88,7 @@ def main(argv=None) -> int:
         args.build_dir, args.target, args.precision, force=args.force, passes=passes,
         calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
         options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache,
-                             args.ov_device),
+                             args.ov_device, args.ov_shapes, args.ov_sizes),
         fallback=args.fallback, memory=args.memory,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None),
         (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, ValueError),

@@ -188,22 +188,67 @@ def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
 
     monkeypatch.setattr(ov.Core, "compile_model", no_compile)
     pipe = Pipeline.load(ov_bf16)
-    assert all(s.imported for s in pipe.sessions.values())
     for name, sub in _manifest(ov_bf16)["submodules"].items():
-        assert sub["session_options"] == {"device": "CPU", "compiled_model": f"{name}.cpu.blob"}
-    assert pipe("a cat", height=64, width=64, num_inference_steps=1, seed=0, output_type="np").shape == (1, 64, 64, 3)
+        if name == "transformer":  # per-size: compiled static at the export's opt size (the default 128x128)
+            assert sub["session_options"] == {"device": "CPU", "shapes": "per-size", "static_models": [
+                {"size": "128x128", "file": "transformer.128x128.cpu.blob",
+                 "shapes": {"hidden_states": [2, 16, 16, 16], "encoder_hidden_states": [2, 333, 96],
+                            "pooled_projections": [2, 80], "timestep": [2]}}]}
+        else:
+            assert sub["session_options"] == {"device": "CPU", "shapes": "dynamic", "compiled_model": f"{name}.cpu.blob"}
+    # At the default size (batch 2 with guidance, 256 T5 tokens) every model comes from a blob.
+    image = pipe("a cat", height=128, width=128, num_inference_steps=1, seed=0, output_type="np")
+    assert image.shape == (1, 128, 128, 3) and all(s.imported for s in pipe.sessions.values())
+
+
+def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
+    """The transformer's default: reshaped to each set of input shapes at its first call, the
+    compiled model kept for the next calls of that size, the two most recent sizes kept."""
+    manifest = _manifest(ov_fp32)
+    assert manifest["submodules"]["transformer"]["session_options"] == {"device": "CPU", "shapes": "per-size"}
+    per_size = _session(ov_fp32, "transformer")
+    dynamic = OpenVinoSession(ov_fp32 / "transformer.xml", session_options={"shapes": "dynamic"},
+                              session_config={"INFERENCE_PRECISION_HINT": "f32"})
+    assert per_size.compiles == 0 and dynamic.compiles == 1  # per-size compiles nothing at load
+    spec = next(s for s in FAMILIES["sd3"].submodules if s.name == "transformer")
+    for i, (latent, joint) in enumerate(((16, 333), (16, 333), (8, 104), (12, 333), (16, 333))):
+        dims = {"batch": 2, "latent_height": latent, "latent_width": latent, "joint_length": joint}
+        feeds = {t.name: a for t, a in zip(spec.inputs, example_inputs(spec, dims, manifest["constants"], seed=i))}
+        got, expected = per_size.run(feeds)["noise_pred"], dynamic.run(feeds)["noise_pred"]
+        # Measured: static and dynamic compiles of the same fp32 IR agree within 3e-7 of the output's scale.
+        np.testing.assert_allclose(got, expected, atol=SUBMODULE_RTOL * np.abs(expected).max())
+        assert got.shape == (2, 16, latent, latent)
+    # 16 compiled, reused, then 8 and 12 (16 dropped as the oldest), then 16 again.
+    assert per_size.compiles == 4 and len(per_size.per_size) == 2
+
+
+def test_listed_sizes_are_compiled_static_at_build_time(tiny_build, monkeypatch):
+    import openvino as ov
+
+    folder = build_artifact(tiny_build, "openvino", "fp32",
+                            options=BuildOptions(device="CPU", ov_shapes="dynamic", ov_sizes=((64, 96),)))
+    options = _manifest(folder)["submodules"]["transformer"]["session_options"]
+    assert options["compiled_model"] == "transformer.cpu.blob"
+    assert [(s["size"], s["file"], s["shapes"]["hidden_states"]) for s in options["static_models"]] == [
+        ("64x96", "transformer.64x96.cpu.blob", [2, 16, 8, 12])]
+    monkeypatch.setattr(ov.Core, "compile_model", lambda *a, **k: pytest.fail("compiled at run time"))
+    pipe = Pipeline.load(folder)
+    for height, width in ((64, 96), (64, 64)):  # the static blob, then the dynamic one
+        image = pipe("a cat", height=height, width=width, num_inference_steps=1, seed=0, output_type="np")
+        assert image.shape == (1, height, width, 3)
+    assert pipe.sessions["transformer"].imported and len(pipe.sessions["transformer"].per_size) == 1
 
 
 def test_a_blob_openvino_cannot_import_is_said_and_the_ir_compiled(ov_bf16, tmp_path, capsys):
     import shutil
 
     folder = shutil.copytree(ov_bf16, tmp_path / "artifact")
-    (folder / "transformer.cpu.blob").write_bytes(b"not a compiled model")
-    session = _session(folder, "transformer")
+    (folder / "vae_decoder.cpu.blob").write_bytes(b"not a compiled model")
+    session = _session(folder, "vae_decoder")
     assert not session.imported
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].endswith("); compiling the IR instead")
-    assert said[0].startswith("[runners] transformer.xml: OpenVINO could not import transformer.cpu.blob "
+    assert said[0].startswith("[runners] vae_decoder.xml: OpenVINO could not import vae_decoder.cpu.blob "
                               "([CPU] Cannot import compiled blob: ")  # OpenVINO's reason, not its source line
 
 
@@ -238,6 +283,10 @@ def _engines(*args):
      "error: target 'openvino' does not take precision 'fp8'; the targets that take it: ort, trt-rtx"),
     (["--target", "openvino", "--ov-device", "NPU7"],
      "error: OpenVINO device 'NPU7' is not present on this machine; it has: CPU"),
+    (["--target", "openvino", "--ov-sizes", "128x128"],
+     "error: --ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU"),
+    (["--target", "openvino", "--ov-device", "CPU", "--ov-sizes", "128x100"],
+     "error: --ov-sizes 128x100: this export takes sides from 64 to 512 in steps of 16"),
 ])
 def test_cli_errors_are_one_line(tiny_build, args, message):
     r = _engines(tiny_build, *args)

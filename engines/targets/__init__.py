@@ -29,11 +29,16 @@ class BuildOptions:
     workspace_mib: int | None = None  # the builder's workspace memory pool limit
     cache_dir: Path | None = None  # engines and the timing cache, reused across builds
     device: str | None = None  # OpenVINO: the device to compile for at build time ("CPU"); None: IR only
+    # OpenVINO, the denoiser only: "dynamic" (one model for every shape) or "per-size" (reshaped to
+    # each request's shapes at its first call, cached per size); None: the target's default.
+    ov_shapes: str | None = None
+    ov_sizes: tuple[tuple[int, int], ...] = ()  # OpenVINO: (height, width)s the denoiser is compiled static for
 
     def settings(self) -> dict:
         """What changes an engine: part of the artifact's cache key (the cache folder is not)."""
+        openvino = {"device": self.device, "ov_shapes": self.ov_shapes, "ov_sizes": [list(s) for s in self.ov_sizes]}
         return {"static": self.static, "compute_capabilities": list(self.compute_capabilities),
-                "workspace_mib": self.workspace_mib, **({"device": self.device} if self.device else {})}
+                "workspace_mib": self.workspace_mib, **{k: v for k, v in openvino.items() if v}}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,12 @@ class BuildInput:
 
         picks = (1, 1, 1) if static else (0, 1, 2)
         return {t["name"]: tuple(at(t["shape"], i) for i in picks) for t in self.entry["inputs"]}
+
+    def shapes_at(self, dims: dict[str, int]) -> dict[str, list[int]]:
+        """{input: shape} with `dims` fixed and every other dim at its opt value."""
+        opt = {name: shapes[1] for name, shapes in self.input_shapes(static=True).items()}
+        return {t["name"]: [dims.get(d, v) if isinstance(d, str) else v for d, v in zip(t["shape"], opt[t["name"]])]
+                for t in self.entry["inputs"]}
 
 
 @dataclass(frozen=True)

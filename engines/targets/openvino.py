@@ -2,13 +2,18 @@
 model compiled for one device (`BuildOptions.device`, `--ov-device CPU`), exported beside it so that
 the runner imports it instead of compiling.
 
+Shapes: the IR keeps the export's dynamic dims. The denoiser's manifest entry says how the runner
+shapes it (`--ov-shapes`): "per-size" reshapes it to each request's shapes at its first call and
+caches the compiled model per size; "dynamic" compiles it once for every shape. `--ov-sizes
+512x512` also compiles it static for listed sizes at build time for `--ov-device`, which alone
+compiles a per-size denoiser at the export's opt size (the model's default).
+
 OpenVINO takes its precision as a hint (INFERENCE_PRECISION_HINT), not from graph types: the
 precision recipe gives the hint (`engines.precisions`), the manifest records it per submodule as the
 runtime's config, and the runner passes it to `compile_model`. fp32 keeps the IR's weights in fp32;
 bf16 and fp16 store them as fp16 (`save_model(compress_to_fp16=True)`), which the plugin turns into
 its inference precision when it compiles. int8 is NNCF's quantization of the IR, calibrated on
 the pipeline's recordings (`engines.targets.openvino_int8`), with what stays in float run in bf16.
-The IR has the export's dynamic dims.
 """
 from __future__ import annotations
 
@@ -31,8 +36,16 @@ PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fu
 HINT = "INFERENCE_PRECISION_HINT"
 
 
-def compiled_name(name: str, device: str) -> str:
-    return f"{name}.{device.lower().replace('.', '-')}.blob"
+# The denoiser runs at every step, so a model compiled for the request's shapes pays there: see
+# BENCHMARKS.md's CPU runtimes table, whose shape rows measure the three ways. The other
+# submodules run once per request, and the VAE's tiles come in several sizes: they stay dynamic.
+DENOISER_SHAPES = "per-size"
+SHAPES = ("dynamic", "per-size")
+
+
+def compiled_name(name: str, device: str, size: tuple[int, int] | None = None) -> str:
+    at = f".{size[0]}x{size[1]}" if size else ""
+    return f"{name}{at}.{device.lower().replace('.', '-')}.blob"
 
 
 def check_device(core, device: str) -> None:
@@ -42,13 +55,41 @@ def check_device(core, device: str) -> None:
                           f"{', '.join(core.available_devices)}")
 
 
+def _size_dims(sub: BuildInput, size: tuple[int, int]) -> dict[str, int]:
+    """The dims of a `height x width` request, checked against the export's ranges."""
+    c = sub.constants
+    step = c["vae_scale_factor"] * c.get("latent_multiple", 1)
+    dims = {"image_height": size[0], "image_width": size[1],
+            "latent_height": size[0] // c["vae_scale_factor"], "latent_width": size[1] // c["vae_scale_factor"]}
+    lo, hi = (sub.entry["dims"]["latent_height"][i] * c["vae_scale_factor"] for i in (0, 2))
+    if any(side % step or not lo <= side <= hi for side in size):
+        raise TargetError(f"--ov-sizes {size[0]}x{size[1]}: this export takes sides from {lo} to {hi} "
+                          f"in steps of {step}")
+    return dims
+
+
+def _opt_size(sub: BuildInput) -> tuple[int, int]:
+    return tuple(sub.entry["dims"][d][1] * sub.constants["vae_scale_factor"] for d in ("latent_height", "latent_width"))
+
+
+def _export_compiled(core, model, device: str, config: dict, path: Path) -> None:
+    exported = core.compile_model(model, device, config).export_model()  # bytes, or an io.BytesIO in recent releases
+    path.write_bytes(exported.getvalue() if hasattr(exported, "getvalue") else exported)
+
+
 def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tuple[list[str], dict]:
     import onnx_ir as ir
     import openvino as ov
 
     if options.static or options.compute_capabilities or options.workspace_mib:
         raise TargetError("--static, --compute-capability and --workspace-mib are TensorRT settings; "
-                          "the openvino target takes --ov-device")
+                          "the openvino target takes --ov-device, --ov-shapes and --ov-sizes")
+    if options.ov_sizes and not options.device:
+        raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
+    denoiser = bool(sub.entry.get("quantization", {}).get("denoiser"))
+    shapes = (options.ov_shapes or DENOISER_SHAPES) if denoiser else "dynamic"
+    # Compiled for a device, a per-size denoiser ships its default size's static model.
+    sizes = (options.ov_sizes or (_opt_size(sub),) * (shapes == "per-size" and bool(options.device))) if denoiser else ()
     config = {HINT: sub.precision.runtime[HINT]}
     core = ov.Core()
     if options.device:
@@ -69,18 +110,24 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
         # Weights stored as fp16 only where the precision computes below fp32.
         ov.save_model(model, out_dir / files[0], compress_to_fp16=config[HINT] != "f32")
     del model
-    session_options = {"device": options.device or "CPU"}
-    if options.device:
+    session_options = {"device": options.device or "CPU", "shapes": shapes}
+    if options.device and shapes == "dynamic":
         # The runner imports this blob: the plugin's own compiled form for this device and release.
-        compiled = core.compile_model(out_dir / files[0], options.device, config)
-        blob = compiled_name(sub.name, options.device)
-        exported = compiled.export_model()  # bytes, or an io.BytesIO in recent releases
-        (out_dir / blob).write_bytes(exported.getvalue() if hasattr(exported, "getvalue") else exported)
-        del compiled
-        files.append(blob)
-        session_options["compiled_model"] = blob
-    else:  # no blob: prove the IR compiles here (CPU), as the ORT target opens a session
+        files.append(compiled_name(sub.name, options.device))
+        _export_compiled(core, out_dir / files[0], options.device, config, out_dir / files[-1])
+        session_options["compiled_model"] = files[-1]
+    elif not sizes:  # no blob: prove the IR compiles here (CPU), as the ORT target opens a session
         core.compile_model(out_dir / files[0], "CPU", config)
+    static = []
+    for size in sizes:  # the denoiser reshaped to each listed request and compiled: static blobs
+        model = core.read_model(out_dir / files[0])
+        at = sub.shapes_at(_size_dims(sub, size))
+        model.reshape({name: ov.PartialShape(shape) for name, shape in at.items()})
+        files.append(compiled_name(sub.name, options.device, size))
+        _export_compiled(core, model, options.device, config, out_dir / files[-1])
+        static.append({"size": f"{size[0]}x{size[1]}", "shapes": at, "file": files[-1]})
+    if static:
+        session_options["static_models"] = static
     return files, {"session_config": config, "session_options": session_options,
                    "engine": {"openvino": ov.get_version(),
                               "weights": "f32" if config[HINT] == "f32" else "i8 and f16" if quantized else "f16",

@@ -1,13 +1,22 @@
 """OpenVINO sessions: numpy in and out, no torch. A session compiles the artifact's IR with the
 config its manifest records (INFERENCE_PRECISION_HINT), or imports the model compiled at build time
 (`--ov-device`) so that the first call does not compile. Outputs are copies the caller owns: an
-infer request reuses its output tensors on the next call."""
+infer request reuses its output tensors on the next call.
+
+Shapes (the manifest's `session_options.shapes`): "dynamic" compiles one model for every shape at
+load; "per-size" compiles, at the first call of each set of input shapes, the IR reshaped to them,
+and keeps the most recent few. Models compiled static at build time (`static_models`) are imported
+at the first call of their shapes instead."""
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+
+# Compiled per-size models kept at once: each holds its own weights (the plugin repacks them per model).
+KEEP_SIZES = 2
 
 
 def _core():
@@ -19,47 +28,89 @@ def _core():
     return ov.Core()
 
 
+def _key(shapes: dict) -> tuple:
+    return tuple(sorted((name, tuple(shape)) for name, shape in shapes.items()))
+
+
+class _Compiled:
+    """One compiled model and its infer request."""
+
+    def __init__(self, compiled):
+        self.compiled, self.request = compiled, compiled.create_infer_request()
+        self.output_names = [o.get_any_name() for o in compiled.outputs]
+
+
 class OpenVinoSession:
     def __init__(self, path, threads: int | None = None, session_config: dict | None = None,
                  session_options: dict | None = None, profile: bool = False, providers: list[str] | None = None):
         """`session_config`: the OpenVINO properties the artifact was built with (its precision hint);
-        `session_options`: the device and, when built with `--ov-device`, its compiled model's file.
+        `session_options`: the device, how the model is shaped, and the compiled models built with it.
         `providers` are ONNX Runtime's: an OpenVINO artifact refuses them rather than ignore them."""
         if providers:
             raise ValueError(f"{path}: providers choose ONNX Runtime's execution providers; this is an OpenVINO "
                              "model (its device was chosen at build time: --ov-device)")
-        path = Path(path)
-        core = _core()
+        self.path = Path(path)
+        self.core = _core()
         options = dict(session_options or {})
         self.device = options.get("device", "CPU")
-        if self.device not in core.available_devices:
+        if self.device not in self.core.available_devices:
             raise RuntimeError(f"{path}: OpenVINO device '{self.device}' is not present on this machine; it has: "
-                               f"{', '.join(core.available_devices)}")
-        config = dict(session_config or {})
+                               f"{', '.join(self.core.available_devices)}")
+        self.config = dict(session_config or {})
         if threads:
-            config["INFERENCE_NUM_THREADS"] = threads
-        if profile:  # per-layer counters, read back with `request.get_profiling_info()`
-            config["PERF_COUNT"] = True
-        self.imported = False  # whether the build's compiled model was used (no compile here)
-        blob = options.get("compiled_model")
-        if blob:
-            try:
-                self.compiled = core.import_model((path.parent / blob).read_bytes(), self.device, config)
-                self.imported = True
-            except RuntimeError as e:  # another OpenVINO release or CPU: compiling the IR gives the same model
-                print(f"[runners] {path.name}: OpenVINO could not import {blob} "
-                      f"({str(e).strip().splitlines()[-1]}); compiling the IR instead", file=sys.stderr, flush=True)
-        if not self.imported:
-            self.compiled = core.compile_model(path, self.device, config)
-        self.request = self.compiled.create_infer_request()
-        self.output_names = [o.get_any_name() for o in self.compiled.outputs]
+            self.config["INFERENCE_NUM_THREADS"] = threads
+        if profile:  # per-layer counters, read back with `session.last.request.get_profiling_info()`
+            self.config["PERF_COUNT"] = True
+        self.shapes = options.get("shapes", "dynamic")
+        self.static_files = {_key(s["shapes"]): s["file"] for s in options.get("static_models", [])}
+        self.compiles = 0  # models compiled here rather than imported from the build's blobs
+        self.per_size: OrderedDict[tuple, _Compiled] = OrderedDict()
+        self.dynamic = None
+        if self.shapes == "dynamic":
+            blob = options.get("compiled_model")
+            self.dynamic = _Compiled((self._import(blob) if blob else None) or self._compile())
+        self.last = self.dynamic  # the model run last
+
+    def _import(self, blob: str):
+        try:
+            return self.core.import_model((self.path.parent / blob).read_bytes(), self.device, self.config)
+        except RuntimeError as e:  # another OpenVINO release or CPU: compiling the IR gives the same model
+            print(f"[runners] {self.path.name}: OpenVINO could not import {blob} "
+                  f"({str(e).strip().splitlines()[-1]}); compiling the IR instead", file=sys.stderr, flush=True)
+            return None
+
+    def _compile(self, shapes: dict | None = None):
+        model = self.core.read_model(self.path)
+        if shapes:
+            model.reshape({name: list(shape) for name, shape in shapes.items()})
+        self.compiles += 1
+        return self.core.compile_model(model, self.device, self.config)
+
+    @property
+    def imported(self) -> bool:
+        """Whether every model this session has run came from the build's blobs (nothing compiled here)."""
+        return self.compiles == 0
+
+    def _model_for(self, feeds: dict[str, np.ndarray]) -> _Compiled:
+        key = _key({name: array.shape for name, array in feeds.items()})
+        if key not in self.static_files and self.shapes == "dynamic":
+            return self.dynamic
+        if key not in self.per_size:
+            blob = self.static_files.get(key)
+            compiled = (self._import(blob) if blob else None) or self._compile(dict(key))
+            self.per_size[key] = _Compiled(compiled)
+            while len(self.per_size) > KEEP_SIZES:
+                self.per_size.popitem(last=False)
+        self.per_size.move_to_end(key)
+        return self.per_size[key]
 
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release=True` on a stage's last call hands the plugin's working memory back."""
+        model = self.last = self._model_for(feeds)
         # share_inputs: the call is synchronous and reads the caller's arrays in place;
         # share_outputs=False: the results are copies, not views of tensors the next call overwrites.
-        results = self.request.infer(feeds, share_inputs=True, share_outputs=False)
-        outputs = {name: results[port] for name, port in zip(self.output_names, self.compiled.outputs)}
+        results = model.request.infer(feeds, share_inputs=True, share_outputs=False)
+        outputs = {name: results[port] for name, port in zip(model.output_names, model.compiled.outputs)}
         if release:
-            self.compiled.release_memory()
+            model.compiled.release_memory()
         return outputs
