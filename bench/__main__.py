@@ -237,14 +237,14 @@ class Bench:
                       "ops are listed until 97% of the kernel time is covered. Rows without FLOPs are memory-bound "
                       "ops (Add, Gelu, LayerNorm, reshapes)."]})
 
-    def _built_and_checked(self, build) -> tuple[dict[str, str], dict[str, dict]]:
-        """The artifacts `build(build_dir, calibration settings)` makes ({label: folder}, in a child
-        process), and their error against the default artifact (bench.precision.accuracy)."""
+    def _built_and_checked(self, build, *args) -> tuple[dict[str, str], dict[str, dict]]:
+        """The artifacts `build(build_dir, calibration settings, *args)` makes ({label: folder}, in a
+        child process), and their error against the default artifact (bench.precision.accuracy)."""
         from bench.precision import accuracy
 
         a = self.args
         calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
-        built = in_child(build, self.build, calibration)
+        built = in_child(build, self.build, calibration, *args)
         return built, in_child(accuracy, str(self.default_artifact), built, self.constants, a.size, a.precision_steps)
 
     def measure_precision(self):
@@ -296,7 +296,7 @@ class Bench:
         if "openvino" not in self.args.tables:
             return
         a = self.args
-        built, errors = self._built_and_checked(build_openvino)
+        built, errors = self._built_and_checked(build_openvino, a.size)
         variants = [self.variants[0], Variant(f"ours {self.default_artifact.name}", "ours", str(self.default_artifact))]
         variants += [Variant(f"ours {label}", "ours", path) for label, path in built.items()]
         error_of = {v.label: label for v, label in zip(variants[1:], ["reference", *built])}
@@ -339,7 +339,9 @@ class Bench:
             "notes": [f"Medians of {a.openvino_reps} repetitions; each runs every variant in a fresh process, in "
                       "turn: load, one cold call of each submodule (with the load: the load + first call column), "
                       "three transformer calls, one VAE decode, one end-to-end run. OpenVINO's artifacts compile "
-                      "their IR at load unless compiled for the CPU at build (`--ov-device CPU`). Errors as in the "
+                      "their IR at load, and a per-size transformer at its first call of a size, unless compiled for "
+                      "the CPU at build (`--ov-device CPU --ov-sizes`). Each step from plain OpenVINO (our export, "
+                      "no passes, dynamic shapes) to our default changes one thing. Errors as in the "
                       "precision table: the same 4 prompts and starting latents; int8 is calibrated on 32 prompts x "
                       f"{a.calibration_steps} steps at {a.calibration_size}x{a.calibration_size}.", *notes]})
 
