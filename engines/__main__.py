@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from engines.calibration import CalibrationSettings
+from engines.targets.openvino import SHAPES
 
 
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     ov.add_argument("--ov-device", default=None, metavar="CPU",
                     help="also compile each model for this OpenVINO device at build time and ship the compiled "
                          "blob, so that the runner's first call does not compile (default: IR only)")
-    ov.add_argument("--ov-shapes", choices=("per-size", "dynamic"), default=None,
+    ov.add_argument("--ov-shapes", choices=SHAPES, default=None,
                     help="how the runner shapes the denoiser: per-size (the default) compiles it for each request's "
                          "shapes at their first call and keeps it; dynamic compiles one model for every shape")
     ov.add_argument("--ov-sizes", type=_sizes, default=(), metavar="512x512[,HxW...]",

@@ -222,6 +222,11 @@ def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
     assert per_size.compiles == 4 and len(per_size.per_size) == 2
 
 
+def test_unknown_shapes_are_refused(tiny_build):
+    with pytest.raises(TargetError, match=r"^--ov-shapes static: the openvino target takes dynamic or per-size$"):
+        build_artifact(tiny_build, "openvino", "fp32", options=BuildOptions(ov_shapes="static"))
+
+
 def test_listed_sizes_are_compiled_static_at_build_time(tiny_build, monkeypatch):
     import openvino as ov
 

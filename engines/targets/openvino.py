@@ -86,10 +86,14 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
                           "the openvino target takes --ov-device, --ov-shapes and --ov-sizes")
     if options.ov_sizes and not options.device:
         raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
+    if options.ov_shapes not in (None, *SHAPES):
+        raise TargetError(f"--ov-shapes {options.ov_shapes}: the openvino target takes {' or '.join(SHAPES)}")
     denoiser = bool(sub.entry.get("quantization", {}).get("denoiser"))
-    shapes = (options.ov_shapes or DENOISER_SHAPES) if denoiser else "dynamic"
-    # Compiled for a device, a per-size denoiser ships its default size's static model.
-    sizes = (options.ov_sizes or (_opt_size(sub),) * (shapes == "per-size" and bool(options.device))) if denoiser else ()
+    shapes, sizes = "dynamic", ()
+    if denoiser:
+        shapes = options.ov_shapes or DENOISER_SHAPES
+        # Compiled for a device, a per-size denoiser ships its default size's static model.
+        sizes = options.ov_sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
     config = {HINT: sub.precision.runtime[HINT]}
     core = ov.Core()
     if options.device:

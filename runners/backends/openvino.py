@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Compiled per-size models kept at once: each holds its own weights (the plugin repacks them per model).
+# Compiled per-size models kept at once: each can hold its own copy of the weights (a plugin may repack them).
 KEEP_SIZES = 2
 
 
