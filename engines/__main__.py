@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engines.calibration import CalibrationSettings
 from engines.targets.openvino import SHAPES
+from runners.static import StaticRequest
 
 
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
@@ -35,9 +36,18 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
     trt = p.add_argument_group("TensorRT targets (trt-rtx, trt)")
     trt.add_argument("--static", action="store_true",
-                     help="build one fixed shape per input (the opt one): the fastest engines, as TensorRT's demo")
+                     help="build one fixed shape per input: those the runner calls for one request (the --static-* "
+                          "settings), which is then the only request the artifact runs; the fastest engines")
+    trt.add_argument("--static-size", type=_sizes, default=None, metavar="HxW",
+                     help="the static request's image size (default: the model's default size)")
+    trt.add_argument("--static-prompts", type=int, default=1, metavar="N", help="prompts per static request (default 1)")
+    trt.add_argument("--static-images-per-prompt", type=int, default=1, metavar="N",
+                     help="images per prompt of the static request (default 1)")
+    trt.add_argument("--static-no-guidance", action="store_true",
+                     help="the static request runs without classifier-free guidance (guidance_scale <= 1)")
     trt.add_argument("--compute-capability", action="append", default=[], metavar="SM89",
-                     help="trt-rtx: a GPU generation to build for (repeatable; default SM89)")
+                     help="trt-rtx: a GPU generation to build for (repeatable; default: this machine's GPU, or every "
+                          "generation TensorRT-RTX builds for on a machine without one)")
     trt.add_argument("--workspace-mib", type=int, default=None, help="the builder's workspace memory limit")
     trt.add_argument("--engine-cache", type=Path, default=None,
                      help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
@@ -71,7 +81,7 @@ def main(argv=None) -> int:
 
     from engines.passes import PassFailed, UnknownPass, describe_passes
     from engines.precisions import describe_precisions
-    from engines.targets import BuildOptions, SubmoduleBuildFailed, TargetError, describe_targets
+    from engines.targets import BuildOptions, EngineBuildError, SubmoduleBuildFailed, TargetError, describe_targets
 
     if args.list_passes:
         print(describe_passes() + "\n\n" + describe_targets() + "\n" + describe_precisions())
@@ -85,14 +95,23 @@ def main(argv=None) -> int:
     from runners.manifest import ManifestError
 
     passes = None if args.passes is None else args.passes.split(",")
+    static_settings = (args.static_size, args.static_prompts != 1, args.static_images_per_prompt != 1,
+                       args.static_no_guidance)
+    if any(static_settings) and not args.static:
+        p.error("--static-size, --static-prompts, --static-images-per-prompt and --static-no-guidance describe "
+                "the request of a --static build: add --static")
+    if args.static_size and len(args.static_size) != 1:
+        p.error("--static-size takes one size (HxW): a static build runs one request")
+    static = args.static and StaticRequest(*(args.static_size or [(None, None)])[0], args.static_prompts,
+                                           args.static_images_per_prompt, not args.static_no_guidance)
     return run_cli(lambda: build_artifact(
         args.build_dir, args.target, args.precision, force=args.force, passes=passes,
         calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
-        options=BuildOptions(args.static, tuple(args.compute_capability), args.workspace_mib, args.engine_cache,
+        options=BuildOptions(static or None, tuple(args.compute_capability), args.workspace_mib, args.engine_cache,
                              args.ov_device, args.ov_shapes, args.ov_sizes),
         fallback=args.fallback, memory=args.memory,
         memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None),
-        (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, ValueError),
+        (TargetError, ManifestError, PassFailed, UnknownPass, SubmoduleBuildFailed, EngineBuildError, ValueError),
         "no artifact was written")
 
 

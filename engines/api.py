@@ -40,6 +40,15 @@ def submodule_entry(export: dict, name: str) -> dict:
             "quantization": sub.get("quantization", {})}
 
 
+def static_entry(entry: dict, dims: dict[str, int], constants: dict) -> dict:
+    """A submodule entry narrowed to one shape per input: `dims` fixed, every other dim at its opt
+    value; `static_shapes` records the shapes, which the runner holds every call to."""
+    fixed = {d: dims.get(d, values[1]) for d, values in entry["dims"].items()}
+    entry = {**entry, "dims": {d: [v, v, v] for d, v in fixed.items()}}
+    shapes = BuildInput(None, "", entry, constants).input_shapes()
+    return {**entry, "static_shapes": {name: opt for name, (_, opt, _) in shapes.items()}}
+
+
 def passes_fingerprint(names: dict[str, list[str]]) -> str:
     """The pass lists and the code they run: the modules of the passes used, every module of
     engines/passes that holds no pass (the infrastructure they share) and, for the passes that
@@ -86,12 +95,19 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
         raise TargetError(f"unknown fallback '{fallback}'; the only fallback is 'ort'")
     ort_target = get_target("ort", precision) if fallback else None
     options = dataclasses.replace(options, cache_dir=options.cache_dir or build_dir / "engine-cache")
+    static = options.static if tgt.build_options else None
     if tgt.build_options and options.cache_dir.exists() and not options.cache_dir.is_dir():
         raise TargetError(f"--engine-cache {options.cache_dir} is a file: give a folder (created if missing)")
     onnx_dir = build_dir / "onnx"
     if not (onnx_dir / MANIFEST).exists():
         raise ManifestError(f"{onnx_dir} has no {MANIFEST}: run `python -m export MODEL --out {build_dir}` first")
     source = read_manifest(onnx_dir)
+    if static:
+        try:
+            static = static.resolved(source["pipeline"], source["dims"])
+        except ValueError as e:
+            raise TargetError(str(e)) from None
+        options = dataclasses.replace(options, static=static)
     if memory and tgt.memory is None:
         raise TargetError(f"target '{target}' plans its own activation memory: --memory is for the ort target")
     if memory_budget is not None and not memory:
@@ -129,6 +145,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             if memory:
                 request_session_options(model, **tgt.memory.options_for(name))
             entry = submodule_entry(source, name)
+            if static:
+                entry = static_entry(entry, static.dims(name, source["pipeline"]), source["constants"])
             built = BuildInput(model, name, entry, source["constants"], own, feeds)
             try:
                 files, record = tgt.build_submodule(built, tmp, options)
@@ -162,6 +180,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             **({"calibration": describe_calibration(calibration_dir)} if calibration_dir else {}),
             "pipeline": source["pipeline"],
             "dims": source["dims"],
+            **({"static": static.record()} if static else {}),
             "constants": source["constants"],
             "tokenizers": source["tokenizers"],
             "scheduler": source["scheduler"],

@@ -12,6 +12,7 @@ from runners.backends import open_session
 from runners.manifest import ManifestError, read_manifest
 from runners.profile import Profiler
 from runners.schedulers import load_scheduler
+from runners.static import check_feeds
 from runners.text import TextTokenizer
 
 
@@ -52,6 +53,11 @@ class Pipeline:
             raise ValueError(f"{folder} has no submodule {', '.join(sorted(unknown))}; "
                              f"it has: {', '.join(manifest['submodules'])}")
         check_device_map(device_map or {}, manifest["submodules"])
+        targets = {sub.get("target", manifest["target"]) for name, sub in manifest["submodules"].items()
+                   if name in (submodules or manifest["submodules"])}
+        if threads and targets <= {"trt", "trt-rtx"}:
+            raise ValueError(f"threads={threads} sets the CPU threads of ONNX Runtime and OpenVINO sessions; every "
+                             f"engine {folder} opens is TensorRT's, which runs on the GPU: leave threads unset")
         return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
                                 submodules=submodules, device_map=device_map)
 
@@ -65,6 +71,7 @@ class Pipeline:
         self.progress = progress
         self.timings: dict[str, float] = {}  # seconds per stage of the last call
         self._session_options = {"threads": threads, "providers": providers}
+        self.closed = False
         self.sessions = self._open_sessions()
         self.profiler: Profiler | None = None
         # Sees the inputs of every engine call: (submodule, feeds) -> None. The build's calibration
@@ -77,16 +84,41 @@ class Pipeline:
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
     def _open_sessions(self, profile: bool = False) -> dict:
-        # A submodule built with `--fallback ort` names its own target.
-        return {name: open_session(sub.get("target", self.manifest["target"]), self.folder / sub["file"],
-                                   device=self.device_map.get(name), profile=profile,
-                                   session_config=sub.get("session_config"),
-                                   session_options=sub.get("session_options"), **self._session_options)
-                for name, sub in self.manifest["submodules"].items() if name in self.opened}
+        sessions = {}
+        try:
+            for name, sub in self.manifest["submodules"].items():
+                if name in self.opened:  # a submodule built with `--fallback ort` names its own target
+                    sessions[name] = open_session(
+                        sub.get("target", self.manifest["target"]), self.folder / sub["file"],
+                        device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
+                        session_options=sub.get("session_options"), **self._session_options)
+        except BaseException:  # the engines opened before the failing one hold device memory too
+            _close_all(sessions)
+            raise
+        return sessions
+
+    def close(self) -> None:
+        """Free what every engine holds (TensorRT's device buffers and streams, the weights). The
+        pipeline cannot run after this; `with Pipeline.load(...) as pipe:` closes it at the end."""
+        sessions, self.sessions = getattr(self, "sessions", None) or {}, {}
+        self.closed = True
+        _close_all(sessions)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):  # a safety net for a pipeline dropped without close(): device memory is not garbage collected
+        if getattr(self, "sessions", None):
+            self.close()
 
     def __call__(self, *args, profile=None, **kwargs):
         """Run the family's `generate`. `profile=DIR` writes a trace of every engine call, one of
         the whole run and a summary into DIR (see runners/profile.py), and prints the summary."""
+        if self.closed:
+            raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again to run it")
         if profile is None:
             return self.generate(*args, **kwargs)
         with self._profiling(profile):
@@ -95,17 +127,17 @@ class Pipeline:
     @contextmanager
     def _profiling(self, out_dir):
         """Sessions that record ONNX Runtime's operator profile for this run, then the usual ones back."""
-        self.sessions = None  # one set of weights in memory at a time
-        self.sessions = self._open_sessions(profile=True)
-        self.profiler = Profiler(out_dir, self.constants["denoiser"])
+        _close_all(self.sessions)  # one set of engines in memory at a time (on a GPU, in device memory)
         try:
+            self.sessions = self._open_sessions(profile=True)
+            self.profiler = Profiler(out_dir, self.constants["denoiser"])
             yield
             ort_events = {name: s.end_profiling() for name, s in self.sessions.items()
                           if hasattr(s, "end_profiling")}
             print(self.profiler.finish(ort_events), flush=True)
         finally:
             self.profiler = None
-            self.sessions = None
+            _close_all(self.sessions)
             self.sessions = self._open_sessions()
 
     def generate(self, *args, **kwargs):
@@ -114,6 +146,9 @@ class Pipeline:
     def run(self, submodule: str, release: bool = True, **feeds):
         """One engine call. `release` (default) frees its working memory afterwards; the denoising
         loop keeps it between steps and releases it after the last one."""
+        if self.closed:
+            raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again to run it")
+        check_feeds(submodule, self.manifest["submodules"][submodule], feeds)
         session = self.sessions[submodule]
         if self.recorder is not None:
             self.recorder(submodule, feeds)
@@ -133,6 +168,12 @@ class Pipeline:
             bar = "#" * (30 * i // n)
             end = "\n" if i == n else ""
             print(f"\rdenoising [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
+
+
+def _close_all(sessions: dict) -> None:
+    for session in sessions.values():
+        session.close()
+    sessions.clear()
 
 
 def parse_device_map(text: str) -> dict[str, int]:

@@ -8,6 +8,7 @@ import numpy as np
 
 from runners.images import to_output
 from runners.pipeline import Pipeline
+from runners.static import check_request
 from runners.tiling import tiled
 
 OUTPUT_TYPES = ("pil", "np", "latent")
@@ -53,6 +54,7 @@ class TextToImage(Pipeline):
         width = c["default_image_size"] if width is None else width
         cfg = guidance_scale > 1
         n_images = len(prompts) * num_images_per_prompt
+        check_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
         self._check(height, width, n_images * (2 if cfg else 1), output_type)
         self.timings = {}
 
@@ -142,9 +144,9 @@ class TextToImage(Pipeline):
             raise ValueError(f"{name} is not open: the artifact has none, or the pipeline was loaded without it")
         outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
 
-        def fn(tile):  # one engine call per tile, all its outputs
-            result = self.run(name, **{input_name: tile})
-            return [result[o] for o in outputs]
+        def fn(tile):  # one engine call per tile, all its outputs: copies, since the tiles are blended
+            result = self.run(name, **{input_name: tile})  # after the last call, and the caller keeps
+            return [result[o].copy() for o in outputs]  # the result (the backend may reuse its buffers)
 
         too_big = max(x.shape[2:]) > hi
         if tiling is False and too_big:

@@ -10,6 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from runners.static import StaticRequest
+
 
 class TargetError(ValueError):
     """Unknown target or precision, a target whose backend is not installed, or one that needs a
@@ -17,14 +19,20 @@ class TargetError(ValueError):
 
 
 class SubmoduleBuildFailed(RuntimeError):
-    """The target's builder rejected one submodule (`--fallback ort` builds it for ONNX Runtime)."""
+    """The target's builder rejected one submodule's graph (`--fallback ort` builds it for ONNX Runtime)."""
+
+
+class EngineBuildError(RuntimeError):
+    """The builder failed for a reason other than the graph (memory, the GPU, its settings): the build stops."""
 
 
 @dataclass(frozen=True)
 class BuildOptions:
     """Settings of the engine builders (TensorRT); the ONNX Runtime target has none to take."""
 
-    static: bool = False  # one fixed shape per input (the opt one) instead of a min/opt/max profile
+    # TensorRT: one fixed shape per input, those the runner calls for this request (runners/static.py),
+    # instead of a min/opt/max profile; None: dynamic shapes.
+    static: StaticRequest | None = None
     compute_capabilities: tuple[str, ...] = ()  # TensorRT-RTX: the GPUs to build for ("SM89", ...)
     workspace_mib: int | None = None  # the builder's workspace memory pool limit
     cache_dir: Path | None = None  # engines and the timing cache, reused across builds
@@ -37,7 +45,7 @@ class BuildOptions:
     def settings(self) -> dict:
         """What changes an engine: part of the artifact's cache key (the cache folder is not)."""
         openvino = {"device": self.device, "ov_shapes": self.ov_shapes, "ov_sizes": [list(s) for s in self.ov_sizes]}
-        return {"static": self.static, "compute_capabilities": list(self.compute_capabilities),
+        return {"static": self.static and self.static.record(), "compute_capabilities": list(self.compute_capabilities),
                 "workspace_mib": self.workspace_mib, **{k: v for k, v in openvino.items() if v}}
 
 
@@ -55,18 +63,17 @@ class BuildInput:
     precision: Any = None
     calibration: Any = None  # engines.calibration.CalibrationFeeds when the precision measures the model
 
-    def input_shapes(self, static: bool) -> dict[str, tuple[list[int], list[int], list[int]]]:
-        """{input: (min, opt, max) shape}; `static` gives the opt shape three times."""
+    def input_shapes(self) -> dict[str, tuple[list[int], list[int], list[int]]]:
+        """{input: (min, opt, max) shape} from the entry's dims (a static build's are one value each)."""
         def at(shape, i):
             return [d if isinstance(d, int) else self.constants[d] if d in self.constants else self.entry["dims"][d][i]
                     for d in shape]
 
-        picks = (1, 1, 1) if static else (0, 1, 2)
-        return {t["name"]: tuple(at(t["shape"], i) for i in picks) for t in self.entry["inputs"]}
+        return {t["name"]: tuple(at(t["shape"], i) for i in range(3)) for t in self.entry["inputs"]}
 
     def shapes_at(self, dims: dict[str, int]) -> dict[str, list[int]]:
         """{input: shape} with `dims` fixed and every other dim at its opt value."""
-        opt = {name: shapes[1] for name, shapes in self.input_shapes(static=True).items()}
+        opt = {name: shapes[1] for name, shapes in self.input_shapes().items()}
         return {t["name"]: [dims.get(d, v) if isinstance(d, str) else v for d, v in zip(t["shape"], opt[t["name"]])]
                 for t in self.entry["inputs"]}
 

@@ -5,7 +5,8 @@ according to its USE_TENSORRT_RTX setting.
 
 Networks are strongly typed: the graph's types decide the precision (fp16, bf16 and fp8 come from
 the precision passes), so there are no precision flags. Each input gets one optimization profile from
-the manifest's min/opt/max ranges, or one fixed shape with `static`. Engines are cached by a hash
+the manifest's min/opt/max ranges; a `static` build's entry holds one value per dim, the shapes the
+runner calls for one request (runners/static.py). Engines are cached by a hash
 of the graph, the build settings and the TensorRT version, and TensorRT's timing cache is kept
 across builds, both in the options' cache folder (TensorRT-RTX has no timing cache: it picks its
 kernels on the GPU when the engine first runs). The version is in the engine's file name, as in
@@ -18,13 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Target, TargetError
-from runners.backends.trt import gpu_count, use_tensorrt
+from engines.targets import BuildInput, BuildOptions, EngineBuildError, SubmoduleBuildFailed, Target, TargetError
+from runners.backends.trt import gpu_capability, gpu_count, use_tensorrt
 from runners.manifest import digest, sha256_file
 
 # TensorRT fuses attention itself and cannot parse ONNX Runtime's MultiHeadAttention.
 PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv")
-DEFAULT_RTX_CAPABILITIES = ("SM89",)  # Ada: the first RTX generation with fp8
 
 
 def _log(msg: str) -> None:
@@ -32,14 +32,24 @@ def _log(msg: str) -> None:
 
 
 def _capabilities(trt, rtx: bool, names) -> list[str]:
-    """The compute capabilities to build for, checked against what this TensorRT-RTX knows. A bad
-    value is the user's error, never a reason to fall back to ONNX Runtime."""
+    """The compute capabilities to build for, checked against what this TensorRT-RTX knows. By
+    default this machine's GPU; without a GPU there is no default: which generations an engine can
+    target depends on its precision (TensorRT-RTX compiles no fp32 GEMM for Turing, SM75), so the user
+    names them. A bad value is the user's error, never a reason to fall back to ONNX Runtime."""
     if not rtx:
         if names:
             raise TargetError("--compute-capability is a TensorRT-RTX setting: TensorRT builds for the GPU it runs on")
         return []
-    names = [n.upper() for n in names or DEFAULT_RTX_CAPABILITIES]
     known = [n for n in dir(trt.ComputeCapability) if n.startswith("SM")]
+    here = gpu_capability()
+    if not names and here and here not in known:
+        raise TargetError(f"this machine's GPU is {here}, which TensorRT-RTX {trt.__version__} does not build for "
+                          f"(it knows: {', '.join(known)}); pass --compute-capability for the GPUs that will run it")
+    if not names and not here:
+        raise TargetError(f"TensorRT-RTX builds for the GPUs that will run the engines, and this machine has none to "
+                          f"ask: pass --compute-capability (repeatable; TensorRT-RTX {trt.__version__} knows "
+                          f"{', '.join(known)}; SM89 is Ada, the first with fp8)")
+    names = [n.upper() for n in names] or [here]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise TargetError(f"compute capability {', '.join(unknown)} is not one TensorRT-RTX {trt.__version__} "
@@ -52,7 +62,7 @@ def _builder(rtx: bool):
         import onnx_ir as ir
 
         trt = use_tensorrt(rtx)
-        shapes = sub.input_shapes(options.static)
+        shapes = sub.input_shapes()
         capabilities = _capabilities(trt, rtx, options.compute_capabilities)
         settings = {**options.settings(), "compute_capabilities": capabilities, "shapes": shapes}
         engine_name = f"{sub.name}.trt{trt.__version__}.plan"
@@ -70,7 +80,7 @@ def _builder(rtx: bool):
                 _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, cached, sub.name)
         shutil.copy(cached, out_dir / engine_name)
         return [engine_name], {"engine": {"tensorrt": trt.__version__, "rtx": rtx, "cache_key": key,
-                                          "compute_capabilities": capabilities, "static": options.static,
+                                          "compute_capabilities": capabilities, "static": bool(options.static),
                                           "profile": {n: {"min": s[0], "opt": s[1], "max": s[2]}
                                                       for n, s in shapes.items()}}}
 
@@ -79,6 +89,7 @@ def _builder(rtx: bool):
 
 def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, dest, name) -> None:
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
+    from polygraphy.exception import PolygraphyException
     from polygraphy.logger import G_LOGGER
 
     profile = Profile()
@@ -100,19 +111,66 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
     _log(f"{name}: building the TensorRT{'-RTX' if rtx else ''} {trt.__version__} engine "
          f"({'static' if options.static else 'dynamic'} shapes{', ' + ', '.join(capabilities) if capabilities else ''})")
     t0 = time.perf_counter()
-    # Without a GPU, TensorRT-RTX logs CUDA errors it recovers from; a failed build still raises.
-    G_LOGGER.module_severity = G_LOGGER.CRITICAL
-    try:
-        network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=True)
-        engine = EngineBytesFromNetwork(network, config, **timing)()
-    except Exception as e:  # polygraphy reports parser and builder errors as one exception type per loader
-        raise SubmoduleBuildFailed(f"TensorRT could not build {name}: {type(e).__name__}: {e}") from e
+    # Without a GPU, TensorRT-RTX logs CUDA errors it recovers from: quiet for the build, then the
+    # caller's level again. Errors are read from the builder's error recorder instead.
+    with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+        try:
+            network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=True)()
+        except PolygraphyException as e:  # the ONNX parser rejected a node
+            raise SubmoduleBuildFailed(f"TensorRT could not parse {name}: {e}") from e
+        recorder = _error_recorder(trt)
+        network[0].error_recorder = recorder  # the builder's
+        try:
+            engine = EngineBytesFromNetwork(network, config, **timing)()
+        except PolygraphyException:
+            engine = None
     if engine is None:
-        raise SubmoduleBuildFailed(f"TensorRT could not build {name} (the builder returned no engine)")
+        raise _build_error(name, recorder.errors)
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.write_bytes(memoryview(engine))
     tmp.replace(dest)  # the cache never holds half an engine
     _log(f"{name}: engine built in {time.perf_counter() - t0:.1f} s, {dest.stat().st_size / 2**20:.1f} MiB")
+
+
+def _error_recorder(trt):
+    """A TensorRT IErrorRecorder that keeps (error code name, description) of every error reported."""
+    class Recorder(trt.IErrorRecorder):
+        def __init__(self):
+            trt.IErrorRecorder.__init__(self)
+            self.errors: list[tuple[str, str]] = []
+
+        def report_error(self, code, desc):
+            self.errors.append((code.name, desc))
+            return False  # not fatal here: the builder returns no engine, and _build_error decides
+
+        def num_errors(self):
+            return len(self.errors)
+
+        def get_error_code(self, i):
+            return getattr(trt.ErrorCodeTRT, self.errors[i][0])
+
+        def get_error_desc(self, i):
+            return self.errors[i][1]
+
+        def has_overflowed(self):
+            return False
+
+        def clear(self):
+            self.errors.clear()
+
+    return Recorder()
+
+
+def _build_error(name: str, errors: list[tuple[str, str]]) -> Exception:
+    """Why the builder returned no engine, as the error to raise: SubmoduleBuildFailed (which
+    `--fallback ort` takes over) only when the builder rejected a node or layer of the graph ("Could
+    not find any implementation for node ...", "Cannot compile operation ..."); memory and anything else stop the build."""
+    said = "; ".join(f"{code}: {desc}" for code, desc in errors) or "no error was reported"
+    memory = any(code == "FAILED_ALLOCATION" or "memory" in desc.lower() for code, desc in errors)
+    if not memory and any(word in desc.lower() for _, desc in errors for word in ("node", "layer", "operation")):
+        return SubmoduleBuildFailed(f"TensorRT could not build {name}: {said}")
+    return EngineBuildError(f"TensorRT failed to build {name} for a reason other than its graph ({said}); "
+                        "--fallback ort does not hide this")
 
 
 def _no_gpu() -> str | None:

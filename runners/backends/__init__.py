@@ -1,6 +1,13 @@
 """Runtime backends by target name: each opens one engine file as a session whose
 `run(feeds, release=False)` maps input names to numpy arrays and returns the outputs by name;
-`release` frees the call's working memory when a stage is done."""
+`release` frees the call's working memory when a stage is done; `close()` frees everything the
+session holds (device buffers, streams, weights), after which it is not used again.
+
+Who owns an output: the session, until its next `run`. A backend may return views of buffers it
+reuses (polygraphy's TrtRunner resizes and refills one host buffer per output on every call), so a
+caller that keeps an output past the session's next call copies it. The pipeline does so exactly
+where it keeps one: the tiles of a tiled VAE, PLMS's past noise predictions, and what `vae_decode`
+and `vae_encode` hand back (tests/test_output_ownership.py drives every path with such a backend)."""
 from __future__ import annotations
 
 
@@ -16,7 +23,7 @@ def open_session(target: str, path, device: int | None = None, **options):
     if target in ("trt", "trt-rtx"):
         from runners.backends.trt import TrtSession
 
-        return TrtSession(path, rtx=target == "trt-rtx", device=device or 0)
+        return TrtSession(path, rtx=target == "trt-rtx", device=device or 0, providers=options.get("providers"))
     if target == "openvino":
         from runners.backends.openvino import OpenVinoSession
 

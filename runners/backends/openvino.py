@@ -104,6 +104,10 @@ class OpenVinoSession:
         self.per_size.move_to_end(key)
         return self.per_size[key]
 
+    def close(self) -> None:
+        self.per_size.clear()
+        self.dynamic = self.last = None
+
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release=True` on a stage's last call hands the plugin's working memory back."""
         model = self.last = self._model_for(feeds)

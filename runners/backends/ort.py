@@ -78,6 +78,9 @@ class OrtSession:
         self._profile_dir.cleanup()
         return events
 
+    def close(self) -> None:
+        self.session = None  # ONNX Runtime frees the session's weights and arena with its last reference
+
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release=True` on a stage's last call frees the working memory it leaves behind."""
         outputs = self.session.run(self.output_names, feeds, self._release if release else None)

@@ -1,13 +1,53 @@
 """TensorRT and TensorRT-RTX engines, run by polygraphy's TrtRunner: no torch. The runner sets the
 input shapes of every call and keeps its device buffers across calls (they grow when a call needs
-more), so the denoising loop allocates nothing after its first step. A session is pinned to one
-GPU (cuda-python's cudaSetDevice), which is how a device map spreads a pipeline over several."""
+more), so the denoising loop allocates nothing after its first step. Its outputs are views of host
+buffers it refills on the next call (see runners/backends/__init__.py: the pipeline copies what it
+keeps). A session is pinned to one GPU (cuda-python's cudaSetDevice), which is how a device map
+spreads a pipeline over several."""
 from __future__ import annotations
 
+import importlib
+import os
 import shutil
 import subprocess
+import sys
 
 import numpy as np
+
+EXTRAS = {True: "trt-rtx", False: "trt"}  # rtx -> the extra that installs its runtime
+
+
+class MissingRuntime(RuntimeError):
+    """A piece of the TensorRT runtime is not installed; the message names the extra that installs it."""
+
+
+def _need(module: str, what: str, rtx: bool):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingRuntime(f"running TensorRT{'-RTX' if rtx else ''} engines needs {what} (module {module}), which "
+                             f"is not installed: pip install 'diffusion-aot[{EXTRAS[rtx]}]'") from None
+
+
+def cuda_runtime(rtx: bool):
+    """cuda-python's runtime bindings (12.6 and later have `cuda.bindings`; the extras pin 13)."""
+    return _need("cuda.bindings.runtime", "cuda-python 12.6 or later", rtx)
+
+
+def _point_polygraphy_at_cudart(rtx: bool) -> None:
+    """polygraphy dlopens libcudart from LD_LIBRARY_PATH and a few fixed folders, not where CUDA 13's
+    wheel (nvidia-cuda-runtime) puts it: cuda-pathfinder finds it, and its folder goes first."""
+    pathfinder = _need("cuda.pathfinder", "cuda-pathfinder (installed with cuda-python)", rtx)
+    try:
+        lib = pathfinder.load_nvidia_dynamic_lib("cudart")
+    except Exception as e:  # DynamicLibNotFoundError, and its kin across pathfinder releases
+        raise MissingRuntime(f"running TensorRT{'-RTX' if rtx else ''} engines needs the CUDA runtime library "
+                             f"(libcudart), which was not found ({type(e).__name__}): pip install "
+                             f"'diffusion-aot[{EXTRAS[rtx]}]' (it brings nvidia-cuda-runtime)") from None
+    folder = os.path.dirname(lib.abs_path)
+    paths = os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+    if folder not in paths:
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([folder, *filter(None, paths)])
 
 
 def gpu_count() -> int:
@@ -24,37 +64,70 @@ def gpu_count() -> int:
     return count if err == runtime.cudaError_t.cudaSuccess else 0
 
 
+def gpu_capability(device: int = 0) -> str | None:
+    """The compute capability of a GPU as TensorRT-RTX names it ("SM89"); None without a GPU."""
+    if gpu_count() <= device:
+        return None
+    from cuda.bindings import runtime
+
+    err, props = runtime.cudaGetDeviceProperties(device)
+    _check(runtime, err, f"cudaGetDeviceProperties({device})")
+    return f"SM{props.major}{props.minor}"
+
+
+def _check(runtime, err, call: str) -> None:
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{call} failed: {runtime.cudaGetErrorString(err)[1].decode()}")
+
+
 def use_tensorrt(rtx: bool):
-    """Point polygraphy at TensorRT-RTX or TensorRT proper, and return that module."""
+    """Point polygraphy at TensorRT-RTX or TensorRT proper, and return that module. polygraphy binds
+    its TensorRT backend to one of them when the backend is first imported, so a process uses one."""
     import polygraphy.config
 
+    name = "TensorRT-RTX" if rtx else "TensorRT"
+    if "polygraphy.backend.trt" in sys.modules and polygraphy.config.USE_TENSORRT_RTX != rtx:
+        bound = "TensorRT-RTX" if polygraphy.config.USE_TENSORRT_RTX else "TensorRT"
+        raise RuntimeError(f"this process already uses {bound} through polygraphy, which binds one TensorRT per "
+                           f"process: build or run {name} engines in another process")
     polygraphy.config.USE_TENSORRT_RTX = rtx
-    if rtx:
-        import tensorrt_rtx as trt
-    else:
-        import tensorrt as trt
-    return trt
+    return _need("tensorrt_rtx" if rtx else "tensorrt", name, rtx)
 
 
 class TrtSession:
-    def __init__(self, path, rtx: bool, device: int = 0, **_ort_only_options):
+    def __init__(self, path, rtx: bool, device: int = 0, providers: list[str] | None = None):
+        """`providers` are ONNX Runtime's: a TensorRT engine refuses them rather than ignore them."""
+        if providers:
+            raise ValueError(f"{path}: providers choose ONNX Runtime's execution providers; this is a TensorRT "
+                             "engine (place it on a GPU with a device map)")
+        runtime = cuda_runtime(rtx)  # every piece the extra installs, checked before the GPU is
+        _need("polygraphy", "polygraphy", rtx)
+        _need("tensorrt_rtx" if rtx else "tensorrt", "TensorRT-RTX" if rtx else "TensorRT", rtx)
+        _point_polygraphy_at_cudart(rtx)
         gpus = gpu_count()
         if gpus == 0:
             raise RuntimeError(f"{path} is a TensorRT engine: it runs on an NVIDIA GPU, and this machine has none. "
                                "Build the artifact with --target ort to run it here.")
         if not 0 <= device < gpus:
             raise ValueError(f"{path}: device {device} does not exist; this machine has GPUs 0 to {gpus - 1}")
-        from cuda.bindings import runtime
         from polygraphy.backend.common import BytesFromPath
 
         use_tensorrt(rtx)
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-        self._set_device = lambda: runtime.cudaSetDevice(device)
+        self._set_device = lambda: _check(runtime, runtime.cudaSetDevice(device)[0], f"cudaSetDevice({device})")
         self._set_device()
         self.runner = TrtRunner(EngineFromBytes(BytesFromPath(str(path))))
         self.runner.activate()
 
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
+        """`release` is accepted and does nothing: the runner allocates the engine's activation memory
+        once, at its largest profile shape, and keeps it until `close`."""
         self._set_device()
         return dict(self.runner.infer(feeds))
+
+    def close(self) -> None:
+        """Free the device buffers, the stream and the engine (polygraphy has no finalizer for them)."""
+        if self.runner.is_active:
+            self._set_device()
+            self.runner.deactivate()

@@ -25,8 +25,8 @@ class _PLMSRun(Schedule):
     def step(self, model_output, i, sample):
         t = int(self.ints[i])
         prev = t - self.stride
-        if i != 1:
-            self.ets = self.ets[-3:] + [model_output]
+        if i != 1:  # kept for later steps: a copy, as the denoiser's backend may reuse its output buffer
+            self.ets = self.ets[-3:] + [model_output.copy()]
         else:  # the revisit of the first timestep
             prev, t = t, t + self.stride
         ets = self.ets

@@ -1,0 +1,90 @@
+"""Static shapes: the one request a `--static` TensorRT artifact's engines take.
+
+A static engine accepts exactly one shape per input, so the build must fix the shapes the runner
+will call each engine with for that request, not the opt value of every dim (batch opt is 2 for
+every submodule, but the text encoders run at the prompt count). The manifest records the request
+(`static`) and each engine's shapes (`static_shapes`); the runner refuses any other request in one
+line before an engine runs, and any other engine call (a direct `vae_decode`, another text length)
+before it reaches TensorRT.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class StaticRequest:
+    height: int | None = None  # pixels; None: the model's default image size
+    width: int | None = None
+    prompts: int = 1
+    images_per_prompt: int = 1
+    guidance: bool = True  # classifier-free guidance doubles the denoiser's batch
+
+    @property
+    def images(self) -> int:
+        return self.prompts * self.images_per_prompt
+
+    def batch(self, submodule: str, pipeline: dict) -> int:
+        """The batch the runner calls `submodule` at: the denoiser at the image count (twice that with
+        guidance), the VAE at the image count, a text encoder at the prompt count (the negative
+        prompts are a second call of the same size)."""
+        if submodule == pipeline["denoiser"]:
+            return self.images * (2 if self.guidance else 1)
+        if submodule.startswith("vae_"):
+            return self.images
+        return self.prompts
+
+    def dims(self, submodule: str, pipeline: dict) -> dict[str, int]:
+        scale = pipeline["vae_scale_factor"]
+        return {"batch": self.batch(submodule, pipeline), "image_height": self.height, "image_width": self.width,
+                "latent_height": self.height // scale, "latent_width": self.width // scale}
+
+    def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
+        """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
+        size = pipeline["default_image_size"]
+        request = replace(self, height=self.height or size, width=self.width or size)
+        multiple = pipeline["vae_scale_factor"] * pipeline["latent_multiple"]
+        for name in ("height", "width"):
+            value, (lo, _, hi) = getattr(request, name), dims[f"image_{name}"]
+            if value % multiple or not lo <= value <= hi:
+                raise ValueError(f"static {name}={value} is not allowed: use a multiple of {multiple} from {lo} to {hi} "
+                                 "(the range the model was exported for)")
+        if min(request.prompts, request.images_per_prompt) < 1:
+            raise ValueError(f"static prompts={request.prompts}, images per prompt={request.images_per_prompt}: "
+                             "both must be at least 1")
+        lo, _, hi = dims["batch"]
+        batch = request.batch(pipeline["denoiser"], pipeline)
+        if not lo <= batch <= hi:
+            raise ValueError(f"a static build for {request.describe()} runs the denoiser at batch {batch}; the export "
+                             f"allows {lo} to {hi}: ask for fewer prompts or images")
+        return request
+
+    def describe(self) -> str:
+        return (f"{self.height}x{self.width}, {self.prompts} prompt(s), {self.images_per_prompt} image(s) per prompt, "
+                f"{'with' if self.guidance else 'without'} guidance")
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+def check_request(manifest: dict, height: int, width: int, prompts: int, per_prompt: int, guidance: bool) -> None:
+    """Refuse a request a static artifact's engines cannot run, naming the one they take."""
+    if "static" not in manifest:
+        return
+    built = StaticRequest(**manifest["static"])
+    asked = StaticRequest(height, width, prompts, per_prompt, guidance)
+    if asked != built:
+        raise ValueError(f"this artifact's engines are static: they run {built.describe()} only, and this request is "
+                         f"{asked.describe()}. Ask for that, or build without --static (or --static for this "
+                         "request's size, prompts, images and guidance)")
+
+
+def check_feeds(submodule: str, entry: dict, feeds: dict) -> None:
+    """Refuse an engine call whose input shapes are not the static engine's."""
+    shapes = entry.get("static_shapes")
+    if not shapes:
+        return
+    for name, array in feeds.items():
+        if list(array.shape) != shapes[name]:
+            raise ValueError(f"{submodule} is a static engine: input {name} takes shape {tuple(shapes[name])}, "
+                             f"not {tuple(array.shape)}. Build without --static for other shapes")
