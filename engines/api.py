@@ -88,7 +88,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     the engine builder's (TensorRT); `fallback="ort"` builds a submodule the target rejects for
     ONNX Runtime instead, and the manifest says which ran where. `memory=True` adds the target's
     memory profile (its passes last, planned at the export's opt shapes, down to `memory_budget`
-    bytes when given, and the runtime settings that keep them) and writes `<target>-<precision>-memory`."""
+    bytes when given, and the runtime settings that keep them) and writes `<target>-<precision>-memory`; a
+    static TensorRT build (`options.static`) writes `<target>-<precision>-static`."""
     build_dir = Path(build_dir)
     tgt = get_target(target, precision)  # unknown target/precision, missing backend or GPU: fail first
     if fallback not in (None, "ort"):
@@ -130,7 +131,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     plan_dims = {**source["constants"], **{d: v[1] for d, v in source["dims"].items()}}
     cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibration_dir and calibration_dir.name,
                         passes_fingerprint({n: p.names for n, p in pipelines.items()})])
-    dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}"
+    dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{'-static' if static else ''}"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same graphs, settings and {tgt.backend_module} version): reusing it")
         return dest

@@ -129,34 +129,37 @@ class TextToImage(Pipeline):
         """Unscaled latents -> images in [-1, 1]. Latents larger than the decoder engine's range are
         decoded in overlapping tiles (`runners.tiling`); `tiling=True` forces it, `False` forbids
         it. `tile_size` is the tile's side in latent pixels (default: the engine's largest)."""
-        lo, _, hi = self.manifest["submodules"]["vae_decoder"]["dims"]["latent_height"]
-        return self._vae("vae_decoder", "latent", z, lo, hi, self.constants["vae_scale_factor"], tiling, tile_size)[0]
+        return self._vae("vae_decoder", "latent", z, self.constants["vae_scale_factor"], tiling, tile_size)[0]
 
     def vae_encode(self, image: np.ndarray, tiling: bool | None = None, tile_size: int | None = None):
         """Images in [-1, 1] -> (mean, log-variance) of the latent posterior, tiled past the encoder
         engine's range as `vae_decode` is; `tile_size` in image pixels."""
-        lo, _, hi = self.manifest["submodules"]["vae_encoder"]["dims"]["image_height"]
-        return self._vae("vae_encoder", "image", image, lo, hi, 1 / self.constants["vae_scale_factor"], tiling,
-                         tile_size)
+        return self._vae("vae_encoder", "image", image, 1 / self.constants["vae_scale_factor"], tiling, tile_size)
 
-    def _vae(self, name, input_name, x, lo, hi, scale, tiling, tile_size) -> list[np.ndarray]:
+    def _vae(self, name, input_name, x, scale, tiling, tile_size) -> list[np.ndarray]:
         if name not in self.sessions:
             raise ValueError(f"{name} is not open: the artifact has none, or the pipeline was loaded without it")
-        outputs = [o["name"] for o in self.manifest["submodules"][name]["outputs"]]
+        entry = self.manifest["submodules"][name]
+        outputs = [o["name"] for o in entry["outputs"]]
+        # The engine's side ranges, height's and width's (a static engine's are one value each), by its input's dims.
+        lo, hi = ([entry["dims"][f"{input_name}_{axis}"][i] for axis in ("height", "width")] for i in (0, 2))
 
         def fn(tile):  # one engine call per tile, all its outputs: copies, since the tiles are blended
             result = self.run(name, **{input_name: tile})  # after the last call, and the caller keeps
             return [result[o].copy() for o in outputs]  # the result (the backend may reuse its buffers)
 
-        too_big = max(x.shape[2:]) > hi
+        sides = x.shape[2:]
+        too_big = any(side > most for side, most in zip(sides, hi))
         if tiling is False and too_big:
-            raise ValueError(f"{name}: input side {max(x.shape[2:])} exceeds the engine's maximum {hi}; "
+            raise ValueError(f"{name}: input of {sides[0]}x{sides[1]} exceeds the engine's maximum {hi[0]}x{hi[1]}; "
                              "allow tiling (tiling=None or True) or build the engines for a larger image size")
-        if min(x.shape[2:]) < lo:
-            raise ValueError(f"{name}: input side {min(x.shape[2:])} is below the engine's minimum {lo}")
+        if any(side < least for side, least in zip(sides, lo)):
+            raise ValueError(f"{name}: input of {sides[0]}x{sides[1]} is below the engine's minimum {lo[0]}x{lo[1]}")
         if not (tiling or too_big):
             return fn(x)
-        tile = tile_size or hi
-        if not lo <= tile <= hi:
-            raise ValueError(f"{name}: tile_size={tile} is outside the engine's range {lo}..{hi}")
-        return tiled(fn, x, tile, scale, min_side=lo)
+        # Tiles are square: their side must be within both ranges.
+        least, most = max(lo), min(hi)
+        tile = tile_size or most
+        if not least <= tile <= most:
+            raise ValueError(f"{name}: tile_size={tile} is outside the engine's range {least}..{most}")
+        return tiled(fn, x, tile, scale, min_side=least)

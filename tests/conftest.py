@@ -97,3 +97,12 @@ def assert_real_image(image, max_clipped: float = 0.25) -> None:
     clipped = float(np.mean((image <= 0.0) | (image >= 1.0)))
     assert clipped <= max_clipped, f"{clipped:.0%} of the image's values are clipped at 0 or 1"
     assert image.std() > 0.05, f"image std {image.std():.3f}: nearly constant"
+
+
+def rtx_options(**kwargs):
+    """BuildOptions for TensorRT-RTX: on a machine without a GPU the build needs the generations to
+    target (it refuses to guess), SM89 here; with a GPU, the default is that GPU's."""
+    from engines.targets import BuildOptions
+    from runners.backends.trt import gpu_count
+
+    return BuildOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)

@@ -51,7 +51,7 @@ def test_decode_past_the_engine_range_tiles_automatically(pipe, vae):
     image = pipe.vae_decode(z)
     assert image.shape == (1, 3, 16 * hi, 16 * hi)
     assert np.abs(image - _diffusers_tiled_decode(vae, z, hi)).max() <= SAME_ALGORITHM
-    with pytest.raises(ValueError, match=f"exceeds the engine's maximum {hi}"):
+    with pytest.raises(ValueError, match=f"input of {2 * hi}x{2 * hi} exceeds the engine's maximum {hi}x{hi}"):
         pipe.vae_decode(z, tiling=False)
 
 

@@ -4,20 +4,31 @@ fallback to ONNX Runtime; the device map; and the GPU-only checks, which skip wi
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import manifest
-from runners.backends.trt import gpu_count
+from conftest import manifest, rtx_options
+from gpu_double import SharedBuffers
+from runners.backends.trt import gpu_capability, gpu_count
 from runners.pipeline import Pipeline, check_device_map, parse_device_map
+from runners.static import StaticRequest
 
-needs_rtx = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
-                               reason="tensorrt-rtx is not installed (pip install 'diffusion-aot[trt-rtx]')")
+HAS_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
+needs_rtx = pytest.mark.skipif(not HAS_RTX, reason="tensorrt-rtx is not installed (pip install 'diffusion-aot[trt-rtx]')")
 GPUS = gpu_count()
-needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no NVIDIA GPU on this machine: TensorRT engines cannot be loaded")
+CAPABILITY = gpu_capability()
+RTX_CAPABILITIES = ("SM75", "SM80", "SM86", "SM89", "SM120", "SM121")  # TensorRT-RTX 1.7's, checked below
+if GPUS == 0:
+    _why_not = "no NVIDIA GPU on this machine: TensorRT engines cannot be loaded"
+elif CAPABILITY not in RTX_CAPABILITIES:
+    _why_not = f"this GPU is {CAPABILITY}, which TensorRT-RTX does not build for (Hopper, SM90, is not supported)"
+else:
+    _why_not = None
+needs_gpu = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
 no_gpu = pytest.mark.skipif(GPUS > 0, reason="this machine has a GPU")
 SUBMODULES = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder", "vae_encoder"]
 
@@ -26,7 +37,7 @@ SUBMODULES = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
 def rtx(tiny_build):
     from engines.api import build_artifact
 
-    return {p: build_artifact(tiny_build, "trt-rtx", p) for p in ("fp32", "fp16", "bf16", "fp8")}
+    return {p: build_artifact(tiny_build, "trt-rtx", p, options=rtx_options()) for p in ("fp32", "fp16", "bf16", "fp8")}
 
 
 @needs_rtx
@@ -42,7 +53,7 @@ def test_every_submodule_builds_a_real_engine(rtx, precision):
         engine = folder / sub["file"]
         assert sub["file"] == f"{name}.trt{tensorrt_rtx.__version__}.plan"
         assert engine.stat().st_size > 100_000, name  # a serialized engine, not a stub
-        assert sub["engine"]["compute_capabilities"] == ["SM89"] and not sub["engine"]["static"]
+        assert sub["engine"]["compute_capabilities"] == [CAPABILITY or "SM89"] and not sub["engine"]["static"]
         for t in sub["inputs"]:  # the profile is the manifest's min/opt/max range
             profile = sub["engine"]["profile"][t["name"]]
             for i, key in enumerate(("min", "opt", "max")):
@@ -61,21 +72,94 @@ def test_every_submodule_builds_a_real_engine(rtx, precision):
     assert all(r["name"] != "fuse_attention" for s in m["submodules"].values() for r in s["passes"])
 
 
+STATIC = StaticRequest(height=128, width=64, prompts=2, images_per_prompt=1, guidance=True)
+
+
+def _call_shapes(artifact, request: StaticRequest) -> dict[str, dict[str, list[int]]]:
+    """The shapes of every engine call of `request` on an ONNX Runtime artifact, by submodule (the
+    VAE encoder as image-to-image calls it: on the request's images)."""
+    shapes: dict[str, set] = {}
+    pipe = Pipeline.load(artifact)
+    pipe.recorder = lambda sub, feeds: shapes.setdefault(sub, set()).add(
+        tuple((n, tuple(a.shape)) for n, a in sorted(feeds.items())))
+    images = pipe(["a cat", "a dog"][: request.prompts], height=request.height, width=request.width,
+                  num_images_per_prompt=request.images_per_prompt, guidance_scale=7.0 if request.guidance else 1.0,
+                  num_inference_steps=2, output_type="np")
+    pipe.vae_encode(images.transpose(0, 3, 1, 2) * 2 - 1)
+    assert all(len(calls) == 1 for calls in shapes.values()), shapes  # one shape per engine
+    return {sub: {n: list(s) for n, s in next(iter(calls))} for sub, calls in shapes.items()}
+
+
 @needs_rtx
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_static_shapes_and_the_engine_cache(rtx, tiny_build, tmp_path, capsys, precision):
+def test_static_shapes_are_the_runners_and_the_engine_cache(rtx, tiny_build, tiny_artifact, tmp_path, capsys,
+                                                            precision):
+    """A static build fixes the shapes the runner calls each engine with for its request: the text
+    encoders at the prompt count, the denoiser at twice the images with guidance, the VAE at the images."""
     from engines.api import build_artifact
-    from engines.targets import BuildOptions
 
-    options = BuildOptions(static=True, cache_dir=tmp_path / "cache")
+    options = rtx_options(static=STATIC, cache_dir=tmp_path / "cache")
     static = build_artifact(tiny_build, "trt-rtx", precision, options=options)
-    for sub in manifest(static)["submodules"].values():
+    m = manifest(static)
+    assert m["static"] == STATIC.record()
+    called = _call_shapes(tiny_artifact, STATIC)
+    assert sorted(called) == SUBMODULES
+    for name, sub in m["submodules"].items():
         assert sub["engine"]["static"] and (static / sub["file"]).stat().st_size > 100_000
-        assert all(p["min"] == p["opt"] == p["max"] for p in sub["engine"]["profile"].values())
+        assert sub["static_shapes"] == called[name], name
+        assert {n: [p["min"], p["opt"], p["max"]] for n, p in sub["engine"]["profile"].items()} == {
+            n: [s, s, s] for n, s in called[name].items()}, name
+    assert m["submodules"]["transformer"]["static_shapes"]["hidden_states"][0] == 4  # 2 images, twice
     capsys.readouterr()
     build_artifact(tiny_build, "trt-rtx", precision, force=True, options=options)
     out = capsys.readouterr().out
     assert out.count("engine cache hit") == len(SUBMODULES) and "building the TensorRT" not in out
+
+
+@needs_rtx
+def test_a_static_artifact_runs_its_request_and_refuses_others(tiny_build, tiny_artifact, tmp_path, monkeypatch):
+    """Through the GPU stand-in (the ONNX Runtime graphs held to the TensorRT engines' profiles, with
+    reused output buffers): the static request runs and equals ONNX Runtime; any other is refused in
+    one line before an engine runs."""
+    from engines.api import build_artifact
+
+    static = build_artifact(tiny_build, "trt-rtx", "fp32", options=rtx_options(static=STATIC, cache_dir=tmp_path))
+    request = dict(height=128, width=64, num_inference_steps=2, seed=5, output_type="np")
+    ref = Pipeline.load(tiny_artifact)(["a cat", "a dog"], **request)
+    double = SharedBuffers.install(monkeypatch, tiny_artifact)
+    pipe = Pipeline.load(static)
+    assert all(s.profile for s in double.opened)
+    assert np.array_equal(pipe(["a cat", "a dog"], **request), ref)
+    calls = sum(s.calls for s in double.opened)
+    for change, said in [({"height": 64}, "64x64"), ({"guidance_scale": 1.0}, "without guidance"),
+                         ({"num_images_per_prompt": 2}, "2 image(s) per prompt")]:
+        with pytest.raises(ValueError, match=f"this artifact's engines are static: they run 128x64, 2 prompt\\(s\\), "
+                                             f"1 image\\(s\\) per prompt, with guidance only, and this request is .*{re.escape(said)}"):
+            pipe(["a cat", "a dog"], **{**request, **change})
+    with pytest.raises(ValueError, match="engines are static: .* this request is 128x64, 1 prompt"):
+        pipe("a cat", **request)
+    with pytest.raises(ValueError, match=r"text_encoder_3 is a static engine: input input_ids takes shape \(2, 256\), "
+                                         r"not \(2, 77\)"):
+        pipe(["a cat", "a dog"], max_sequence_length=77, **request)
+    with pytest.raises(ValueError, match=r"vae_decoder is a static engine: input latent takes shape \(2, 16, 16, 8\), "
+                                         r"not \(1, 16, 16, 8\)"):
+        pipe.vae_decode(np.zeros((1, 16, 16, 8), np.float32))
+    assert sum(s.calls for s in double.opened) == calls + 2  # the two CLIPs ran before the T5 call was refused
+
+
+@needs_rtx
+def test_static_requests_outside_the_export_are_refused(tiny_build):
+    from engines.api import build_artifact
+    from engines.targets import TargetError
+
+    for request, said in [(StaticRequest(height=100), "static height=100 is not allowed: use a multiple of 16"),
+                          (StaticRequest(prompts=3, images_per_prompt=2), "runs the denoiser at batch 12; the "
+                                                                           "export allows 1 to 8")]:
+        with pytest.raises(TargetError, match=said):
+            build_artifact(tiny_build, "trt-rtx", "fp32", options=rtx_options(static=request))
+    out = subprocess.run([sys.executable, "-m", "engines", str(tiny_build), "--target", "trt-rtx", "--static-size",
+                          "64x64"], capture_output=True, text=True)
+    assert out.returncode == 2 and "describe the request of a --static build: add --static" in out.stderr
 
 
 @needs_rtx
@@ -92,7 +176,7 @@ def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeyp
         return real(trt_module, rtx, onnx_path, *args)
 
     monkeypatch.setattr(trt, "_build_engine", reject_vae_encoder)
-    options = BuildOptions(cache_dir=tmp_path / "cache")
+    options = rtx_options(cache_dir=tmp_path / "cache")
     with pytest.raises(SubmoduleBuildFailed, match="could not build vae_encoder"):
         build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=options)
     # A bad setting is the user's error, not a submodule for ONNX Runtime to take over.
@@ -170,3 +254,157 @@ def test_engine_cache_that_is_a_file(tiny_build, tmp_path):
     assert run.returncode == 2, run.stderr
     assert f"error: --engine-cache {cache} is a file: give a folder (created if missing)" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@needs_rtx
+def test_fallback_only_for_a_graph_the_builder_rejects(tiny_build, tiny_artifact, tmp_path, monkeypatch):
+    """A parser or builder error on a node is SubmoduleBuildFailed (which --fallback ort takes over);
+    memory and anything else stop the build with their own error, even with --fallback ort."""
+    import engines.targets.trt as trt
+    from engines.api import build_artifact
+    from engines.targets import BuildOptions, EngineBuildError, SubmoduleBuildFailed
+
+    rtx_module = trt.use_tensorrt(True)  # before polygraphy's TensorRT backend is imported
+    import polygraphy.backend.trt
+    shapes = {"input_ids": ([1, 77], [1, 77], [1, 77])}
+
+    def build(onnx, capabilities):
+        trt._build_engine(rtx_module, True, onnx, shapes, capabilities, BuildOptions(), tmp_path, tmp_path / "e.plan",
+                          "text_encoder")
+
+    # Real rejections on this machine: an operator the parser does not know, and an fp32 GEMM, which
+    # TensorRT-RTX does not compile for Turing.
+    import onnx
+    from onnx import TensorProto, helper
+
+    unknown_op = tmp_path / "unknown_op.onnx"
+    onnx.save(helper.make_model(helper.make_graph(
+        [helper.make_node("NotAnOperator", ["input_ids"], ["out"], domain="com.example")], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 77])],
+        [helper.make_tensor_value_info("out", TensorProto.INT64, [1, 77])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)]), unknown_op)
+    with pytest.raises(SubmoduleBuildFailed, match="TensorRT could not parse text_encoder: .*NotAnOperator"):
+        build(unknown_op, ["SM89"])
+    with pytest.raises(SubmoduleBuildFailed, match="Cannot compile operation .* for Turing"):
+        build(tiny_build / "onnx" / "text_encoder.onnx", ["SM75"])  # the export's graph, fp32
+    # What the builder's error recorder says decides.
+    assert isinstance(trt._build_error("vae", [("FAILED_ALLOCATION", "Requested amount of GPU memory")]),
+                      EngineBuildError)
+    assert isinstance(trt._build_error("vae", [("INTERNAL_ERROR", "OutOfMemory (no further information)")]),
+                      EngineBuildError)
+    assert isinstance(trt._build_error("vae", []), EngineBuildError)
+    assert isinstance(trt._build_error("vae", [("UNSUPPORTED_STATE", "Could not find any implementation for node "
+                                                                     "/conv_in/Conv")]), SubmoduleBuildFailed)
+
+    # An error that is not the graph's (here the machine's) is not turned into ONNX Runtime.
+    class OutOfHostMemory:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self):
+            raise MemoryError("the builder ran out of host memory (test)")
+
+    monkeypatch.setattr(polygraphy.backend.trt, "EngineBytesFromNetwork", OutOfHostMemory)
+    with pytest.raises(MemoryError, match="out of host memory"):
+        build_artifact(tiny_build, "trt-rtx", "fp32", force=True, fallback="ort",
+                       options=rtx_options(cache_dir=tmp_path / "cache"))
+    assert not (tiny_build / "trt-rtx-fp32.tmp").exists()
+
+
+@needs_rtx
+def test_capability_default_is_the_gpu_or_a_clear_refusal(monkeypatch):
+    import engines.targets.trt as trt
+    from engines.targets import TargetError
+
+    module = trt.use_tensorrt(True)
+    assert tuple(sorted(n for n in dir(module.ComputeCapability) if n.startswith("SM"))) == tuple(
+        sorted(RTX_CAPABILITIES))
+    monkeypatch.setattr(trt, "gpu_capability", lambda: None)
+    with pytest.raises(TargetError, match="this machine has none to ask: pass --compute-capability"):
+        trt._capabilities(module, True, [])
+    assert trt._capabilities(module, True, ["sm86", "SM120"]) == ["SM86", "SM120"]
+    monkeypatch.setattr(trt, "gpu_capability", lambda: "SM86")
+    assert trt._capabilities(module, True, []) == ["SM86"]
+    monkeypatch.setattr(trt, "gpu_capability", lambda: "SM90")
+    with pytest.raises(TargetError, match="this machine's GPU is SM90, which TensorRT-RTX .* does not build for"):
+        trt._capabilities(module, True, [])
+
+
+@needs_rtx
+@pytest.mark.parametrize("hidden, said", [
+    ("cuda.bindings.runtime", "needs cuda-python 12.6 or later \\(module cuda.bindings.runtime\\)"),
+    ("tensorrt_rtx", "needs TensorRT-RTX \\(module tensorrt_rtx\\)"),
+    ("polygraphy", "needs polygraphy"),
+    ("libcudart", "needs the CUDA runtime library \\(libcudart\\), which was not found"),
+])
+def test_a_missing_runtime_piece_names_the_extra(rtx, monkeypatch, hidden, said):
+    """Each piece the runner imports, hidden: one line naming the extra, before the GPU is looked for."""
+    import cuda.pathfinder
+
+    from runners.backends.trt import MissingRuntime
+
+    if hidden == "libcudart":
+        def not_found(name):
+            raise cuda.pathfinder.DynamicLibNotFoundError(f"{name} (test)")
+        monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
+    else:
+        monkeypatch.setitem(sys.modules, hidden, None)
+    with pytest.raises(MissingRuntime, match=f"{said}.*: pip install 'diffusion-aot\\[trt-rtx\\]'"):
+        Pipeline.load(rtx["fp32"])
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.modules[{hidden!r}] = None\n"
+                          "from runners.__main__ import main; sys.exit(main())", str(rtx["fp32"]), "--prompt", "a"],
+                         capture_output=True, text=True) if hidden != "libcudart" else None
+    if out is not None:
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "pip install 'diffusion-aot[trt-rtx]'" in out.stderr
+
+
+def test_tensorrt_and_rtx_are_not_switched_in_one_process():
+    code = ("from runners.backends.trt import use_tensorrt\nuse_tensorrt(True)\nimport polygraphy.backend.trt\n"
+            "use_tensorrt(False)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "RuntimeError: this process already uses TensorRT-RTX through polygraphy, which binds one TensorRT per " \
+           "process: build or run TensorRT engines in another process" in out.stderr
+
+
+@needs_rtx
+def test_the_build_restores_polygraphys_log_level(tiny_build, tmp_path):
+    from polygraphy.logger import G_LOGGER
+
+    from engines.api import build_artifact
+
+    before = G_LOGGER.module_severity.get()
+    build_artifact(tiny_build, "trt-rtx", "fp16", force=True, options=rtx_options(cache_dir=tmp_path))
+    assert G_LOGGER.module_severity.get() == before
+
+
+def test_cuda_errors_are_not_ignored():
+    runtime = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed")
+    from runners.backends.trt import _check
+
+    with pytest.raises(RuntimeError, match="cudaSetDevice\\(7\\) failed: invalid device ordinal"):
+        _check(runtime, runtime.cudaError_t.cudaErrorInvalidDevice, "cudaSetDevice(7)")
+
+
+@needs_rtx
+def test_cpu_settings_are_refused_for_tensorrt_engines(rtx):
+    with pytest.raises(ValueError, match="threads=2 sets the CPU threads of ONNX Runtime and OpenVINO sessions; every "
+                                         "engine .* opens is TensorRT's"):
+        Pipeline.load(rtx["fp32"], threads=2)
+    with pytest.raises(ValueError, match="providers choose ONNX Runtime's execution providers; this is a TensorRT"):
+        Pipeline.load(rtx["fp32"], providers=["CUDAExecutionProvider"])
+
+
+@needs_rtx
+@needs_gpu
+def test_close_returns_device_memory(rtx):
+    from cuda.bindings import runtime
+
+    def used():
+        free, total = runtime.cudaMemGetInfo()[1:]
+        return total - free
+
+    start = used()
+    with Pipeline.load(rtx["fp32"]) as pipe:
+        pipe("a photo of a cat", num_inference_steps=2)
+        assert used() > start
+    assert used() <= start + 2**20  # the CUDA context's own allocations may stay

@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from conftest import manifest
+from conftest import manifest, rtx_options
 from runners import Pipeline
 from test_precision import _psnr
 
@@ -68,7 +68,7 @@ def test_memory_artifact_keeps_the_images(build):
 def test_tensorrt_rtx_builds_every_submodule(build):
     from engines.api import build_artifact
 
-    folder = build_artifact(build.folder, "trt-rtx", "fp16")
+    folder = build_artifact(build.folder, "trt-rtx", "fp16", options=rtx_options())
     m = manifest(folder)
     assert m["target"] == "trt-rtx" and sorted(m["submodules"]) == sorted(manifest(build.folder / "onnx")["submodules"])
     for name, sub in m["submodules"].items():

@@ -117,7 +117,7 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
         try:
             network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=True)()
         except PolygraphyException as e:  # the ONNX parser rejected a node
-            raise SubmoduleBuildFailed(f"TensorRT could not parse {name}: {e}") from e
+            raise SubmoduleBuildFailed(f"TensorRT could not parse {name}: {_parser_errors(trt, onnx_path) or e}") from e
         recorder = _error_recorder(trt)
         network[0].error_recorder = recorder  # the builder's
         try:
@@ -130,6 +130,17 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
     tmp.write_bytes(memoryview(engine))
     tmp.replace(dest)  # the cache never holds half an engine
     _log(f"{name}: engine built in {time.perf_counter() - t0:.1f} s, {dest.stat().st_size / 2**20:.1f} MiB")
+
+
+def _parser_errors(trt, onnx_path) -> str:
+    """The ONNX parser's errors, each with its node: polygraphy logs them, then raises without them."""
+    logger = trt.Logger(trt.Logger.INTERNAL_ERROR)
+    builder = trt.Builder(logger)  # each held while the parser runs: TensorRT does not keep them alive
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    parser.parse_from_file(str(onnx_path))
+    errors = [parser.get_error(i) for i in range(parser.num_errors)]
+    return "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {e.desc()}" for e in errors)
 
 
 def _error_recorder(trt):
