@@ -14,7 +14,8 @@ from bench.report import render
 from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
-TABLES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "memory", "export")
+TABLES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "copies", "memory",
+          "export")
 
 
 def _log(msg: str) -> None:
@@ -415,6 +416,12 @@ class Bench:
                       "calls the engine directly (the runner would tile it): ONNX Runtime accepts any size, so this "
                       "row shows what decoding it whole would take."]})
 
+    def measure_copies(self):
+        if "copies" in self.args.tables:
+            from bench.copies import copies_table
+
+            self.tables.append(copies_table(self.build / "ort-fp32", self.constants, self.args.size, self.args.reps))
+
     def measure_memory(self):
         """--memory-submodules at --memory-size and --memory-batch: ONNX Runtime's defaults on the
         plain export and on the default artifact, against the --memory artifact with and without
@@ -559,7 +566,7 @@ def main(argv=None) -> int:
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
                   bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling,
-                  bench.measure_memory, bench.export_table, bench.write):
+                  bench.measure_copies, bench.measure_memory, bench.export_table, bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

@@ -12,7 +12,7 @@ TITLES = {  # table -> the start of its section title
     "submodules": "One call per submodule", "e2e": "End to end", "passes": "Transformer step by graph pass",
     "profile": "Transformer step at 128x128, batch 2, by op type", "precision": "Precision at 128x128",
     "openvino": "CPU runtimes at 128x128",
-    "profiling": "Profiling cost", "tiling": "VAE decode, whole and tiled", "memory": "Activation memory",
+    "profiling": "Profiling cost", "tiling": "VAE decode, whole and tiled", "copies": "Output copies", "memory": "Activation memory",
     "export": "Export and build",
 }
 

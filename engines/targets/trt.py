@@ -23,7 +23,7 @@ from engines.targets import BuildInput, BuildOptions, EngineBuildError, Submodul
 from runners.backends.trt import gpu_capability, gpu_count, use_tensorrt
 from runners.manifest import digest, sha256_file
 
-# TensorRT fuses attention itself and cannot parse ONNX Runtime's MultiHeadAttention.
+# TensorRT fuses attention itself: ONNX Runtime's MultiHeadAttention fusion is left out.
 PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv")
 
 
