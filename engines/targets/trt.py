@@ -174,14 +174,15 @@ def _error_recorder(trt):
 
 def _build_error(name: str, errors: list[tuple[str, str]]) -> Exception:
     """Why the builder returned no engine, as the error to raise: SubmoduleBuildFailed (which
-    `--fallback ort` takes over) only when the builder rejected a node or layer of the graph ("Could
-    not find any implementation for node ...", "Cannot compile operation ..."); memory and anything else stop the build."""
+    `--fallback ort` takes over) only when the builder rejected a node, layer or operation of the graph
+    ("Could not find any implementation for node ...", "Cannot compile operation ..."); memory and
+    anything else stop the build."""
     said = "; ".join(f"{code}: {desc}" for code, desc in errors) or "no error was reported"
     memory = any(code == "FAILED_ALLOCATION" or "memory" in desc.lower() for code, desc in errors)
     if not memory and any(word in desc.lower() for _, desc in errors for word in ("node", "layer", "operation")):
         return SubmoduleBuildFailed(f"TensorRT could not build {name}: {said}")
     return EngineBuildError(f"TensorRT failed to build {name} for a reason other than its graph ({said}); "
-                        "--fallback ort does not hide this")
+                            "--fallback ort does not hide this")
 
 
 def _no_gpu() -> str | None:
