@@ -9,6 +9,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscr
 
 from export.registry import SD15_SCHEDULER, SDXL_SCHEDULER
 from runners.schedulers import load_scheduler
+from runners.schedulers.schedule import strength_start
 
 CONFIGS = {
     "flow_sd3": (FlowMatchEulerDiscreteScheduler, {"num_train_timesteps": 1000, "shift": 3.0}),
@@ -86,3 +87,46 @@ def test_unsupported_options_are_refused(cls, option):
 def test_unknown_scheduler_is_refused():
     with pytest.raises(ValueError, match="'LMSDiscreteScheduler' is not supported"):
         load_scheduler({"_class_name": "LMSDiscreteScheduler"})
+
+
+def _ref_noised(ref, x0, noise, timestep):
+    """diffusers' own rule: flow matching's scale_noise, the others' add_noise."""
+    t = torch.as_tensor([timestep])
+    x0, noise = torch.from_numpy(x0), torch.from_numpy(noise)
+    return (ref.scale_noise(x0, t, noise) if hasattr(ref, "scale_noise") else ref.add_noise(x0, noise, t)).numpy()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 7, 20, 28, 50])
+@pytest.mark.parametrize("strength", [0.05, 0.3, 0.6, 1.0])
+def test_image_to_image_start_and_noise_match_diffusers(name, steps, strength):
+    """Strength picks the starting step as get_timesteps does; the image latents are noised by the
+    scheduler's own rule at that step, and re-noised after each step (inpainting) at the next one."""
+    if steps == 1 and "shift_terminal" in CONFIGS[name][1]:
+        pytest.skip("one step cannot be stretched to a terminal shift: diffusers divides 0 by 0 there too")
+    ref, ours = _pair(name)
+    mu = ours.mu_for(128, 96, patch_size=2) if hasattr(ours, "mu_for") else None
+    ref.set_timesteps(steps, **({"mu": mu} if mu is not None else {}))
+    start = strength_start(steps, strength)
+    assert start == int(max(steps - min(steps * strength, steps), 0))
+    timesteps = ref.timesteps[start * ref.order:]
+    if hasattr(ref, "set_begin_index"):
+        ref.set_begin_index(start * ref.order)
+    run = ours.start(steps, mu).begin_at(start)
+    _close(run.timesteps, timesteps.numpy().astype(np.float32), "timesteps")
+    if len(timesteps) == 0:
+        return  # no step runs: the pipeline refuses this strength, as diffusers does
+    rng = np.random.default_rng(steps)
+    x0, noise = (rng.standard_normal((2, 4, 8, 8), dtype=np.float32) for _ in range(2))
+    sample = _ref_noised(ref, x0, noise, timesteps[0])
+    _close(run.noised(x0, noise), sample, "starting latents")
+    for i, t in enumerate(timesteps):
+        output = rng.standard_normal(sample.shape, dtype=np.float32)
+        scaled = ref.scale_model_input(torch.from_numpy(sample), t).numpy() if hasattr(ref, "scale_model_input") \
+            else sample
+        _close(run.scale_model_input(sample, i), scaled, f"scaled input {i}")
+        expected = ref.step(torch.from_numpy(output), t, torch.from_numpy(sample)).prev_sample.numpy()
+        _close(run.step(output, i, sample), expected, f"step {i}")
+        sample = expected
+        if i + 1 < len(timesteps):
+            _close(run.noised(x0, noise, i + 1), _ref_noised(ref, x0, noise, timesteps[i + 1]), f"re-noised {i + 1}")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.schedulers.discrete import DiscreteNoise, DiscreteScheduler
-from runners.schedulers.schedule import Schedule
+from runners.schedulers.discrete import AlphaNoised, DiscreteNoise, DiscreteScheduler
 
 OPTIONS = {"prediction_type": ("epsilon", "v_prediction")}
 
 
-class _DDIMRun(Schedule):
+class _DDIMRun(AlphaNoised):
     def __init__(self, noise: DiscreteNoise, steps: int):
         self.noise, self.stride = noise, noise.n // steps
         self.ints = noise.spaced(steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.schedulers.schedule import check_steps, refuse
+from runners.schedulers.schedule import Schedule, check_steps, refuse
 
 SPACINGS = ("leading", "linspace", "trailing")
 # What every discrete port implements; each adds its own options to this.
@@ -50,6 +50,19 @@ class DiscreteNoise:
 
     def alpha_prev(self, prev_timestep: int) -> np.float32:
         return self.alphas_cumprod[prev_timestep] if prev_timestep >= 0 else self.final_alpha_cumprod
+
+
+class AlphaNoised(Schedule):
+    """A run over integer DDPM timesteps (`ints`), noised as DDPM's forward process (DDIM's and
+    PNDM's add_noise): sqrt(alpha_cumprod) * sample + sqrt(1 - alpha_cumprod) * noise."""
+
+    noise: DiscreteNoise
+    ints: np.ndarray
+    per_step = ("timesteps", "ints")
+
+    def noised(self, sample, noise, i=0):
+        a = self.noise.alphas_cumprod[int(self.ints[i])]
+        return (a**0.5 * sample + (np.float32(1) - a) ** 0.5 * noise).astype(np.float32)
 
 
 class DiscreteScheduler:

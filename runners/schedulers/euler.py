@@ -17,6 +17,8 @@ OPTIONS = {
 
 
 class _EulerRun(Schedule):
+    per_step = ("timesteps", "sigmas")
+
     def __init__(self, noise: DiscreteNoise, steps: int):
         self.noise = noise
         ac = noise.alphas_cumprod
@@ -33,6 +35,9 @@ class _EulerRun(Schedule):
 
     def scale_model_input(self, sample, i):
         return sample / (self.sigmas[i] ** 2 + 1) ** 0.5
+
+    def noised(self, sample, noise, i=0):
+        return (sample + noise * self.sigmas[i]).astype(np.float32)
 
     def step(self, model_output, i, sample):
         sigma = self.sigmas[i]

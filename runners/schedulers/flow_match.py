@@ -69,8 +69,15 @@ class FlowMatchEulerDiscrete:
 
 
 class _FlowRun(Schedule):
+    per_step = ("timesteps", "sigmas")
+
     def __init__(self, timesteps: np.ndarray, sigmas: np.ndarray):
         self.timesteps, self.sigmas = timesteps, sigmas
+
+    def noised(self, sample, noise, i=0):
+        """diffusers' scale_noise: the straight path between the sample and the noise, at sigma."""
+        sigma = self.sigmas[i]
+        return (sigma * noise + (np.float32(1) - sigma) * sample).astype(np.float32)
 
     def step(self, model_output, i, sample):
         """One Euler step of the flow ODE (sample + (sigma_next - sigma) * velocity), in float32."""

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.schedulers.discrete import DiscreteNoise, DiscreteScheduler
-from runners.schedulers.schedule import Schedule
+from runners.schedulers.discrete import AlphaNoised, DiscreteNoise, DiscreteScheduler
 
 OPTIONS = {"prediction_type": ("epsilon", "v_prediction"), "skip_prk_steps": (True,)}
 
 
-class _PLMSRun(Schedule):
+class _PLMSRun(AlphaNoised):
     def __init__(self, noise: DiscreteNoise, steps: int):
         self.noise, self.stride = noise, noise.n // steps
         t = noise.spaced(steps, ascending=True)

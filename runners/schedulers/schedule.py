@@ -10,12 +10,32 @@ class Schedule:
 
     timesteps: np.ndarray  # float32: what the denoiser's `timestep` input receives at each step
     init_noise_sigma: float = 1.0  # the starting latents are standard normal times this
+    per_step: tuple[str, ...] = ("timesteps",)  # the arrays indexed by step, which `begin_at` shortens
 
     def scale_model_input(self, sample: np.ndarray, i: int) -> np.ndarray:
         return sample
 
     def step(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
         raise NotImplementedError
+
+    def noised(self, sample: np.ndarray, noise: np.ndarray, i: int = 0) -> np.ndarray:
+        """`sample` with `noise` mixed in at the noise level of step `i`, by the scheduler's own rule
+        (flow matching's `scale_noise`, the others' `add_noise`): image-to-image's starting latents
+        (i = 0), and inpainting's original latents re-noised for the next step."""
+        raise NotImplementedError
+
+    def begin_at(self, start: int) -> "Schedule":
+        """This run from step `start` on, as image-to-image runs it (diffusers' `get_timesteps` and
+        `set_begin_index`): the step indices of `step`, `scale_model_input` and `noised` count from it."""
+        for name in self.per_step:
+            setattr(self, name, getattr(self, name)[start:])
+        return self
+
+
+def strength_start(num_inference_steps: int, strength: float) -> int:
+    """The first step image-to-image runs at `strength` (diffusers' get_timesteps): the run skips
+    the noisiest (1 - strength) of the schedule."""
+    return int(max(num_inference_steps - min(num_inference_steps * strength, num_inference_steps), 0))
 
 
 def refuse(config: dict, allowed: dict) -> None:
