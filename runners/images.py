@@ -1,8 +1,8 @@
-"""VAE output -> what the caller asked for, as diffusers' VaeImageProcessor.postprocess does."""
+"""Images in and out of the VAE, as diffusers' VaeImageProcessor does it: `to_output` post-processes
+the decoder's images; `to_model_input` prepares an image (or an inpainting mask) for the encoder."""
 from __future__ import annotations
 
 import numpy as np
-
 
 def to_output(image: np.ndarray, output_type: str):
     """(N, 3, H, W) in [-1, 1] -> (N, H, W, 3) floats in [0, 1] for "np", PIL images for "pil"."""
@@ -12,3 +12,60 @@ def to_output(image: np.ndarray, output_type: str):
     from PIL import Image
 
     return [Image.fromarray(a) for a in (array * 255).round().astype(np.uint8)]
+
+
+def _nearest(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    """torch.nn.functional.interpolate's default (mode "nearest") on NCHW: source index floor(i * in / out)."""
+    rows = np.minimum((np.arange(height) * (array.shape[2] / height)).astype(np.int64), array.shape[2] - 1)
+    cols = np.minimum((np.arange(width) * (array.shape[3] / width)).astype(np.int64), array.shape[3] - 1)
+    return array[:, :, rows][:, :, :, cols]
+
+
+def _as_list(name: str, value) -> list:
+    from PIL import Image
+
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(i, (Image.Image, np.ndarray)) for i in items) or \
+            len({type(i) for i in items}) != 1:
+        raise ValueError(f"{name} must be a PIL image, a numpy array (H, W, C) in [0, 1], or a non-empty list of "
+                         f"one of those; got {type(value).__name__}")
+    return list(items)
+
+
+def to_model_input(value, height: int | None, width: int | None, multiple: int, mask: bool = False) -> np.ndarray:
+    """An image argument -> NCHW float32, as diffusers' image processor (mask=False: RGB in [-1, 1])
+    or mask processor (mask=True: grayscale, binarized at 0.5, not normalized) prepares it.
+
+    PIL images are resized with Lanczos to (height, width); numpy arrays (H, W, C) or (N, H, W, C)
+    in [0, 1] with nearest neighbours, as torch's interpolate does. A size left None is the image's
+    own, rounded down to `multiple` (the VAE's scale factor). PIL images are converted to RGB (or
+    grayscale for a mask) first, so alpha and palette images are taken; a numpy image must have 3
+    channels (a mask 1, or none)."""
+    from PIL import Image
+
+    name = "mask_image" if mask else "image"
+    items = _as_list(name, value)
+    if isinstance(items[0], Image.Image):
+        h = height or items[0].height - items[0].height % multiple
+        w = width or items[0].width - items[0].width % multiple
+        mode = "L" if mask else "RGB"
+        # diffusers resizes, then converts a mask to grayscale (the order changes the rounding); an image
+        # that is not RGB (alpha, palette, grayscale) is converted first, as diffusers' load_image does.
+        keep = ("RGB", "L") if mask else ("RGB",)
+        arrays = [np.asarray((i if i.mode in keep else i.convert(mode)).resize((w, h), resample=Image.LANCZOS)
+                             .convert(mode), dtype=np.float32) / 255 for i in items]
+        array = np.stack(arrays)
+        array = array[:, None] if mask else array.transpose(0, 3, 1, 2)
+    else:
+        array = np.concatenate([a if a.ndim == 4 else a[None] for a in items]).astype(np.float32)
+        if mask and array.ndim == 4 and array.shape[-1] != 1 or not mask and (array.ndim != 4 or array.shape[-1] != 3):
+            raise ValueError(f"{name}: a numpy {'mask' if mask else 'image'} is (H, W{'' if mask else ', 3'}) or "
+                             f"(N, H, W{', 1' if mask else ', 3'}) with values in [0, 1]; got shape "
+                             f"{items[0].shape}")
+        array = (array[:, None] if array.ndim == 3 else array.transpose(0, 3, 1, 2))
+        h = height or array.shape[2] - array.shape[2] % multiple
+        w = width or array.shape[3] - array.shape[3] % multiple
+        array = _nearest(array, h, w)
+    if mask:
+        return np.where(array < 0.5, np.float32(0), np.float32(1))
+    return array * 2 - 1
