@@ -10,10 +10,13 @@ from runners.text_to_image import TextToImage
 
 class SD3Pipeline(TextToImage):
     family = "sd3"
+    default_strength = 0.6  # diffusers' image-to-image default for this family
+    image_sets_size = False
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=28,
                  guidance_scale=7.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 max_sequence_length=256, vae_tiling=None):
+                 max_sequence_length=256, vae_tiling=None, image=None, strength=None, noise=None,
+                 encoder_noise=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
         `seed` seeds numpy's generator (not torch's noise: the same seed gives other images than
         diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`."""
@@ -24,6 +27,7 @@ class SD3Pipeline(TextToImage):
                                  f"{lo}..{hi}")
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                   image=image, strength=strength, noise=noise, encoder_noise=encoder_noise,
                                    t5_length=max_sequence_length)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length):

@@ -15,16 +15,19 @@ from runners.text_to_image import TextToImage
 
 class SDXLPipeline(TextToImage):
     family = "sdxl"
+    default_strength = 0.3  # diffusers' image-to-image default for this family
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=50,
                  guidance_scale=5.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None):
+                 original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None, image=None,
+                 strength=None, noise=None, encoder_noise=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
         `original_size`, `crops_coords_top_left` and `target_size` ((height, width) pairs; the
         first and last default to the image's size) are SDXL's micro-conditions. `seed` seeds
         numpy's generator; pass `latents` for exact comparison with diffusers."""
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                   image=image, strength=strength, noise=noise, encoder_noise=encoder_noise,
                                    original_size=original_size, crops=crops_coords_top_left, target_size=target_size)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, original_size, crops,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.images import to_output
+from runners.images import to_model_input, to_output
 from runners.pipeline import Pipeline
+from runners.schedulers.schedule import strength_start
 from runners.static import check_request
 from runners.tiling import tiled
 
@@ -38,17 +39,59 @@ def _check_request(num_images_per_prompt, seed, guidance_scale) -> None:
                          "(<= 1 turns classifier-free guidance off)")
 
 
+def _check_strength(strength) -> None:
+    if isinstance(strength, bool) or not isinstance(strength, (int, float, np.number)) or not 0 < strength <= 1:
+        raise ValueError(f"strength={strength!r} is not allowed: use a number in (0, 1] (1 ignores the image's "
+                         "content and keeps its size; lower keeps more of it)")
+
+
+def _given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
+    """Noise the caller passed (checked against the shape the request needs), or drawn from `rng`."""
+    if value is None:
+        return rng.standard_normal(shape, dtype=np.float32)
+    value = np.asarray(value, dtype=np.float32)
+    if value.shape != tuple(shape):
+        raise ValueError(f"{name} have shape {value.shape}; this request needs {tuple(shape)}")
+    return value
+
+
 class TextToImage(Pipeline):
+    default_strength = 1.0  # image to image's, when not given (diffusers' default of the family's pipeline)
+    # Image to image without a size: the image's own, rounded down (diffusers' SD1.5 and SDXL Img2Img),
+    # or the model's default size, the image resized to it (SD3's).
+    image_sets_size = True
+
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                       num_images_per_prompt, seed, latents, output_type, vae_tiling, **options):
-        """The whole run; `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
+                       num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, strength=None,
+                       noise=None, encoder_noise=None, **options):
+        """The whole run: text to image, or image to image when `image` is given (diffusers' Img2Img
+        pipelines: the image's latents noised to the step `strength` selects, and fewer steps run).
+        `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
         c = self.constants
-        missing = [n for n in self.manifest["submodules"] if n != "vae_encoder" and n not in self.sessions]
+        task = "image to image" if image is not None else "text to image"
+        missing = [n for n in self.manifest["submodules"] if n not in self.sessions
+                   and (n != "vae_encoder" or image is not None)]
         if missing:
-            raise ValueError(f"text to image needs {', '.join(missing)}, which this pipeline was loaded without "
+            raise ValueError(f"{task} needs {', '.join(missing)}, which this pipeline was loaded without "
                              "(Pipeline.load(..., submodules=...))")
         prompts = _prompts("prompt", prompt)
         _check_request(num_images_per_prompt, seed, guidance_scale)
+        if image is None:
+            given = [n for n, v in (("strength", strength), ("noise", noise), ("encoder_noise", encoder_noise))
+                     if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} are image to image's: pass image= too")
+        else:
+            if latents is not None:
+                raise ValueError("latents= are text to image's starting latents; image to image starts from the "
+                                 "image: pass noise= (and encoder_noise=) to fix its randomness")
+            strength = self.default_strength if strength is None else strength
+            _check_strength(strength)
+            if not self.image_sets_size:
+                height = c["default_image_size"] if height is None else height
+                width = c["default_image_size"] if width is None else width
+            pixels = to_model_input(image, height, width, multiple=c["vae_scale_factor"])
+            height, width = pixels.shape[2:]
         # None, not 0, means "not given": 0 is refused by the size check below.
         height = c["default_image_size"] if height is None else height
         width = c["default_image_size"] if width is None else width
@@ -63,14 +106,18 @@ class TextToImage(Pipeline):
                                           **options)
         scale = c["vae_scale_factor"]
         shape = (n_images, c["latent_channels"], height // scale, width // scale)
-        if latents is None:
-            latents = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        rng = np.random.default_rng(seed)
+        schedule = self.scheduler.start(num_inference_steps, self._mu(shape))
+        if image is None:
+            latents = _given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
         else:
-            latents = np.asarray(latents, dtype=np.float32)
-            if latents.shape != shape:
-                raise ValueError(f"latents have shape {latents.shape}; this request needs {shape}")
+            schedule.begin_at(strength_start(num_inference_steps, strength))
+            if not len(schedule.timesteps):
+                raise ValueError(f"strength={strength} with num_inference_steps={num_inference_steps} runs no step "
+                                 f"(strength x steps must be at least 1): raise either")
+            latents = self._image_latents(pixels, n_images, schedule, rng, noise, encoder_noise, vae_tiling)
         with self._timed("denoise"):
-            latents = self._denoise(latents, num_inference_steps, guidance_scale, conditions)
+            latents = self._denoise(latents, schedule, guidance_scale, conditions)
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
@@ -86,11 +133,25 @@ class TextToImage(Pipeline):
         """A resolution-dependent shift for the scheduler (flow matching); None for the others."""
         return None
 
-    def _denoise(self, latents, steps, guidance_scale, conditions):
+    def _image_latents(self, pixels, n_images, schedule, rng, noise, encoder_noise, vae_tiling):
+        """diffusers' Img2Img prepare_latents: a sample of the image's latent posterior (`encoder_noise`),
+        scaled as the denoiser's latents, repeated for the images to generate, and noised at the first
+        step by the scheduler's own rule (`noise`). Unspecified noise is drawn from `rng`, in that order."""
+        c = self.constants
+        if n_images % len(pixels):
+            raise ValueError(f"{len(pixels)} images cannot be shared by the {n_images} images to generate (prompts x "
+                             "num_images_per_prompt): pass one image, or as many as prompts")
+        with self._timed("vae_encode"):
+            mean, logvar = self.vae_encode(pixels, tiling=vae_tiling)
+        encoder_noise = _given_or_drawn("encoder_noise", encoder_noise, mean.shape, rng)
+        z = mean + np.exp(np.float32(0.5) * logvar) * encoder_noise
+        z = (z - np.float32(c["vae_shift_factor"])) * np.float32(c["vae_scaling_factor"])
+        z = np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
+        return schedule.noised(z, _given_or_drawn("noise", noise, z.shape, rng))
+
+    def _denoise(self, latents, schedule, guidance_scale, conditions):
         denoiser = self.constants["denoiser"]
         latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
-        schedule = self.scheduler.start(steps, self._mu(latents.shape))
-        latents = latents * np.float32(schedule.init_noise_sigma)
         cfg, n = guidance_scale > 1, len(schedule.timesteps)
         for i, t in enumerate(schedule.timesteps):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
