@@ -12,6 +12,7 @@ class SD3Pipeline(TextToImage):
     family = "sd3"
     default_strength = 0.6  # diffusers' image-to-image default for this family
     image_sets_size = False
+    strength_whole_steps = False
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=28,
                  guidance_scale=7.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",

@@ -60,6 +60,7 @@ class TextToImage(Pipeline):
     # Image to image without a size: the image's own, rounded down (diffusers' SD1.5 and SDXL Img2Img),
     # or the model's default size, the image resized to it (SD3's).
     image_sets_size = True
+    strength_whole_steps = True  # see runners.schedulers.schedule.strength_start (SD3: False)
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, strength=None,
@@ -111,8 +112,11 @@ class TextToImage(Pipeline):
         if image is None:
             latents = _given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
         else:
-            schedule.begin_at(strength_start(num_inference_steps, strength))
-            if not len(schedule.timesteps):
+            start = strength_start(num_inference_steps, strength, self.strength_whole_steps)
+            schedule.begin_at(start)
+            # Counted in steps, not timesteps: PLMS's extra call would otherwise run alone (diffusers'
+            # inpainting pipelines refuse this too).
+            if num_inference_steps - start < 1:
                 raise ValueError(f"strength={strength} with num_inference_steps={num_inference_steps} runs no step "
                                  f"(strength x steps must be at least 1): raise either")
             latents = self._image_latents(pixels, n_images, schedule, rng, noise, encoder_noise, vae_tiling)

@@ -107,8 +107,9 @@ def test_image_to_image_start_and_noise_match_diffusers(name, steps, strength):
     ref, ours = _pair(name)
     mu = ours.mu_for(128, 96, patch_size=2) if hasattr(ours, "mu_for") else None
     ref.set_timesteps(steps, **({"mu": mu} if mu is not None else {}))
-    start = strength_start(steps, strength)
+    start = strength_start(steps, strength)  # SD3's get_timesteps; SD1.5's and SDXL's round down first:
     assert start == int(max(steps - min(steps * strength, steps), 0))
+    assert strength_start(steps, strength, whole_steps=True) == max(steps - min(int(steps * strength), steps), 0)
     timesteps = ref.timesteps[start * ref.order:]
     if hasattr(ref, "set_begin_index"):
         ref.set_begin_index(start * ref.order)

@@ -32,10 +32,13 @@ class Schedule:
         return self
 
 
-def strength_start(num_inference_steps: int, strength: float) -> int:
+def strength_start(num_inference_steps: int, strength: float, whole_steps: bool = False) -> int:
     """The first step image-to-image runs at `strength` (diffusers' get_timesteps): the run skips
-    the noisiest (1 - strength) of the schedule."""
-    return int(max(num_inference_steps - min(num_inference_steps * strength, num_inference_steps), 0))
+    the noisiest (1 - strength) of the schedule. `whole_steps`: the steps kept are rounded down
+    first, as the SD1.5 and SDXL pipelines do (SD3's round the steps skipped down instead)."""
+    kept = num_inference_steps * strength
+    kept = min(int(kept) if whole_steps else kept, num_inference_steps)
+    return int(max(num_inference_steps - kept, 0))
 
 
 def refuse(config: dict, allowed: dict) -> None:
