@@ -1,10 +1,25 @@
-"""python -m runners ARTIFACT --prompt "..." --out out.png: text to image from an artifact folder."""
+"""python -m runners ARTIFACT --prompt "..." --out out.png: text to image from an artifact folder;
+with --image IN.png [--strength S], image to image."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 from pathlib import Path
+
+
+def _read_image(path: Path):
+    """The --image file, read whole now, so that a missing or unreadable file is one line."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except FileNotFoundError:
+        raise ValueError(f"--image {path} does not exist") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"--image {path} is not an image file Pillow can read ({type(e).__name__})") from None
 
 
 def main(argv=None) -> int:
@@ -28,6 +43,12 @@ def main(argv=None) -> int:
                         "Perfetto) and a summary; --steps 1 makes a quick profile")
     p.add_argument("--device-map", default="", metavar="SUB=GPU,...",
                    help="TensorRT artifacts: put submodules on GPUs, e.g. text_encoder_3=1 (the rest on GPU 0)")
+    p.add_argument("--image", type=Path, default=None, metavar="IN.png",
+                   help="image to image: start from this image (its size, or the model's for SD3, unless "
+                        "--height/--width are given)")
+    p.add_argument("--strength", type=float, default=None,
+                   help="with --image: how much to change it, in (0, 1] (default: the family's, SD3 0.6, SD1.5 0.8, "
+                        "SDXL 0.3)")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
@@ -37,12 +58,14 @@ def main(argv=None) -> int:
     from runners.manifest import ManifestError
 
     def generate():
+        image = _read_image(args.image) if args.image else None
         t0 = time.perf_counter()
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
                              device_map=parse_device_map(args.device_map))
         timings = {"load": time.perf_counter() - t0}
         given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
-                 "max_sequence_length": args.max_sequence_length}  # unset: the family's defaults
+                 "max_sequence_length": args.max_sequence_length, "image": image,
+                 "strength": args.strength}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       seed=args.seed, num_images_per_prompt=args.num_images,
                       vae_tiling=True if args.vae_tiling else None, profile=args.profile,

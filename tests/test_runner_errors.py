@@ -144,3 +144,32 @@ def test_cli_on_the_export_folder(tiny_artifact, tmp_path):
                           "--out", str(tmp_path / "x.png")], capture_output=True, text=True)
     assert run.returncode == 2 and "is not an artifact but a 'onnx' folder" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_cli_image_to_image(tiny_artifact, tmp_path):
+    from PIL import Image
+
+    source, out = tmp_path / "in.png", tmp_path / "out.png"
+    Image.new("RGBA", (96, 64), (200, 120, 40, 128)).save(source)  # alpha: converted to RGB
+    run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "2",
+                          "--image", str(source), "--strength", "0.5", "--out", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert Image.open(out).size == (128, 128)  # SD3 resizes to the model's default size, as diffusers
+
+
+@pytest.mark.parametrize("image, strength, message", [
+    ("missing.png", "0.5", "error: --image {dir}/missing.png does not exist"),
+    ("not_an_image.png", "0.5", "error: --image {dir}/not_an_image.png is not an image file Pillow can read"),
+    ("in.png", "1.5", "error: strength=1.5 is not allowed: use a number in (0, 1]"),
+])
+def test_cli_bad_image_requests_exit_2_and_write_nothing(tiny_artifact, tmp_path, image, strength, message):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    (tmp_path / "not_an_image.png").write_text("plain text")
+    out = tmp_path / "x.png"
+    run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "1",
+                          "--image", str(tmp_path / image), "--strength", strength, "--out", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and message.format(dir=tmp_path) in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and not out.exists()
