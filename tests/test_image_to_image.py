@@ -1,6 +1,6 @@
 """Image to image against diffusers' Img2Img pipelines: same weights, the same image, and the same
 `noise` and `encoder_noise` handed to both (diffusers' randn_tensor patched), fp32. Images must agree
-to within 1/255."""
+to within 1e-4: the errors measured are at most 7e-6, far inside the 1/255 of an image level."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import assert_real_image
 from runners import Pipeline
 
-ONE_LEVEL = 1 / 255
+BOUND = 1e-4  # of [0, 1] image values; measured: up to 7e-6 (SDXL), a regression shows as 1e-3 and more
 
 
 def _image(height: int, width: int, seed: int = 0):
@@ -68,7 +68,7 @@ def test_sd3_image_to_image_matches_diffusers(monkeypatch, tiny_artifact, sd3_im
     ours = Pipeline.load(tiny_artifact)(image=image, noise=noise, encoder_noise=encoder_noise, output_type="np",
                                         **kwargs)
     assert ours.shape == ref.shape == (n, kwargs["height"], kwargs["width"], 3)
-    assert np.abs(ours - ref).max() <= ONE_LEVEL
+    assert np.abs(ours - ref).max() <= BOUND
     assert_real_image(ref)
 
 
@@ -118,7 +118,7 @@ def test_unet_image_to_image_matches_diffusers(monkeypatch, unet_references, fam
     ours = Pipeline.load(build.folder / "ort-fp32")(image=image, noise=noise, encoder_noise=encoder_noise,
                                                     output_type="np", **kwargs)
     assert ours.shape == ref.shape == (n, height, width, 3)
-    assert np.abs(ours - ref).max() <= ONE_LEVEL, np.abs(ours - ref).max()
+    assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
     assert_real_image(ref)
 
 
