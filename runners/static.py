@@ -67,7 +67,8 @@ class StaticRequest:
         return asdict(self)
 
 
-def check_request(manifest: dict, height: int, width: int, prompts: int, per_prompt: int, guidance: bool) -> None:
+def check_static_request(manifest: dict, height: int, width: int, prompts: int, per_prompt: int,
+                         guidance: bool) -> None:
     """Refuse a request a static artifact's engines cannot run, naming the one they take."""
     if "static" not in manifest:
         return

@@ -9,7 +9,7 @@ import numpy as np
 from runners.images import to_model_input, to_output
 from runners.pipeline import Pipeline
 from runners.schedulers.schedule import strength_start
-from runners.static import check_request
+from runners.static import check_static_request
 from runners.tiling import tiled
 
 OUTPUT_TYPES = ("pil", "np", "latent")
@@ -77,6 +77,10 @@ class TextToImage(Pipeline):
                              "(Pipeline.load(..., submodules=...))")
         prompts = _prompts("prompt", prompt)
         _check_request(num_images_per_prompt, seed, guidance_scale)
+        if image is None or not self.image_sets_size:
+            # None, not 0, means "not given": 0 is refused by the size check below.
+            height = c["default_image_size"] if height is None else height
+            width = c["default_image_size"] if width is None else width
         if image is None:
             given = [n for n, v in (("strength", strength), ("noise", noise), ("encoder_noise", encoder_noise))
                      if v is not None]
@@ -88,17 +92,11 @@ class TextToImage(Pipeline):
                                  "image: pass noise= (and encoder_noise=) to fix its randomness")
             strength = self.default_strength if strength is None else strength
             _check_strength(strength)
-            if not self.image_sets_size:
-                height = c["default_image_size"] if height is None else height
-                width = c["default_image_size"] if width is None else width
             pixels = to_model_input(image, height, width, multiple=c["vae_scale_factor"])
             height, width = pixels.shape[2:]
-        # None, not 0, means "not given": 0 is refused by the size check below.
-        height = c["default_image_size"] if height is None else height
-        width = c["default_image_size"] if width is None else width
         cfg = guidance_scale > 1
         n_images = len(prompts) * num_images_per_prompt
-        check_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
+        check_static_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
         self._check(height, width, n_images * (2 if cfg else 1), output_type)
         self.timings = {}
 
