@@ -141,6 +141,13 @@ SD15_TINY = {
     "text_encoder": _clip(32, 64, 4, "quick_gelu"),
     "scheduler": SD15_SCHEDULER,
 }
+# SD1.5's inpainting UNet at the same tiny widths: 9 input channels, the latents followed by the
+# latent-size mask and the masked image's latents (stable-diffusion-inpainting's structure).
+SD15_INPAINT_TINY = {
+    **SD15_TINY,
+    "unet": {**SD15_TINY["unet"], "in_channels": 9},
+    "pipeline_class": "StableDiffusionInpaintPipeline",
+}
 # The real SD1.5: UNet (320, 640, 1280, 1280) with 2 layers per block, cross-attention width 768,
 # CLIP-L at full depth and the real VAE, with random weights (benchmarks: about 1.07 B parameters).
 SD15_BENCH = {
@@ -193,6 +200,8 @@ MODELS: dict[str, ModelEntry] = {
                    description="Stable Diffusion 3.5 large"),
         ModelEntry("sd15", "sd15", hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5", image_size=(256, 512, 768),
                    description="Stable Diffusion 1.5"),
+        ModelEntry("sd15-inpaint", "sd15", hub_id="stable-diffusion-v1-5/stable-diffusion-inpainting",
+                   image_size=(256, 512, 768), description="Stable Diffusion 1.5 inpainting (9-channel UNet)"),
         ModelEntry("sdxl", "sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", image_size=(512, 1024, 1536),
                    description="Stable Diffusion XL base 1.0"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
@@ -209,6 +218,8 @@ MODELS: dict[str, ModelEntry] = {
                    description="SD3.5-large's transformer alone at its true shapes, random fp16 weights (make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
+        ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),
+                   description="SD1.5 inpainting architecture (9-channel UNet) at tiny widths, built offline"),
         ModelEntry("sdxl-tiny", "sdxl", random_configs=SDXL_TINY, image_size=(64, 128, 256),
                    description="SDXL architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-bench", "sd15", random_configs=SD15_BENCH, image_size=(256, 512, 512), batch=(1, 2, 4),

@@ -131,9 +131,9 @@ def _detect_family(folder: Path) -> str:
         raise SourceError(f"{folder} is not a diffusers pipeline folder (no model_index.json)")
     class_name = json.loads(index.read_text()).get("_class_name")
     for name, family in FAMILIES.items():
-        if family.pipeline_class == class_name:
+        if class_name in family.pipeline_classes:
             return name
-    known = ", ".join(f.pipeline_class for f in FAMILIES.values())
+    known = ", ".join(c for f in FAMILIES.values() for c in f.pipeline_classes)
     raise SourceError(f"{folder} holds a {class_name}; supported pipelines: {known}")
 
 

@@ -44,7 +44,9 @@ class SubmoduleSpec:
 @dataclass(frozen=True)
 class Family:
     name: str
-    pipeline_class: str  # diffusers class name found in model_index.json
+    # The diffusers classes whose model_index.json this family exports (text to image first; the
+    # image-to-image and inpainting pipelines share its submodules).
+    pipeline_classes: tuple[str, ...]
     submodules: tuple[SubmoduleSpec, ...]
     # ModelSource -> {constant name: int}: the fixed sizes used in shapes, read from the configs.
     constants: Callable[[Any], dict[str, int]]

@@ -1,5 +1,5 @@
 """python -m runners ARTIFACT --prompt "..." --out out.png: text to image from an artifact folder;
-with --image IN.png [--strength S], image to image."""
+with --image IN.png [--strength S], image to image; with --mask MASK.png too, inpainting."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 
-def _read_image(path: Path):
-    """The --image file, read whole now, so that a missing or unreadable file is one line."""
+def _read_image(path: Path, option: str):
+    """An --image or --mask file, read whole now, so that a missing or unreadable file is one line."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -17,9 +17,33 @@ def _read_image(path: Path):
             image.load()
             return image
     except FileNotFoundError:
-        raise ValueError(f"--image {path} does not exist") from None
+        raise ValueError(f"{option} {path} does not exist") from None
     except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"--image {path} is not an image file Pillow can read ({type(e).__name__})") from None
+        raise ValueError(f"{option} {path} is not an image file Pillow can read ({type(e).__name__})") from None
+
+
+def _check_out(out: str) -> None:
+    """Before any engine runs: an --out whose extension names no format Pillow writes."""
+    from PIL import Image
+
+    suffix = Path(out).suffix.lower()
+    if Image.registered_extensions().get(suffix) not in Image.SAVE:
+        raise ValueError(f"--out {out}: Pillow writes no image format with the extension {suffix or '(none)'!r}; "
+                         "use .png, .jpg or .webp")
+
+
+def _save_all(images, paths: list[Path]) -> None:
+    """All the images or none: each is written beside its path, and renamed once all are written."""
+    temps = [path.with_name(f".{path.name}.partial{path.suffix}") for path in paths]
+    try:
+        for image, temp in zip(images, temps):
+            temp.parent.mkdir(parents=True, exist_ok=True)
+            image.save(temp)
+        for temp, path in zip(temps, paths):
+            temp.replace(path)
+    finally:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
 
 
 def main(argv=None) -> int:
@@ -29,8 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--negative-prompt", default=None)
     p.add_argument("--height", type=int, default=None, help="default: the artifact's opt size")
     p.add_argument("--width", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="default: the family's (SD3 28, SD1.5 and SDXL 50)")
-    p.add_argument("--guidance", type=float, default=None, help="default: the family's (SD3 7, SD1.5 7.5, SDXL 5)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="default: diffusers' for the family and task (SD3 28, with an image 50; SD1.5 and SDXL 50)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="default: diffusers' for the family and task (SD3 7, SD1.5 7.5, SDXL 5, inpainting 7.5)")
     p.add_argument("--seed", type=int, default=0, help="numpy's generator (not torch's noise)")
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--max-sequence-length", type=int, default=None, help="SD3's T5 tokens (default 256)")
@@ -46,9 +72,11 @@ def main(argv=None) -> int:
     p.add_argument("--image", type=Path, default=None, metavar="IN.png",
                    help="image to image: start from this image (its size, or the model's for SD3, unless "
                         "--height/--width are given)")
+    p.add_argument("--mask", type=Path, default=None, metavar="MASK.png",
+                   help="with --image: inpainting, repaint the mask's white part (a mask of the image's size)")
     p.add_argument("--strength", type=float, default=None,
-                   help="with --image: how much to change it, in (0, 1] (default: the family's, SD3 0.6, SD1.5 0.8, "
-                        "SDXL 0.3)")
+                   help="with --image: how much to change it, in (0, 1] (default: diffusers', SD3 0.6, SD1.5 0.8 and "
+                        "inpainting 1, SDXL 0.3 and inpainting 0.9999)")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
@@ -58,14 +86,18 @@ def main(argv=None) -> int:
     from runners.manifest import ManifestError
 
     def generate():
-        image = _read_image(args.image) if args.image else None
+        _check_out(args.out)
+        if args.mask and not args.image:
+            raise ValueError("--mask needs --image: inpainting repaints the mask's white part of an image")
+        image = _read_image(args.image, "--image") if args.image else None
+        mask = _read_image(args.mask, "--mask") if args.mask else None
         t0 = time.perf_counter()
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
                              device_map=parse_device_map(args.device_map))
         timings = {"load": time.perf_counter() - t0}
         given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image,
-                 "strength": args.strength}  # unset: the family's defaults
+                 "mask_image": mask, "strength": args.strength}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       seed=args.seed, num_images_per_prompt=args.num_images,
                       vae_tiling=True if args.vae_tiling else None, profile=args.profile,
@@ -73,9 +105,7 @@ def main(argv=None) -> int:
         timings.update(pipe.timings)
         out = Path(args.out)
         paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]
-        for image, path in zip(images, paths):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            image.save(path)
+        _save_all(images, paths)
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
         print(f"{stages}; wrote {', '.join(map(str, paths))}")
 

@@ -14,7 +14,7 @@ def to_output(image: np.ndarray, output_type: str):
     return [Image.fromarray(a) for a in (array * 255).round().astype(np.uint8)]
 
 
-def _nearest(array: np.ndarray, height: int, width: int) -> np.ndarray:
+def nearest(array: np.ndarray, height: int, width: int) -> np.ndarray:
     """torch.nn.functional.interpolate's default (mode "nearest") on NCHW: source index floor(i * in / out)."""
     rows = np.minimum((np.arange(height) * (array.shape[2] / height)).astype(np.int64), array.shape[2] - 1)
     cols = np.minimum((np.arange(width) * (array.shape[3] / width)).astype(np.int64), array.shape[3] - 1)
@@ -30,6 +30,26 @@ def _as_list(name: str, value) -> list:
         raise ValueError(f"{name} must be a PIL image, a numpy array (H, W, C) in [0, 1], or a non-empty list of "
                          f"one of those; got {type(value).__name__}")
     return list(items)
+
+
+def _sizes(value, mask: bool) -> set[tuple[int, int]]:
+    """(height, width) of each image of an argument (numpy: (H, W, C), (N, H, W, C), or a mask's (H, W))."""
+    from PIL import Image
+
+    items = _as_list("mask_image" if mask else "image", value)
+    if isinstance(items[0], Image.Image):
+        return {(i.height, i.width) for i in items}
+    return {tuple(a.shape) if mask and a.ndim == 2 else tuple(a.shape[-3:-1]) for a in items}
+
+
+def check_mask_size(image, mask_image) -> None:
+    """diffusers resizes both to the requested size, whatever they were; a mask of another size than
+    its image's is more likely the wrong mask than a coarser one, so it is refused."""
+    images, masks = _sizes(image, mask=False), _sizes(mask_image, mask=True)
+    if masks != images:
+        said = lambda sizes: " and ".join(f"{h}x{w}" for h, w in sorted(sizes))
+        raise ValueError(f"mask_image is {said(masks)} but image is {said(images)} (height x width): pass a mask of "
+                         "the image's size (white repaints, black keeps)")
 
 
 def to_model_input(value, height: int | None, width: int | None, multiple: int, mask: bool = False) -> np.ndarray:
@@ -65,7 +85,7 @@ def to_model_input(value, height: int | None, width: int | None, multiple: int, 
         array = (array[:, None] if array.ndim == 3 else array.transpose(0, 3, 1, 2))
         h = height or array.shape[2] - array.shape[2] % multiple
         w = width or array.shape[3] - array.shape[3] % multiple
-        array = _nearest(array, h, w)
+        array = nearest(array, h, w)
     if mask:
         return np.where(array < 0.5, np.float32(0), np.float32(1))
     return array * 2 - 1

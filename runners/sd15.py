@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.text_to_image import TextToImage
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD15Pipeline(TextToImage):
     family = "sd15"
-    default_strength = 0.8  # diffusers' image-to-image default for this family
+    # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
+    defaults = {TEXT: Defaults(50, 7.5), IMAGE: Defaults(50, 7.5, 0.8), INPAINT: Defaults(50, 7.5, 1.0)}
 
-    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=50,
-                 guidance_scale=7.5, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 vae_tiling=None, image=None, strength=None, noise=None, encoder_noise=None):
-        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
+                 guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
+                 vae_tiling=None, image=None, mask_image=None, strength=None, noise=None, encoder_noise=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
+        `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
+        and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `seed` seeds numpy's generator; pass `latents` (standard normal, before the scheduler's
         initial noise scale) for exact comparison with diffusers. `vae_tiling`: see `vae_decode`."""
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, strength=strength, noise=noise, encoder_noise=encoder_noise)
+                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                   encoder_noise=encoder_noise)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width):
         embeds = self._encode(prompts, per_prompt)

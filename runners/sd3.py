@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.text_to_image import TextToImage
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD3Pipeline(TextToImage):
     family = "sd3"
-    default_strength = 0.6  # diffusers' image-to-image default for this family
+    # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
+    defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
     image_sets_size = False
     strength_whole_steps = False
+    # diffusers' StableDiffusion3InpaintPipeline decodes latents / scaling_factor without adding the
+    # VAE's shift_factor back (its text-to-image and Img2Img pipelines add it): matched, so that the
+    # same weights give the same image.
+    inpaint_decode_adds_shift = False
 
-    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=28,
-                 guidance_scale=7.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 max_sequence_length=256, vae_tiling=None, image=None, strength=None, noise=None,
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
+                 guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
+                 max_sequence_length=256, vae_tiling=None, image=None, mask_image=None, strength=None, noise=None,
                  encoder_noise=None):
-        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
+        `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
+        and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `seed` seeds numpy's generator (not torch's noise: the same seed gives other images than
         diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`."""
         if "text_encoder_3" in self.sessions:
@@ -28,7 +35,8 @@ class SD3Pipeline(TextToImage):
                                  f"{lo}..{hi}")
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, strength=strength, noise=noise, encoder_noise=encoder_noise,
+                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                   encoder_noise=encoder_noise,
                                    t5_length=max_sequence_length)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length):

@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.text_to_image import TextToImage
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SDXLPipeline(TextToImage):
     family = "sdxl"
-    default_strength = 0.3  # diffusers' image-to-image default for this family
+    # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
+    defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
 
-    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=50,
-                 guidance_scale=5.0, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
+                 guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None, image=None,
-                 strength=None, noise=None, encoder_noise=None):
-        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`).
+                 mask_image=None, strength=None, noise=None, encoder_noise=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
+        `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
+        and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `original_size`, `crops_coords_top_left` and `target_size` ((height, width) pairs; the
         first and last default to the image's size) are SDXL's micro-conditions. `seed` seeds
         numpy's generator; pass `latents` for exact comparison with diffusers."""
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, strength=strength, noise=noise, encoder_noise=encoder_noise,
+                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                   encoder_noise=encoder_noise,
                                    original_size=original_size, crops=crops_coords_top_left, target_size=target_size)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, original_size, crops,

@@ -4,11 +4,14 @@ with its tiling. A family (runners/sd3.py, sd15.py, sdxl.py) adds only how it en
 into the denoiser's conditions."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from runners.images import to_model_input, to_output
+from runners.images import check_mask_size, to_model_input, to_output
+from runners.inpainting import Inpainting, latent_mask
 from runners.pipeline import Pipeline
-from runners.schedulers.schedule import strength_start
+from runners.schedulers.schedule import check_steps, strength_start
 from runners.static import check_static_request
 from runners.tiling import tiled
 
@@ -45,6 +48,12 @@ def _check_strength(strength) -> None:
                          "content and keeps its size; lower keeps more of it)")
 
 
+def _check_shared(what: str, count: int, n_images: int) -> None:
+    if n_images % count:
+        raise ValueError(f"{count} {what} cannot be shared by the {n_images} images to generate (prompts x "
+                         f"num_images_per_prompt): pass one, or as many as prompts")
+
+
 def _given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
     """Noise the caller passed (checked against the shape the request needs), or drawn from `rng`."""
     if value is None:
@@ -55,47 +64,71 @@ def _given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
     return value
 
 
+TEXT, IMAGE, INPAINT = "text to image", "image to image", "inpainting"
+
+
+class Defaults(NamedTuple):
+    """What a request leaves unset takes the default of the diffusers pipeline of its task."""
+    num_inference_steps: int
+    guidance_scale: float
+    strength: float | None = None  # image to image and inpainting only
+
+
 class TextToImage(Pipeline):
-    default_strength = 1.0  # image to image's, when not given (diffusers' default of the family's pipeline)
+    defaults: dict[str, Defaults]  # {task: ...}, a family's
     # Image to image without a size: the image's own, rounded down (diffusers' SD1.5 and SDXL Img2Img),
-    # or the model's default size, the image resized to it (SD3's).
+    # or the model's default size, the image resized to it (SD3's; and every Inpaint pipeline's).
     image_sets_size = True
     strength_whole_steps = True  # see runners.schedulers.schedule.strength_start (SD3: False)
+    inpaint_decode_adds_shift = True  # see SD3Pipeline
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                       num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, strength=None,
-                       noise=None, encoder_noise=None, **options):
-        """The whole run: text to image, or image to image when `image` is given (diffusers' Img2Img
-        pipelines: the image's latents noised to the step `strength` selects, and fewer steps run).
-        `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
+                       num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
+                       strength=None, noise=None, encoder_noise=None, **options):
+        """The whole run: text to image; image to image when `image` is given (diffusers' Img2Img
+        pipelines: the image's latents noised to the step `strength` selects, and fewer steps run);
+        inpainting when `mask_image` is given too (diffusers' Inpaint pipelines: the mask's white part
+        is repainted). `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
         c = self.constants
-        task = "image to image" if image is not None else "text to image"
-        missing = [n for n in self.manifest["submodules"] if n not in self.sessions
-                   and (n != "vae_encoder" or image is not None)]
-        if missing:
-            raise ValueError(f"{task} needs {', '.join(missing)}, which this pipeline was loaded without "
-                             "(Pipeline.load(..., submodules=...))")
+        task = INPAINT if mask_image is not None else IMAGE if image is not None else TEXT
+        self._check_task(task, image)
+        defaults = self.defaults[task]
+        num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
+        guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         prompts = _prompts("prompt", prompt)
         _check_request(num_images_per_prompt, seed, guidance_scale)
-        if image is None or not self.image_sets_size:
+        check_steps(num_inference_steps, self.manifest["constants"]["num_train_timesteps"])
+        if task != IMAGE or not self.image_sets_size:
             # None, not 0, means "not given": 0 is refused by the size check below.
             height = c["default_image_size"] if height is None else height
             width = c["default_image_size"] if width is None else width
-        if image is None:
+        n_images = len(prompts) * num_images_per_prompt
+        if task == TEXT:
             given = [n for n, v in (("strength", strength), ("noise", noise), ("encoder_noise", encoder_noise))
                      if v is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} are image to image's: pass image= too")
         else:
             if latents is not None:
-                raise ValueError("latents= are text to image's starting latents; image to image starts from the "
-                                 "image: pass noise= (and encoder_noise=) to fix its randomness")
-            strength = self.default_strength if strength is None else strength
+                raise ValueError(f"latents= are text to image's starting latents; {task} starts from the image: "
+                                 "pass noise= (and encoder_noise=) to fix its randomness")
+            strength = defaults.strength if strength is None else strength
             _check_strength(strength)
+            start = strength_start(num_inference_steps, strength, self.strength_whole_steps)
+            # Counted in steps, not timesteps: PLMS's extra call would otherwise run alone (diffusers'
+            # Inpaint pipelines refuse this too).
+            if num_inference_steps - start < 1:
+                raise ValueError(f"strength={strength} with num_inference_steps={num_inference_steps} runs no step "
+                                 f"(strength x steps must be at least 1): raise either")
             pixels = to_model_input(image, height, width, multiple=c["vae_scale_factor"])
             height, width = pixels.shape[2:]
+            _check_shared("images", len(pixels), n_images)
+            if task == INPAINT:
+                check_mask_size(image, mask_image)
+                mask = to_model_input(mask_image, height, width, multiple=c["vae_scale_factor"], mask=True)
+                if len(mask) not in (1, len(pixels)):
+                    raise ValueError(f"{len(mask)} masks for {len(pixels)} images: pass one mask, or one per image")
         cfg = guidance_scale > 1
-        n_images = len(prompts) * num_images_per_prompt
         check_static_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
         self._check(height, width, n_images * (2 if cfg else 1), output_type)
         self.timings = {}
@@ -104,28 +137,51 @@ class TextToImage(Pipeline):
             conditions = self._conditions(prompts, negative_prompt, num_images_per_prompt, cfg, height, width,
                                           **options)
         scale = c["vae_scale_factor"]
-        shape = (n_images, c["latent_channels"], height // scale, width // scale)
+        shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
         rng = np.random.default_rng(seed)
         schedule = self.scheduler.start(num_inference_steps, self._mu(shape))
-        if image is None:
+        inpainting = None
+        if task == TEXT:
             latents = _given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
         else:
-            start = strength_start(num_inference_steps, strength, self.strength_whole_steps)
             schedule.begin_at(start)
-            # Counted in steps, not timesteps: PLMS's extra call would otherwise run alone (diffusers'
-            # inpainting pipelines refuse this too).
-            if num_inference_steps - start < 1:
-                raise ValueError(f"strength={strength} with num_inference_steps={num_inference_steps} runs no step "
-                                 f"(strength x steps must be at least 1): raise either")
-            latents = self._image_latents(pixels, n_images, schedule, rng, noise, encoder_noise, vae_tiling)
+            encoder_noise = _given_or_drawn("encoder_noise", encoder_noise, (len(pixels), *shape[1:]), rng)
+            noise = _given_or_drawn("noise", noise, shape, rng)
+            with self._timed("vae_encode"):
+                if task == IMAGE:
+                    latents = schedule.noised(self._image_latents(pixels, n_images, encoder_noise, vae_tiling), noise)
+                else:
+                    latents, inpainting = self._inpainting(pixels, mask, n_images, strength, schedule, noise,
+                                                           encoder_noise, cfg, vae_tiling)
         with self._timed("denoise"):
-            latents = self._denoise(latents, schedule, guidance_scale, conditions)
+            latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting)
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
-            z = latents / np.float32(c["vae_scaling_factor"]) + np.float32(c["vae_shift_factor"])
+            shift = c["vae_shift_factor"] if task != INPAINT or self.inpaint_decode_adds_shift else 0
+            z = latents / np.float32(c["vae_scaling_factor"]) + np.float32(shift)
             image = self.vae_decode(z, tiling=vae_tiling)
         return to_output(image, output_type)
+
+    def _check_task(self, task: str, image) -> None:
+        """The engines and inputs a task needs: the VAE encoder for an image; an image for a mask; and a
+        mask for an inpainting denoiser (one that takes the mask and the masked image as channels)."""
+        missing = [n for n in self.manifest["submodules"] if n not in self.sessions
+                   and (n != "vae_encoder" or task != TEXT)]
+        if missing:
+            raise ValueError(f"{task} needs {', '.join(missing)}, which this pipeline was loaded without "
+                             "(Pipeline.load(..., submodules=...))")
+        if task == INPAINT and image is None:
+            raise ValueError("mask_image= needs image= too: inpainting repaints the mask's white part of an image")
+        if task != INPAINT and self._inpainting_denoiser():
+            raise ValueError(f"this artifact's {self.constants['denoiser']} is an inpainting one "
+                             f"({self.manifest['constants']['in_channels']} input channels: the latents, the mask and "
+                             "the masked image's): pass image= and mask_image=")
+
+    def _inpainting_denoiser(self) -> bool:
+        """Whether the denoiser reads more channels than the latents have (the mask and the masked image's)."""
+        channels = self.manifest["constants"]
+        return channels["in_channels"] != channels["latent_channels"]
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, **options) -> dict:
         """The denoiser's feeds besides the latents and the timestep, for the whole batch."""
@@ -135,34 +191,50 @@ class TextToImage(Pipeline):
         """A resolution-dependent shift for the scheduler (flow matching); None for the others."""
         return None
 
-    def _image_latents(self, pixels, n_images, schedule, rng, noise, encoder_noise, vae_tiling):
-        """diffusers' Img2Img prepare_latents: a sample of the image's latent posterior (`encoder_noise`),
-        scaled as the denoiser's latents, repeated for the images to generate, and noised at the first
-        step by the scheduler's own rule (`noise`). Unspecified noise is drawn from `rng`, in that order."""
+    def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
+        """diffusers' _encode_vae_image: a sample of the image's latent posterior (`encoder_noise`),
+        scaled as the denoiser's latents, repeated for the images to generate."""
         c = self.constants
-        if n_images % len(pixels):
-            raise ValueError(f"{len(pixels)} images cannot be shared by the {n_images} images to generate (prompts x "
-                             "num_images_per_prompt): pass one image, or as many as prompts")
-        with self._timed("vae_encode"):
-            mean, logvar = self.vae_encode(pixels, tiling=vae_tiling)
-        encoder_noise = _given_or_drawn("encoder_noise", encoder_noise, mean.shape, rng)
+        mean, logvar = self.vae_encode(pixels, tiling=vae_tiling)
         z = mean + np.exp(np.float32(0.5) * logvar) * encoder_noise
         z = (z - np.float32(c["vae_shift_factor"])) * np.float32(c["vae_scaling_factor"])
-        z = np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
-        return schedule.noised(z, _given_or_drawn("noise", noise, z.shape, rng))
+        return np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
 
-    def _denoise(self, latents, schedule, guidance_scale, conditions):
+    def _inpainting(self, pixels, mask, n_images, strength, schedule, noise, encoder_noise, cfg, vae_tiling):
+        """diffusers' Inpaint prepare_latents and prepare_mask_latents: the starting latents (pure
+        noise at strength 1, else the image's latents noised), and what each step adds. The masked
+        image's posterior sample takes the same `encoder_noise` as the image's."""
+        blends = not self._inpainting_denoiser()
+        image_latents = self._image_latents(pixels, n_images, encoder_noise, vae_tiling) \
+            if blends or strength < 1 else None
+        if strength == 1:
+            start = noise * np.float32(schedule.init_noise_sigma)
+        else:
+            start = schedule.noised(image_latents, noise)
+        small_mask = latent_mask(mask, noise.shape[2:], n_images)
+        if blends:
+            return start, Inpainting(small_mask, noise, image_latents, channels=None)
+        # diffusers encodes the masked image whatever the denoiser; only an inpainting one reads it
+        masked = self._image_latents(pixels * (mask < 0.5), n_images, encoder_noise, vae_tiling)
+        channels = np.concatenate([small_mask, masked], axis=1)
+        return start, Inpainting(small_mask, noise, None, np.concatenate([channels, channels]) if cfg else channels)
+
+    def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
         denoiser = self.constants["denoiser"]
         latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
         cfg, n = guidance_scale > 1, len(schedule.timesteps)
         for i, t in enumerate(schedule.timesteps):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
+            if inpainting is not None:
+                x = inpainting.inputs(x)
             noise = self.run(denoiser, release=i == n - 1, **{latent_input: x}, **conditions,
                              timestep=np.full(x.shape[0], t, dtype=np.float32))["noise_pred"]
             if cfg:
                 uncond, text = np.split(noise, 2)
                 noise = uncond + np.float32(guidance_scale) * (text - uncond)
             latents = schedule.step(noise, i, latents)
+            if inpainting is not None:
+                latents = inpainting.blend(latents, schedule, i)
             self._progress(i + 1, n)
         return latents
 

@@ -79,6 +79,11 @@ def sd15_tiny_build(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sd15_inpaint_tiny_build(tmp_path_factory):
+    return _tiny_build(tmp_path_factory, "sd15-inpaint-tiny")
+
+
+@pytest.fixture(scope="session")
 def sdxl_tiny_build(tmp_path_factory):
     return _tiny_build(tmp_path_factory, "sdxl-tiny")
 

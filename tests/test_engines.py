@@ -33,7 +33,8 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     assert m["submodules"]["vae_decoder"]["dims"]["image_width"] == [64, 128, 512]
     p = m["pipeline"]
     assert (p["vae_scaling_factor"], p["vae_shift_factor"]) == (1.5305, 0.0609)
-    assert (p["vae_scale_factor"], p["patch_size"], p["latent_channels"], p["clip_length"]) == (8, 2, 16, 77)
+    assert (p["vae_scale_factor"], p["patch_size"], p["clip_length"]) == (8, 2, 77)
+    assert (m["constants"]["latent_channels"], m["constants"]["in_channels"]) == (16, 16)
     assert {"torch", "diffusers", "transformers", "onnx", "onnxruntime"} <= set(m["versions"])
     assert m["scheduler"]["class"] == "FlowMatchEulerDiscreteScheduler"
     assert set(m["tokenizers"]) == {"tokenizer", "tokenizer_2", "tokenizer_3"}

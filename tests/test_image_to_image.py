@@ -1,6 +1,7 @@
-"""Image to image against diffusers' Img2Img pipelines: same weights, the same image, and the same
-`noise` and `encoder_noise` handed to both (diffusers' randn_tensor patched), fp32. Images must agree
-to within 1e-4: the errors measured are at most 7e-6, far inside the 1/255 of an image level."""
+"""Image to image and inpainting against diffusers' Img2Img and Inpaint pipelines: same weights, the
+same image and mask, and the same `noise` and `encoder_noise` handed to both (diffusers' randn_tensor
+patched: the VAE's posterior samples all get `encoder_noise`), fp32. Images must agree to within
+1e-4: the errors measured are at most 7e-6, far inside the 1/255 of an image level."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +23,15 @@ def _image(height: int, width: int, seed: int = 0):
     phase = np.random.default_rng(seed).uniform(0, 6, 3)
     rgb = np.stack([0.5 + 0.45 * np.sin(6 * x + 4 * y + p) for p in phase], axis=-1)
     return Image.fromarray((rgb * 255).round().astype(np.uint8))
+
+
+def _mask(height: int, width: int):
+    """A soft-edged ellipse, white inside: binarized by both pipelines (white repaints)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    r = ((y - height * 0.45) / (height * 0.3)) ** 2 + ((x - width * 0.55) / (width * 0.35)) ** 2
+    return Image.fromarray((np.clip(1.5 - r, 0, 1) * 255).round().astype(np.uint8), mode="L")
 
 
 def _noises(n_images: int, n_given: int, height: int, width: int, channels: int, seed: int):
@@ -122,6 +132,73 @@ def test_unet_image_to_image_matches_diffusers(monkeypatch, unet_references, fam
     assert_real_image(ref)
 
 
+INPAINT_CASES = {  # (family, model's build fixture): cases
+    ("sd3", "tiny_build"): {
+        "strength_0.6": dict(strength=0.6),
+        "strength_1.0_non_square": dict(strength=1.0, size=(80, 144)),
+        "no_guidance_two_per_prompt": dict(strength=0.8, guidance_scale=1.0, num_images_per_prompt=2),
+    },
+    ("sd15", "sd15_tiny_build"): {  # the 4-channel UNet: the known part blended back after each step
+        "strength_0.75": dict(strength=0.75),
+        "strength_1.0_two_per_prompt": dict(strength=1.0, num_images_per_prompt=2, negative_prompt="blurry"),
+    },
+    ("sd15", "sd15_inpaint_tiny_build"): {  # the 9-channel UNet: the mask and masked image as its input
+        "strength_1.0": dict(strength=1.0),
+        "strength_0.6_non_square_no_guidance": dict(strength=0.6, size=(64, 128), guidance_scale=1.0),
+    },
+    ("sdxl", "sdxl_tiny_build"): {
+        "default_strength": dict(),  # 0.9999: the image's latents noised, not pure noise
+        "strength_0.5_two_per_prompt": dict(strength=0.5, num_images_per_prompt=2),
+    },
+}
+_INPAINT_PIPELINES = {"sd3": ("StableDiffusion3InpaintPipeline", "stable_diffusion_3.pipeline_stable_diffusion_3_inpaint"),
+                      "sd15": ("StableDiffusionInpaintPipeline", "stable_diffusion.pipeline_stable_diffusion_inpaint"),
+                      "sdxl": ("StableDiffusionXLInpaintPipeline",
+                               "stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint")}
+
+
+@pytest.fixture(scope="module")
+def inpaint_references(request):
+    """Each build's diffusers Inpaint pipeline, loaded once: {(family, fixture): (build folder, pipeline)}."""
+    import importlib
+
+    import diffusers
+
+    loaded = {}
+
+    def get(family, fixture):
+        if fixture not in loaded:
+            build = request.getfixturevalue(fixture)
+            source = build.source.folder if hasattr(build, "source") else request.getfixturevalue("tiny_source").folder
+            folder = build.folder if hasattr(build, "folder") else build
+            reference = getattr(diffusers, _INPAINT_PIPELINES[family][0]).from_pretrained(source)
+            reference.set_progress_bar_config(disable=True)
+            loaded[fixture] = folder, reference
+        module = importlib.import_module(f"diffusers.pipelines.{_INPAINT_PIPELINES[family][1]}")
+        return (*loaded[fixture], module)
+
+    return get
+
+
+@pytest.mark.parametrize("family, fixture, case", [(f, b, c) for (f, b), cases in INPAINT_CASES.items() for c in cases])
+def test_inpainting_matches_diffusers(monkeypatch, inpaint_references, family, fixture, case):
+    """Every family at its model's default size or another, both kinds of denoiser, strengths below
+    and at 1 (pure noise), with and without guidance, and two images per prompt."""
+    folder, reference, module = inpaint_references(family, fixture)
+    kwargs = dict(INPAINT_CASES[family, fixture][case], prompt="a photo of a cat", num_inference_steps=5)
+    height, width = kwargs.pop("size", (128, 128))
+    image, mask = _image(height, width, seed=len(case)), _mask(height, width)
+    n = kwargs.get("num_images_per_prompt", 1)
+    encoder_noise, noise = _noises(n, 1, height, width, 16 if family == "sd3" else 4, seed=len(case))
+    _patched_reference(monkeypatch, module, noise, encoder_noise)
+    ref = reference(image=image, mask_image=mask, height=height, width=width, output_type="np", **kwargs).images
+    ours = Pipeline.load(folder / "ort-fp32")(image=image, mask_image=mask, height=height, width=width,
+                                              noise=noise, encoder_noise=encoder_noise, output_type="np", **kwargs)
+    assert ours.shape == ref.shape == (n, height, width, 3)
+    assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
+    assert_real_image(ref)
+
+
 @pytest.mark.parametrize("kwargs, said", [
     (dict(strength=0.0), r"strength=0.0 is not allowed: use a number in \(0, 1\]"),
     (dict(strength=1.5), r"strength=1.5 is not allowed"),
@@ -131,6 +208,13 @@ def test_unet_image_to_image_matches_diffusers(monkeypatch, unet_references, fam
     (dict(image=[_image(128, 128), _image(128, 128), _image(128, 128)], prompt=["a", "b"]),
      "3 images cannot be shared by the 2 images to generate"),
     (dict(image="cat.png"), "image must be a PIL image, a numpy array .* got str"),
+    (dict(image=None, mask_image=_mask(128, 128)), "mask_image= needs image= too"),
+    (dict(mask_image=_mask(64, 96)), r"mask_image is 64x96 but image is 128x128 \(height x width\)"),
+    (dict(image=np.full((128, 128, 3), 0.5), mask_image=np.ones((128, 64))), "mask_image is 128x64 but image is "
+                                                                             "128x128"),
+    (dict(mask_image=[_mask(128, 128)] * 2), "2 masks for 1 images: pass one mask, or one per image"),
+    (dict(mask_image=_mask(128, 128), latents=np.zeros((1, 16, 16, 16), np.float32)),
+     "latents= are text to image's starting latents; inpainting starts from the image"),
 ])
 def test_bad_image_to_image_requests_are_refused(tiny_artifact, kwargs, said):
     request = {**dict(prompt="a cat", image=_image(128, 128), num_inference_steps=2, seed=0), **kwargs}
@@ -141,6 +225,13 @@ def test_bad_image_to_image_requests_are_refused(tiny_artifact, kwargs, said):
 def test_image_to_image_arguments_need_an_image(tiny_artifact):
     with pytest.raises(ValueError, match="strength, noise are image to image's: pass image= too"):
         Pipeline.load(tiny_artifact)("a cat", strength=0.5, noise=np.zeros(1), num_inference_steps=1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(image=_image(64, 64))])
+def test_an_inpainting_unet_needs_a_mask(sd15_inpaint_tiny_build, kwargs):
+    with pytest.raises(ValueError, match=r"this artifact's unet is an inpainting one \(9 input channels: .*pass "
+                                         "image= and mask_image="):
+        Pipeline.load(sd15_inpaint_tiny_build.folder / "ort-fp32")("a cat", num_inference_steps=1, **kwargs)
 
 
 def test_a_strength_that_runs_no_step_is_refused(sd15_tiny_build):

@@ -15,6 +15,18 @@ def test_hub_models_are_registered_by_their_ids():
     assert MODELS["sd3.5-large"].hub_id == "stabilityai/stable-diffusion-3.5-large"
     assert (MODELS["sd15"].family, MODELS["sd15"].hub_id) == ("sd15", "stable-diffusion-v1-5/stable-diffusion-v1-5")
     assert (MODELS["sdxl"].family, MODELS["sdxl"].hub_id) == ("sdxl", "stabilityai/stable-diffusion-xl-base-1.0")
+    assert (MODELS["sd15-inpaint"].family, MODELS["sd15-inpaint"].hub_id) == (
+        "sd15", "stable-diffusion-v1-5/stable-diffusion-inpainting")
+
+
+def test_sd15_inpaint_tiny_is_sd15_tiny_with_the_inpainting_unet():
+    """stable-diffusion-inpainting's UNet differs from SD1.5's only by its 9 input channels: the
+    latents, the mask and the masked image's latents."""
+    tiny, inpaint = MODELS["sd15-tiny"].random_configs, MODELS["sd15-inpaint-tiny"].random_configs
+    assert inpaint["unet"] == {**tiny["unet"], "in_channels": 9}
+    assert inpaint["pipeline_class"] == "StableDiffusionInpaintPipeline"
+    assert {k: v for k, v in inpaint.items() if k not in ("unet", "pipeline_class")} == \
+        {k: v for k, v in tiny.items() if k != "unet"}
 
 
 def _parameters(make) -> int:
@@ -85,7 +97,8 @@ def test_folder_that_is_not_a_pipeline(tmp_path):
     with pytest.raises(SourceError, match="no model_index.json"):
         resolve(str(tmp_path))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(SourceError, match="FluxPipeline; supported pipelines: StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline"):
+    with pytest.raises(SourceError, match="FluxPipeline; supported pipelines: StableDiffusion3Pipeline, "
+                                          "StableDiffusion3Img2ImgPipeline, .*StableDiffusionXLInpaintPipeline$"):
         resolve(str(tmp_path))
 
 

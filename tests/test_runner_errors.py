@@ -157,19 +157,41 @@ def test_cli_image_to_image(tiny_artifact, tmp_path):
     assert Image.open(out).size == (128, 128)  # SD3 resizes to the model's default size, as diffusers
 
 
-@pytest.mark.parametrize("image, strength, message", [
-    ("missing.png", "0.5", "error: --image {dir}/missing.png does not exist"),
-    ("not_an_image.png", "0.5", "error: --image {dir}/not_an_image.png is not an image file Pillow can read"),
-    ("in.png", "1.5", "error: strength=1.5 is not allowed: use a number in (0, 1]"),
+def test_cli_inpainting(tiny_artifact, tmp_path):
+    from PIL import Image
+
+    source, mask, out = tmp_path / "in.png", tmp_path / "mask.png", tmp_path / "out.png"
+    Image.new("RGB", (96, 64), (200, 120, 40)).save(source)
+    Image.new("L", (96, 64), 255).save(mask)
+    run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "2",
+                          "--image", str(source), "--mask", str(mask), "--num-images", "2", "--out", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["in.png", "mask.png", "out_0.png", "out_1.png"]  # and no partial files left
+    assert Image.open(tmp_path / "out_1.png").size == (128, 128)  # inpainting takes the model's default size
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--image", "missing.png"], "error: --image {dir}/missing.png does not exist"),
+    (["--image", "not_an_image.png"], "error: --image {dir}/not_an_image.png is not an image file Pillow can read"),
+    (["--image", "in.png", "--strength", "1.5"], "error: strength=1.5 is not allowed: use a number in (0, 1]"),
+    (["--image", "in.png", "--mask", "missing.png"], "error: --mask {dir}/missing.png does not exist"),
+    (["--mask", "in.png"], "error: --mask needs --image"),
+    (["--image", "in.png", "--mask", "small.png"],
+     "error: mask_image is 32x48 but image is 64x64 (height x width): pass a mask of the image's size"),
+    (["--image", "in.png", "--out", "{dir}/x.pgn"], "error: --out {dir}/x.pgn: Pillow writes no image format with "
+                                                    "the extension '.pgn'"),
 ])
-def test_cli_bad_image_requests_exit_2_and_write_nothing(tiny_artifact, tmp_path, image, strength, message):
+def test_cli_bad_image_requests_exit_2_and_write_nothing(tiny_artifact, tmp_path, args, message):
     from PIL import Image
 
     Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    Image.new("L", (48, 32)).save(tmp_path / "small.png")
     (tmp_path / "not_an_image.png").write_text("plain text")
-    out = tmp_path / "x.png"
+    before = set(tmp_path.iterdir())
+    args = [str(tmp_path / a) if a.endswith(".png") else a.format(dir=tmp_path) for a in args]
     run = subprocess.run([sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "1",
-                          "--image", str(tmp_path / image), "--strength", strength, "--out", str(out)],
-                         capture_output=True, text=True)
+                          "--out", str(tmp_path / "x.png"), *args], capture_output=True, text=True)
     assert run.returncode == 2 and message.format(dir=tmp_path) in run.stderr, run.stderr
-    assert "Traceback" not in run.stderr and not out.exists()
+    assert "Traceback" not in run.stderr and set(tmp_path.iterdir()) == before

@@ -88,7 +88,6 @@ def _runtime_constants(src) -> dict:
         "denoiser": "transformer",
         "latent_multiple": c["latent_multiple"],
         "patch_size": tr["patch_size"],
-        "latent_channels": tr["in_channels"],
         "joint_attention_dim": tr["joint_attention_dim"],
         "clip_length": c["clip_length"],
     }
@@ -130,7 +129,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="sd3",
-    pipeline_class="StableDiffusion3Pipeline",
+    # One 16-channel transformer serves all three, as in diffusers.
+    pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
     submodules=(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),

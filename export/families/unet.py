@@ -68,7 +68,11 @@ def _constants(src) -> dict[str, int]:
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
     }
     if src.has("text_encoder_2"):
-        c.update(clip_constants(src.config("text_encoder_2"), "clip2"), time_ids=6)
+        c.update(clip_constants(src.config("text_encoder_2"), "clip2"))
+        # Six size conditions, or five where the UNet was trained with an aesthetic score in place of
+        # the target size (requires_aesthetics_score: SDXL's refiner); the UNet's widths say which.
+        c["time_ids"] = (unet["projection_class_embeddings_input_dim"] - c["clip2_proj"]) // unet[
+            "addition_time_embed_dim"]
     return c
 
 
@@ -78,7 +82,6 @@ def _runtime_constants(src) -> dict:
         **vae_runtime_constants(src.config("vae")),
         "denoiser": "unet",
         "latent_multiple": c["latent_multiple"],
-        "latent_channels": c["in_channels"],
         "clip_length": c["clip_length"],
         # SDXL: without a negative prompt, guidance's unconditional half is zeros
         "force_zeros_for_empty_prompt": bool(src.model_index().get("force_zeros_for_empty_prompt", False)),
@@ -88,7 +91,8 @@ def _runtime_constants(src) -> dict:
 def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], configs: dict, out_dir,
            seed: int, **pipeline_kwargs) -> None:
     """Write a pipeline folder with random seeded weights: `encoders` maps each text encoder
-    component to its transformers class; `pads` each tokenizer to its pad token."""
+    component to its transformers class; `pads` each tokenizer to its pad token. The configs may
+    name another pipeline class of the family ("pipeline_class": an inpainting one)."""
     import tempfile
 
     import diffusers
@@ -106,7 +110,8 @@ def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], 
         # from_config, as from_pretrained does: the real configs carry keys a class ignores
         others = {"scheduler": getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
                   **clip_tokenizers(tmp, pads), **pipeline_kwargs}
-        save_pipeline(pipeline_class, build_modules(builders, seed, streamed=False), others, out_dir)
+        save_pipeline(configs.get("pipeline_class", pipeline_class), build_modules(builders, seed, streamed=False),
+                      others, out_dir)
 
 
 def build_sd15(configs: dict, out_dir, seed: int = 0) -> None:
@@ -123,7 +128,7 @@ def build_sdxl(configs: dict, out_dir, seed: int = 0) -> None:
 
 SD15 = Family(
     name="sd15",
-    pipeline_class="StableDiffusionPipeline",
+    pipeline_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("last_hidden_state",)),
         _unet(_UNet),
@@ -139,7 +144,7 @@ SD15 = Family(
 
 SDXL = Family(
     name="sdxl",
-    pipeline_class="StableDiffusionXLPipeline",
+    pipeline_classes=("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("penultimate_hidden_states",)),
         clip("text_encoder_2", "clip2", ("text_embeds", "penultimate_hidden_states")),
