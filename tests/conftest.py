@@ -7,6 +7,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -111,3 +112,34 @@ def rtx_options(**kwargs):
     from runners.backends.trt import gpu_count
 
     return BuildOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)
+
+
+def smooth_image(height: int, width: int, seed: int = 0):
+    """A smooth RGB picture (a random image would be mostly noise to the VAE)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    phase = np.random.default_rng(seed).uniform(0, 6, 3)
+    rgb = np.stack([0.5 + 0.45 * np.sin(6 * x + 4 * y + p) for p in phase], axis=-1)
+    return Image.fromarray((rgb * 255).round().astype(np.uint8))
+
+
+def soft_mask(height: int, width: int):
+    """A soft-edged ellipse, white inside: binarized by the pipelines (white repaints)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    r = ((y - height * 0.45) / (height * 0.3)) ** 2 + ((x - width * 0.55) / (width * 0.35)) ** 2
+    return Image.fromarray((np.clip(1.5 - r, 0, 1) * 255).round().astype(np.uint8), mode="L")
+
+
+def image_task_outputs(pipe, height: int = 128, width: int = 128, steps: int = 6, **kwargs) -> dict[str, np.ndarray]:
+    """Image to image and inpainting on `pipe`, from fixed inputs and noise: what a text-to-image run
+    from fixed latents is to the comparison of two artifacts, for the image tasks."""
+    rng = np.random.default_rng(7)
+    shape = (1, pipe.manifest["constants"]["latent_channels"], height // 8, width // 8)
+    noise, encoder_noise = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    common = dict(prompt="a photo of a cat", image=smooth_image(height, width), height=height, width=width,
+                  noise=noise, encoder_noise=encoder_noise, num_inference_steps=steps, output_type="np", **kwargs)
+    return {"image to image": pipe(strength=0.6, **common),
+            "inpainting": pipe(mask_image=soft_mask(height, width), strength=0.8, **common)}

@@ -9,29 +9,10 @@ import pytest
 import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image
+from conftest import assert_real_image, soft_mask as _mask, smooth_image as _image
 from runners import Pipeline
 
 BOUND = 1e-4  # of [0, 1] image values; measured: up to 7e-6 (SDXL)
-
-
-def _image(height: int, width: int, seed: int = 0):
-    """A smooth RGB picture (a random image would be mostly noise to the VAE)."""
-    from PIL import Image
-
-    y, x = np.mgrid[0:height, 0:width] / max(height, width)
-    phase = np.random.default_rng(seed).uniform(0, 6, 3)
-    rgb = np.stack([0.5 + 0.45 * np.sin(6 * x + 4 * y + p) for p in phase], axis=-1)
-    return Image.fromarray((rgb * 255).round().astype(np.uint8))
-
-
-def _mask(height: int, width: int):
-    """A soft-edged ellipse, white inside: binarized by both pipelines (white repaints)."""
-    from PIL import Image
-
-    y, x = np.mgrid[0:height, 0:width]
-    r = ((y - height * 0.45) / (height * 0.3)) ** 2 + ((x - width * 0.55) / (width * 0.35)) ** 2
-    return Image.fromarray((np.clip(1.5 - r, 0, 1) * 255).round().astype(np.uint8), mode="L")
 
 
 def _noises(n_images: int, n_given: int, height: int, width: int, channels: int, seed: int):

@@ -9,6 +9,7 @@ import gc
 import numpy as np
 import pytest
 
+from conftest import image_task_outputs
 from gpu_double import SharedBuffers
 from runners.pipeline import Pipeline
 
@@ -60,6 +61,16 @@ def test_tiled_and_repeated_vae(monkeypatch, tiny_artifact):
     ref, got = _both(monkeypatch, tiny_artifact, run)
     for r, g in zip(ref, got):
         assert np.array_equal(g, r)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_build", "sd15_tiny_build"])
+def test_image_tasks(monkeypatch, request, fixture):
+    """Image to image and inpainting keep the image's latents across every step (blended back, re-noised)."""
+    build = request.getfixturevalue(fixture)
+    artifact = getattr(build, "folder", build) / "ort-fp32"
+    ref, got = _both(monkeypatch, artifact, lambda pipe: image_task_outputs(pipe, steps=3))
+    for task in ref:
+        assert np.array_equal(got[task], ref[task]), task
 
 
 @pytest.mark.parametrize("guidance", [7.5, 1.0], ids=["guidance", "no-guidance"])

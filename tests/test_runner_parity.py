@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_real_image
+from conftest import assert_real_image, image_task_outputs
 from runners import Pipeline
 
 ONE_LEVEL = 1 / 255
@@ -44,6 +44,14 @@ def test_images_match_diffusers(pipe, reference_pipeline, case):
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= ONE_LEVEL
     assert_real_image(ref)  # not a constant or saturated image the test could not tell apart
+
+
+def test_image_tasks_on_the_memory_artifact(tiny_artifact, tiny_memory_artifact):
+    """Image to image and inpainting (held to diffusers in test_image_to_image.py) are unchanged by the
+    memory profile, as text to image is."""
+    refs, got = (image_task_outputs(Pipeline.load(a)) for a in (tiny_artifact, tiny_memory_artifact))
+    for task, ref in refs.items():
+        assert np.abs(ref - got[task]).max() <= 1e-5, task
 
 
 def test_latent_output_matches_diffusers_before_the_vae(pipe, reference_pipeline):
