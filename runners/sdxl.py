@@ -1,6 +1,7 @@
 """Stable Diffusion XL text-to-image, with the semantics of diffusers' StableDiffusionXLPipeline:
 the penultimate states of CLIP-L and CLIP-G side by side, CLIP-G's pooled projection and the
-six size conditions ("time ids") as the UNet's added conditions, Euler by default.
+six size conditions ("time ids", or five with an aesthetic score) as the UNet's added conditions,
+Euler by default.
 
 Without a negative prompt, the unconditional half is zeros (the pipeline's
 force_zeros_for_empty_prompt). Not ported: a second prompt for CLIP-G (`prompt_2`; both encoders
@@ -21,21 +22,25 @@ class SDXLPipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None, image=None,
-                 mask_image=None, strength=None, noise=None, encoder_noise=None):
+                 mask_image=None, strength=None, noise=None, encoder_noise=None, aesthetic_score=6.0,
+                 negative_aesthetic_score=2.5):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
         and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `original_size`, `crops_coords_top_left` and `target_size` ((height, width) pairs; the
-        first and last default to the image's size) are SDXL's micro-conditions. `seed` seeds
+        first and last default to the image's size) are SDXL's micro-conditions; a UNet trained with
+        aesthetic scores (the refiner's structure) takes `aesthetic_score` and `negative_aesthetic_score`
+        in place of the target size. `seed` seeds
         numpy's generator; pass `latents` for exact comparison with diffusers."""
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
                                    image=image, mask_image=mask_image, strength=strength, noise=noise,
                                    encoder_noise=encoder_noise,
-                                   original_size=original_size, crops=crops_coords_top_left, target_size=target_size)
+                                   original_size=original_size, crops=crops_coords_top_left, target_size=target_size,
+                                   aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, original_size, crops,
-                    target_size):
+                    target_size, aesthetic_score, negative_aesthetic_score):
         embeds, pooled = self._encode(prompts, per_prompt)
         if cfg:
             if negative_prompt is None and self.constants["force_zeros_for_empty_prompt"]:
@@ -43,12 +48,21 @@ class SDXLPipeline(TextToImage):
             else:
                 neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt)
             embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
-        sizes = [*(original_size or (height, width)), *crops, *(target_size or (height, width))]
+        original_size = original_size or (height, width)
+        sizes = [*original_size, *crops, *(target_size or (height, width))]
         if len(sizes) != 6:
             raise ValueError(f"original_size, crops_coords_top_left and target_size are (height, width) pairs; "
                              f"got {original_size}, {crops}, {target_size}")
-        time_ids = np.tile(np.array(sizes, dtype=np.float32), (len(embeds), 1))
-        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": time_ids}
+        if self.manifest["constants"]["time_ids"] == 5:
+            # A UNet trained with an aesthetic score in place of the target size (diffusers'
+            # requires_aesthetics_score): the unconditional half gets the negative score.
+            sizes, negative_sizes = ([*original_size, *crops, score] for score in (aesthetic_score,
+                                                                                  negative_aesthetic_score))
+        else:
+            negative_sizes = sizes
+        n = len(embeds) // 2 if cfg else len(embeds)
+        rows = ([negative_sizes] * n if cfg else []) + [sizes] * n
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": np.array(rows, dtype=np.float32)}
 
     def _encode(self, prompts: list[str], per_prompt: int):
         """Penultimate states of both CLIPs side by side; pooled: CLIP-G's projection."""

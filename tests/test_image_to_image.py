@@ -220,3 +220,49 @@ def test_a_strength_that_runs_no_step_is_refused(sd15_tiny_build):
     with pytest.raises(ValueError, match="strength=0.1 with num_inference_steps=4 runs no step"):
         Pipeline.load(sd15_tiny_build.folder / "ort-fp32")("a cat", image=_image(64, 64), strength=0.1,
                                                            num_inference_steps=4)
+
+
+@pytest.fixture(scope="module")
+def sdxl_aesthetic_build(tmp_path_factory):
+    """sdxl-tiny with a UNet trained on aesthetic scores (five time ids, as SDXL's refiner), saved as a
+    StableDiffusionXLInpaintPipeline that requires them, then exported from its folder as a user's is."""
+    from engines.api import build_artifact
+    from export.api import export_model
+    from export.families.unet import build_sdxl
+    from export.registry import SDXL_TINY
+    from export.source import resolve
+
+    unet = SDXL_TINY["unet"]
+    configs = {**SDXL_TINY, "pipeline_class": "StableDiffusionXLInpaintPipeline",
+               "pipeline_kwargs": {"requires_aesthetics_score": True},
+               "unet": {**unet, "projection_class_embeddings_input_dim": unet[
+                   "projection_class_embeddings_input_dim"] - unet["addition_time_embed_dim"]}}
+    folder, build = tmp_path_factory.mktemp("sdxl-aesthetic-model"), tmp_path_factory.mktemp("sdxl-aesthetic")
+    build_sdxl(configs, folder)
+    export_model(resolve(str(folder)), build, image_size=(64, 128, 256))
+    return folder, build_artifact(build, "ort", "fp32")
+
+
+@pytest.mark.parametrize("task", ["image to image", "inpainting"])
+def test_sdxl_aesthetic_scores_match_diffusers(monkeypatch, sdxl_aesthetic_build, task):
+    import diffusers
+    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_img2img as img2img
+    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as inpaint
+
+    folder, artifact = sdxl_aesthetic_build
+    cls, module = (diffusers.StableDiffusionXLImg2ImgPipeline, img2img) if task == "image to image" else \
+        (diffusers.StableDiffusionXLInpaintPipeline, inpaint)
+    reference = cls.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    kwargs = dict(prompt="a photo of a cat", image=_image(128, 128), num_inference_steps=4, strength=0.75,
+                  aesthetic_score=7.0, negative_aesthetic_score=2.0, height=128, width=128)
+    if task == "inpainting":
+        kwargs["mask_image"] = _mask(128, 128)
+    encoder_noise, noise = _noises(1, 1, 128, 128, 4, seed=5)
+    _patched_reference(monkeypatch, module, noise, encoder_noise)
+    ref = reference(output_type="np", **kwargs).images
+    pipe = Pipeline.load(artifact)
+    assert pipe.manifest["constants"]["time_ids"] == 5
+    ours = pipe(noise=noise, encoder_noise=encoder_noise, output_type="np", **kwargs)
+    assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
+    assert_real_image(ref)

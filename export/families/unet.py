@@ -92,7 +92,8 @@ def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], 
            seed: int, **pipeline_kwargs) -> None:
     """Write a pipeline folder with random seeded weights: `encoders` maps each text encoder
     component to its transformers class; `pads` each tokenizer to its pad token. The configs may
-    name another pipeline class of the family ("pipeline_class": an inpainting one)."""
+    name another pipeline class of the family ("pipeline_class": an inpainting one) and its
+    arguments ("pipeline_kwargs")."""
     import tempfile
 
     import diffusers
@@ -109,7 +110,7 @@ def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], 
         scheduler = configs["scheduler"]
         # from_config, as from_pretrained does: the real configs carry keys a class ignores
         others = {"scheduler": getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
-                  **clip_tokenizers(tmp, pads), **pipeline_kwargs}
+                  **clip_tokenizers(tmp, pads), **pipeline_kwargs, **configs.get("pipeline_kwargs", {})}
         save_pipeline(configs.get("pipeline_class", pipeline_class), build_modules(builders, seed, streamed=False),
                       others, out_dir)
 
