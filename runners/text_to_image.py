@@ -98,7 +98,8 @@ class TextToImage(Pipeline):
         prompts = _prompts("prompt", prompt)
         _check_request(num_images_per_prompt, seed, guidance_scale)
         check_steps(num_inference_steps, self.manifest["constants"]["num_train_timesteps"])
-        if task != IMAGE or not self.image_sets_size:
+        sized_by_image = task == IMAGE and self.image_sets_size and (height is None or width is None)
+        if not sized_by_image:
             # None, not 0, means "not given": 0 is refused by the size check below.
             height = c["default_image_size"] if height is None else height
             width = c["default_image_size"] if width is None else width
@@ -130,7 +131,7 @@ class TextToImage(Pipeline):
                     raise ValueError(f"{len(mask)} masks for {len(pixels)} images: pass one mask, or one per image")
         cfg = guidance_scale > 1
         check_static_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
-        self._check(height, width, n_images * (2 if cfg else 1), output_type)
+        self._check(height, width, n_images * (2 if cfg else 1), output_type, sized_by_image)
         self.timings = {}
 
         with self._timed("text_encoders"):
@@ -246,13 +247,17 @@ class TextToImage(Pipeline):
             raise ValueError(f"negative_prompt has {len(negatives)} entries for {len(prompts)} prompts")
         return negatives
 
-    def _check(self, height, width, batch, output_type):
+    def _check(self, height, width, batch, output_type, sized_by_image=False):
         multiple = self.constants["vae_scale_factor"] * self.constants["latent_multiple"]
         for name, value in (("height", height), ("width", width)):
             lo, _, hi = self.dims[f"image_{name}"]
             if not _is_int(value) or value % multiple or not lo <= value <= hi:
-                raise ValueError(f"{name}={value} is not allowed: use a multiple of {multiple} "
-                                 f"from {lo} to {hi} (the range this artifact was built for)")
+                allowed = f"a multiple of {multiple} from {lo} to {hi} (the range this artifact was built for)"
+                if sized_by_image:  # the image's own size, which the engines cannot take: say how to resize it
+                    raise ValueError(f"the image is {height}x{width} (its size, rounded down to a multiple of "
+                                     f"{self.constants['vae_scale_factor']}); its {name} must be {allowed}: pass "
+                                     "height= and width= (--height/--width) to resize it")
+                raise ValueError(f"{name}={value} is not allowed: use {allowed}")
         lo, _, hi = self.dims["batch"]
         if batch > hi:
             raise ValueError(f"this request runs the denoiser at batch {batch} (images x 2 with guidance); "

@@ -215,6 +215,18 @@ def test_an_inpainting_unet_needs_a_mask(sd15_inpaint_tiny_build, kwargs):
         Pipeline.load(sd15_inpaint_tiny_build.folder / "ort-fp32")("a cat", num_inference_steps=1, **kwargs)
 
 
+@pytest.mark.parametrize("size", [(520, 128), (136, 128)], ids=["larger_than_the_engines", "not_a_whole_multiple"])
+def test_an_image_size_the_engines_cannot_take_is_refused_with_their_range(sd15_tiny_build, size):
+    """SD1.5 and SDXL take the image's own size: past the engines' range (or off the UNet's multiple),
+    the image is refused before any engine runs, saying the range and how to resize it."""
+    pipe = Pipeline.load(sd15_tiny_build.folder / "ort-fp32")
+    said = (rf"the image is {size[0]}x{size[1]} \(its size, rounded down to a multiple of 8\); its height must be "
+            r"a multiple of 64 from 64 to 256 .*: pass height= and width= \(--height/--width\) to resize it")
+    with pytest.raises(ValueError, match=said):
+        pipe("a cat", image=_image(*size), num_inference_steps=2)
+    assert pipe.timings == {}
+
+
 def test_a_strength_that_runs_no_step_is_refused(sd15_tiny_build):
     """SD1.5 and SDXL round the steps they keep down (4 x 0.1 keeps none), as diffusers does; SD3 keeps one."""
     with pytest.raises(ValueError, match="strength=0.1 with num_inference_steps=4 runs no step"):
