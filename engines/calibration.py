@@ -4,7 +4,8 @@ fixed set of prompts, recorded once and cached by hash under <build>/calibration
 Precision passes measure the model on them: `to_fp16` the activation ranges that decide its fp32
 islands, `quantize_fp8` the activation scales. Every denoising step of every prompt is recorded,
 so the transformer is measured at every timestep it will see. The VAE encoder, which text to
-image does not call, is fed the images the pipeline made.
+image does not call, is fed the images the pipeline made. An inpainting denoiser (SD1.5's 9
+channels), which text to image cannot run, inpaints a seeded picture instead.
 
 The run is deterministic (prompt i uses seed i), and the key covers the fp32 artifact, the
 settings and the prompts, so the same build reuses the same calibration.
@@ -91,10 +92,12 @@ def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings(
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = store.record
         size = settings.size or pipe.constants["default_image_size"]
+        inpainting = pipe.inpainting_denoiser()
         for i, prompt in enumerate(prompts):
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
-                         guidance_scale=settings.guidance_scale, output_type="np")
-            if "vae_encoder" in pipe.sessions:
+                         guidance_scale=settings.guidance_scale, output_type="np",
+                         **(_inpainting_inputs(size, seed=i) if inpainting else {}))
+            if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
             _log(f"prompt {i + 1}/{len(prompts)} recorded")
         calls = store.finish()
@@ -103,6 +106,18 @@ def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings(
                              "prompts": list(prompts), "seeds": list(range(len(prompts))), "calls": calls})
     _log(f"wrote {dest}")
     return dest
+
+
+def _inpainting_inputs(size: int, seed: int) -> dict:
+    """An inpainting denoiser runs only on an image and a mask: a smooth seeded picture, and a
+    centred rectangle of a seeded size to repaint."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size] / size
+    image = np.stack([0.5 + 0.45 * np.sin(rng.uniform(2, 8) * x + rng.uniform(2, 8) * y + rng.uniform(0, 6))
+                      for _ in range(3)], axis=-1)
+    half = rng.uniform(0.15, 0.4)
+    mask = ((np.abs(y - 0.5) < half) & (np.abs(x - 0.5) < half)).astype(np.float32)
+    return {"image": image, "mask_image": mask}
 
 
 def describe(folder: Path) -> dict:

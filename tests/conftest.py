@@ -135,11 +135,12 @@ def soft_mask(height: int, width: int):
 
 def image_task_outputs(pipe, height: int = 128, width: int = 128, steps: int = 6, **kwargs) -> dict[str, np.ndarray]:
     """Image to image and inpainting on `pipe`, from fixed inputs and noise: what a text-to-image run
-    from fixed latents is to the comparison of two artifacts, for the image tasks."""
+    from fixed latents is to the comparison of two artifacts, for the image tasks (inpainting alone
+    for an inpainting denoiser)."""
     rng = np.random.default_rng(7)
     shape = (1, pipe.manifest["constants"]["latent_channels"], height // 8, width // 8)
     noise, encoder_noise = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
     common = dict(prompt="a photo of a cat", image=smooth_image(height, width), height=height, width=width,
                   noise=noise, encoder_noise=encoder_noise, num_inference_steps=steps, output_type="np", **kwargs)
-    return {"image to image": pipe(strength=0.6, **common),
-            "inpainting": pipe(mask_image=soft_mask(height, width), strength=0.8, **common)}
+    outputs = {} if pipe.inpainting_denoiser() else {"image to image": pipe(strength=0.6, **common)}
+    return {**outputs, "inpainting": pipe(mask_image=soft_mask(height, width), strength=0.8, **common)}

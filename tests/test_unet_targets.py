@@ -96,3 +96,19 @@ def test_tensorrt_rtx_builds_every_submodule(build):
         assert set(sub["engine"]["profile"]) == {t["name"] for t in sub["inputs"]}, name
     unet = m["submodules"]["unet"]["engine"]["profile"]
     assert unet["sample"]["max"][2:] == [m["dims"]["latent_height"][2], m["dims"]["latent_width"][2]]
+
+
+def test_an_inpainting_unet_is_calibrated_on_inpainting(sd15_inpaint_tiny_build):
+    """A 9-channel UNet cannot run text to image: calibration inpaints instead, and its fp8 build (the
+    calibrated precision) inpaints within the bound of sd15's 4-channel UNet."""
+    from engines.api import build_artifact
+    from engines.calibration import CalibrationSettings
+
+    build = sd15_inpaint_tiny_build
+    artifact = build_artifact(build.folder, "ort", "fp8", calibration=CalibrationSettings(prompts=4, steps=4))
+    unet = {r["name"]: r["counts"] for r in manifest(artifact)["submodules"]["unet"]["passes"]}
+    assert unet["quantize_fp8"]["linear_fp8"] > 0
+    ref, got = (image_task_outputs(Pipeline.load(a))["inpainting"] for a in (build.folder / "ort-fp32", artifact))
+    psnr = _psnr(ref, got)
+    print(f"sd15-inpaint fp8 inpainting: PSNR {psnr:.1f} dB")
+    assert np.isfinite(got).all() and psnr >= UNET_TASK_MIN_PSNR["sd15"]["fp8"][1], psnr
