@@ -59,6 +59,7 @@ def test_sd3_image_to_image_matches_diffusers(monkeypatch, tiny_artifact, sd3_im
     ours = Pipeline.load(tiny_artifact)(image=image, noise=noise, encoder_noise=encoder_noise, output_type="np",
                                         **kwargs)
     assert ours.shape == ref.shape == (n, kwargs["height"], kwargs["width"], 3)
+    print(f"max abs error {np.abs(ours - ref).max():.1e}")
     assert np.abs(ours - ref).max() <= BOUND
     assert_real_image(ref)
 
@@ -109,6 +110,7 @@ def test_unet_image_to_image_matches_diffusers(monkeypatch, unet_references, fam
     ours = Pipeline.load(build.folder / "ort-fp32")(image=image, noise=noise, encoder_noise=encoder_noise,
                                                     output_type="np", **kwargs)
     assert ours.shape == ref.shape == (n, height, width, 3)
+    print(f"max abs error {np.abs(ours - ref).max():.1e}")
     assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
     assert_real_image(ref)
 
@@ -176,6 +178,7 @@ def test_inpainting_matches_diffusers(monkeypatch, inpaint_references, family, f
     ours = Pipeline.load(folder / "ort-fp32")(image=image, mask_image=mask, height=height, width=width,
                                               noise=noise, encoder_noise=encoder_noise, output_type="np", **kwargs)
     assert ours.shape == ref.shape == (n, height, width, 3)
+    print(f"max abs error {np.abs(ours - ref).max():.1e}")
     assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
     assert_real_image(ref)
 
@@ -276,5 +279,6 @@ def test_sdxl_aesthetic_scores_match_diffusers(monkeypatch, sdxl_aesthetic_build
     pipe = Pipeline.load(artifact)
     assert pipe.manifest["constants"]["time_ids"] == 5
     ours = pipe(noise=noise, encoder_noise=encoder_noise, output_type="np", **kwargs)
+    print(f"max abs error {np.abs(ours - ref).max():.1e}")
     assert np.abs(ours - ref).max() <= BOUND, np.abs(ours - ref).max()
     assert_real_image(ref)
