@@ -1,7 +1,7 @@
 """Image to image and inpainting against diffusers' Img2Img and Inpaint pipelines: same weights, the
 same image and mask, and the same `noise` and `encoder_noise` handed to both (diffusers' randn_tensor
 patched: the VAE's posterior samples all get `encoder_noise`), fp32. Images must agree to within
-1e-4: the errors measured are at most 7e-6, far inside the 1/255 of an image level."""
+1e-4: the errors measured are at most 5e-5 (SD3 inpainting), far inside the 1/255 of an image level."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import assert_real_image, soft_mask as _mask, smooth_image as _image
 from runners import Pipeline
 
-BOUND = 1e-4  # of [0, 1] image values; measured: up to 7e-6 (SDXL)
+BOUND = 1e-4  # of [0, 1] image values; measured: up to 4.8e-5 (SD3 inpainting, two per prompt)
 
 
 def _noises(n_images: int, n_given: int, height: int, width: int, channels: int, seed: int):
@@ -258,21 +258,17 @@ def sdxl_aesthetic_build(tmp_path_factory):
     return folder, build_artifact(build, "ort", "fp32")
 
 
-@pytest.mark.parametrize("task", ["image to image", "inpainting"])
-def test_sdxl_aesthetic_scores_match_diffusers(monkeypatch, sdxl_aesthetic_build, task):
-    import diffusers
-    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_img2img as img2img
-    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as inpaint
+def test_sdxl_aesthetic_scores_match_diffusers(monkeypatch, sdxl_aesthetic_build):
+    """Inpainting with guidance: the score in the conditional half, the negative one in the other.
+    (Image to image builds its time ids with the same code.)"""
+    from diffusers import StableDiffusionXLInpaintPipeline
+    import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as module
 
     folder, artifact = sdxl_aesthetic_build
-    cls, module = (diffusers.StableDiffusionXLImg2ImgPipeline, img2img) if task == "image to image" else \
-        (diffusers.StableDiffusionXLInpaintPipeline, inpaint)
-    reference = cls.from_pretrained(folder)
+    reference = StableDiffusionXLInpaintPipeline.from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    kwargs = dict(prompt="a photo of a cat", image=_image(128, 128), num_inference_steps=4, strength=0.75,
-                  aesthetic_score=7.0, negative_aesthetic_score=2.0, height=128, width=128)
-    if task == "inpainting":
-        kwargs["mask_image"] = _mask(128, 128)
+    kwargs = dict(prompt="a photo of a cat", image=_image(128, 128), mask_image=_mask(128, 128), height=128,
+                  width=128, num_inference_steps=4, strength=0.75, aesthetic_score=7.0, negative_aesthetic_score=2.0)
     encoder_noise, noise = _noises(1, 1, 128, 128, 4, seed=5)
     _patched_reference(monkeypatch, module, noise, encoder_noise)
     ref = reference(output_type="np", **kwargs).images

@@ -145,16 +145,21 @@ def test_runner_on_openvino_fp32_matches_diffusers(ov_fp32, reference_pipeline, 
     assert_real_image(ref)
 
 
-def test_image_tasks_on_openvino_fp32_match_onnx_runtime(ov_fp32, tiny_artifact):
+@pytest.fixture(scope="module")
+def ov_fp32_tasks(ov_fp32):
+    return image_task_outputs(Pipeline.load(ov_fp32))
+
+
+def test_image_tasks_on_openvino_fp32_match_onnx_runtime(ov_fp32_tasks, tiny_artifact):
     """Image to image and inpainting, against the ORT artifact's (held to diffusers within 1e-4 in
     test_image_to_image.py): within text to image's bound against diffusers."""
-    refs, got = image_task_outputs(Pipeline.load(tiny_artifact)), image_task_outputs(Pipeline.load(ov_fp32))
+    refs, got = image_task_outputs(Pipeline.load(tiny_artifact)), ov_fp32_tasks
     for task, ref in refs.items():
         assert np.abs(ref - got[task]).max() <= ONE_LEVEL - 1e-4, task
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_images_against_fp32(ov_fp32, precision, request):
+def test_images_against_fp32(ov_fp32, ov_fp32_tasks, precision, request):
     fp32, ours = Pipeline.load(ov_fp32), Pipeline.load(request.getfixturevalue(f"ov_{precision}"))
     latents = _latents(0, 1, 128, 128)
     for prompt in PROMPTS:
@@ -169,7 +174,7 @@ def test_images_against_fp32(ov_fp32, precision, request):
         assert_real_image(ref)
     got = image_task_outputs(ours)
     # Image to image and inpainting, held to the same bound: measured bf16 43.8, 45.9 dB, int8 34.9, 34.1.
-    for task, ref in image_task_outputs(fp32).items():
+    for task, ref in ov_fp32_tasks.items():
         psnr = _psnr(ref, got[task])
         print(f"openvino-{precision} {task}: PSNR {psnr:.1f} dB")
         assert MIN_PSNR[precision] <= psnr < 80, (task, psnr)

@@ -41,6 +41,12 @@ def build(request):
     return request.getfixturevalue(f"{request.param}_tiny_build")
 
 
+@pytest.fixture(scope="module")
+def fp32_tasks(build):
+    """The fp32 artifact's image to image and inpainting, the reference of every precision."""
+    return image_task_outputs(Pipeline.load(build.folder / "ort-fp32"))
+
+
 def _images(artifact, prompts=("a photo of a cat", "")):
     pipe = Pipeline.load(artifact)
     latents = np.random.default_rng(1).standard_normal((1, 4, 16, 16), dtype=np.float32)
@@ -49,7 +55,7 @@ def _images(artifact, prompts=("a photo of a cat", "")):
 
 @pytest.mark.parametrize("target, precision", [("ort", "fp16"), ("ort", "int8"), ("ort", "fp8"),
                                                ("openvino", "bf16"), ("openvino", "int8")])
-def test_precisions_against_fp32(build, target, precision):
+def test_precisions_against_fp32(build, fp32_tasks, target, precision):
     from engines.api import build_artifact
 
     if target == "openvino":
@@ -64,14 +70,14 @@ def test_precisions_against_fp32(build, target, precision):
         psnr = _psnr(ref, image)
         print(f"{build.source.entry.family} {target}-{precision}: PSNR {psnr:.1f} dB")
         assert np.isfinite(image).all() and psnr >= bound, psnr
-    refs, got = image_task_outputs(Pipeline.load(build.folder / "ort-fp32")), image_task_outputs(Pipeline.load(artifact))
-    for (task, ref), bound in zip(refs.items(), UNET_TASK_MIN_PSNR[build.source.entry.family][label]):
+    got = image_task_outputs(Pipeline.load(artifact))
+    for (task, ref), bound in zip(fp32_tasks.items(), UNET_TASK_MIN_PSNR[build.source.entry.family][label]):
         psnr = _psnr(ref, got[task])
         print(f"{build.source.entry.family} {target}-{precision} {task}: PSNR {psnr:.1f} dB")
         assert np.isfinite(got[task]).all() and psnr >= bound, (task, psnr)
 
 
-def test_memory_artifact_keeps_the_images(build):
+def test_memory_artifact_keeps_the_images(build, fp32_tasks):
     from engines.api import build_artifact
 
     artifact = build_artifact(build.folder, "ort", "fp32", memory=True)
@@ -79,8 +85,8 @@ def test_memory_artifact_keeps_the_images(build):
     assert unet["fuse_elementwise"]["counts"]["silus"] > 0 and "remat" in unet
     for ref, image in zip(_images(build.folder / "ort-fp32"), _images(artifact)):
         assert np.abs(ref - image).max() <= 1e-5
-    refs, got = image_task_outputs(Pipeline.load(build.folder / "ort-fp32")), image_task_outputs(Pipeline.load(artifact))
-    for task, ref in refs.items():
+    got = image_task_outputs(Pipeline.load(artifact))
+    for task, ref in fp32_tasks.items():
         assert np.abs(ref - got[task]).max() <= 1e-5, task
 
 
@@ -105,7 +111,7 @@ def test_an_inpainting_unet_is_calibrated_on_inpainting(sd15_inpaint_tiny_build)
     from engines.calibration import CalibrationSettings
 
     build = sd15_inpaint_tiny_build
-    artifact = build_artifact(build.folder, "ort", "fp8", calibration=CalibrationSettings(prompts=4, steps=4))
+    artifact = build_artifact(build.folder, "ort", "fp8", calibration=CalibrationSettings(prompts=2, steps=2))
     unet = {r["name"]: r["counts"] for r in manifest(artifact)["submodules"]["unet"]["passes"]}
     assert unet["quantize_fp8"]["linear_fp8"] > 0
     ref, got = (image_task_outputs(Pipeline.load(a))["inpainting"] for a in (build.folder / "ort-fp32", artifact))
