@@ -174,12 +174,12 @@ class TextToImage(Pipeline):
                              "(Pipeline.load(..., submodules=...))")
         if task == INPAINT and image is None:
             raise ValueError("mask_image= needs image= too: inpainting repaints the mask's white part of an image")
-        if task != INPAINT and self._inpainting_denoiser():
+        if task != INPAINT and self.inpainting_denoiser():
             raise ValueError(f"this artifact's {self.constants['denoiser']} is an inpainting one "
                              f"({self.manifest['constants']['in_channels']} input channels: the latents, the mask and "
                              "the masked image's): pass image= and mask_image=")
 
-    def _inpainting_denoiser(self) -> bool:
+    def inpainting_denoiser(self) -> bool:
         """Whether the denoiser reads more channels than the latents have (the mask and the masked image's)."""
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
@@ -205,7 +205,7 @@ class TextToImage(Pipeline):
         """diffusers' Inpaint prepare_latents and prepare_mask_latents: the starting latents (pure
         noise at strength 1, else the image's latents noised), and what each step adds. The masked
         image's posterior sample takes the same `encoder_noise` as the image's."""
-        blends = not self._inpainting_denoiser()
+        blends = not self.inpainting_denoiser()
         image_latents = self._image_latents(pixels, n_images, encoder_noise, vae_tiling) \
             if blends or strength < 1 else None
         if strength == 1:
