@@ -51,12 +51,13 @@ def main(argv=None) -> int:
     p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--height", type=int, default=None, help="default: the artifact's opt size")
+    p.add_argument("--height", type=int, default=None,
+                   help="default: the artifact's opt size (SD1.5's and SDXL's image to image: the image's own)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--steps", type=int, default=None,
                    help="default: diffusers' for the family and task (SD3 28, with an image 50; SD1.5 and SDXL 50)")
     p.add_argument("--guidance", type=float, default=None,
-                   help="default: diffusers' for the family and task (SD3 7, SD1.5 7.5, SDXL 5, inpainting 7.5)")
+                   help="default: diffusers' for the family and task (SD3 7, SD1.5 7.5, SDXL 5 and 7.5 inpainting)")
     p.add_argument("--seed", type=int, default=0, help="numpy's generator (not torch's noise)")
     p.add_argument("--num-images", type=int, default=1)
     p.add_argument("--max-sequence-length", type=int, default=None, help="SD3's T5 tokens (default 256)")
