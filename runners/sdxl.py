@@ -30,8 +30,8 @@ class SDXLPipeline(TextToImage):
         `original_size`, `crops_coords_top_left` and `target_size` ((height, width) pairs; the
         first and last default to the image's size) are SDXL's micro-conditions; a UNet trained with
         aesthetic scores (the refiner's structure) takes `aesthetic_score` and `negative_aesthetic_score`
-        in place of the target size. `seed` seeds
-        numpy's generator; pass `latents` for exact comparison with diffusers."""
+        in place of the target size. `seed` seeds numpy's generator; pass `latents` for exact
+        comparison with diffusers."""
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling,
                                    image=image, mask_image=mask_image, strength=strength, noise=noise,

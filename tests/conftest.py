@@ -62,6 +62,12 @@ class TinyBuild:
     folder: Path  # holds onnx/ and ort-fp32/
 
 
+@pytest.fixture(scope="session")
+def sd3_tiny_build(tiny_source, tiny_build) -> TinyBuild:
+    """sd3-tiny's source and build folder, as the U-Net families' builds come."""
+    return TinyBuild(tiny_source, tiny_build)
+
+
 def _tiny_build(tmp_path_factory, name: str) -> TinyBuild:
     from engines.api import build_artifact
     from export.api import export_model

@@ -116,7 +116,7 @@ def test_unet_image_to_image_matches_diffusers(monkeypatch, unet_references, fam
 
 
 INPAINT_CASES = {  # (family, model's build fixture): cases
-    ("sd3", "tiny_build"): {
+    ("sd3", "sd3_tiny_build"): {
         "strength_0.6": dict(strength=0.6),
         "strength_1.0_non_square": dict(strength=1.0, size=(80, 144)),
         "no_guidance_two_per_prompt": dict(strength=0.8, guidance_scale=1.0, num_images_per_prompt=2),
@@ -152,11 +152,9 @@ def inpaint_references(request):
     def get(family, fixture):
         if fixture not in loaded:
             build = request.getfixturevalue(fixture)
-            source = build.source.folder if hasattr(build, "source") else request.getfixturevalue("tiny_source").folder
-            folder = build.folder if hasattr(build, "folder") else build
-            reference = getattr(diffusers, _INPAINT_PIPELINES[family][0]).from_pretrained(source)
+            reference = getattr(diffusers, _INPAINT_PIPELINES[family][0]).from_pretrained(build.source.folder)
             reference.set_progress_bar_config(disable=True)
-            loaded[fixture] = folder, reference
+            loaded[fixture] = build.folder, reference
         module = importlib.import_module(f"diffusers.pipelines.{_INPAINT_PIPELINES[family][1]}")
         return (*loaded[fixture], module)
 

@@ -63,11 +63,10 @@ def test_tiled_and_repeated_vae(monkeypatch, tiny_artifact):
         assert np.array_equal(g, r)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_build", "sd15_tiny_build"])
+@pytest.mark.parametrize("fixture", ["sd3_tiny_build", "sd15_tiny_build"])
 def test_image_tasks(monkeypatch, request, fixture):
     """Image to image and inpainting keep the image's latents across every step (blended back, re-noised)."""
-    build = request.getfixturevalue(fixture)
-    artifact = getattr(build, "folder", build) / "ort-fp32"
+    artifact = request.getfixturevalue(fixture).folder / "ort-fp32"
     ref, got = _both(monkeypatch, artifact, lambda pipe: image_task_outputs(pipe, steps=3))
     for task in ref:
         assert np.array_equal(got[task], ref[task]), task
