@@ -36,7 +36,10 @@ define install_project  # $(1): the venv; $(2): extra pip flags
 	$(if $(TORCH_CPU),$(1)/bin/python -m pip install -q $(2) $(TORCH_CPU))
 	$(1)/bin/python -m pip install -q $(2) -e '.[$(EXTRAS)]'
 	# The real CLIP BPE table ships in this wheel; its deps (torchvision) are not needed.
-	$(1)/bin/python -m pip install -q $(2) --no-deps open-clip-torch
+	# Triton's server ships in nvidia-pytriton, whose numpy<2 pin is for its Python API (not used).
+	$(1)/bin/python -m pip install -q $(2) --no-deps open-clip-torch nvidia-pytriton
+	# The venv the Triton Python backend runs models in: numpy 1 (runners/serving/server.py).
+	$(1)/bin/python -c "from runners.serving.server import stub_environment; stub_environment(install=True)"
 endef
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt

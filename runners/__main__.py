@@ -1,5 +1,7 @@
 """python -m runners ARTIFACT --prompt "..." --out out.png: text to image from an artifact folder;
-with --image IN.png [--strength S], image to image; with --mask MASK.png too, inpainting."""
+with --image IN.png [--strength S], image to image; with --mask MASK.png too, inpainting.
+python -m runners triton ARTIFACT --out REPO and python -m runners serve ARTIFACT: Triton serving
+(runners/serving/cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +49,11 @@ def _save_all(images, paths: list[Path]) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("triton", "serve"):  # python -m runners triton|serve ARTIFACT ...
+        from runners.serving.cli import COMMANDS
+
+        return COMMANDS[argv[0]](argv[1:])
     p = argparse.ArgumentParser(prog="python -m runners", description=__doc__)
     p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
     p.add_argument("--prompt", required=True)

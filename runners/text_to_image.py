@@ -260,8 +260,8 @@ class TextToImage(Pipeline):
                 raise ValueError(f"{name}={value} is not allowed: use {allowed}")
         lo, _, hi = self.dims["batch"]
         if batch > hi:
-            raise ValueError(f"this request runs the denoiser at batch {batch} (images x 2 with guidance); "
-                             f"the artifact allows up to {hi}: ask for fewer images per call")
+            raise ValueError(f"this request runs the denoiser at batch {batch} (prompts x num_images_per_prompt, x 2 "
+                             f"with guidance); the artifact allows up to {hi}: ask for fewer images per call")
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r}; allowed: {', '.join(OUTPUT_TYPES)}")
 

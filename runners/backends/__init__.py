@@ -31,4 +31,9 @@ def open_session(target: str, path, device: int | None = None, **options):
             raise ValueError(f"{path}: a device map places TensorRT engines; this is an OpenVINO model "
                              "(its device was chosen at build time: --ov-device)")
         return OpenVinoSession(path, **options)
-    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx, openvino")
+    if target == "triton":  # a native Triton repository's engine model, called through BLS
+        from runners.backends.triton_bls import BlsSession
+
+        return BlsSession(**options["session_options"])
+    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx, openvino "
+                     "(and triton, inside a Triton repository's pipeline model)")

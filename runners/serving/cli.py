@@ -1,0 +1,89 @@
+"""python -m runners triton ARTIFACT --out REPO: write a Triton model repository.
+python -m runners serve ARTIFACT: serve the artifact with Triton (KServe v2 over HTTP and gRPC).
+Both mirror `write_repository` and `Server`; `serve` writes the python layout in a temporary
+folder, referencing the artifact in place, and runs until Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from runners.cli import run_cli
+from runners.manifest import ManifestError
+
+
+def _repository_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
+    p.add_argument("--model-name", default=None, help="the Triton model's name (default: the artifact's model)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="prompts a Triton batch holds (default: what one denoiser call of the artifact takes)")
+    p.add_argument("--instances", type=int, default=1, help="Pipeline copies per device (instance_group count)")
+    p.add_argument("--batch-requests", action="store_true",
+                   help="run queued requests with equal settings as one Pipeline call (one denoiser batch)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
+
+
+def _repository_kwargs(args) -> dict:
+    return {"model_name": args.model_name, "max_batch_size": args.max_batch_size, "instances": args.instances,
+            "batch_requests": args.batch_requests, "threads": args.threads}
+
+
+def triton(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners triton", description=__doc__)
+    _repository_options(p)
+    p.add_argument("--out", required=True, help="the repository folder to write (replaced whole)")
+    p.add_argument("--layout", choices=("python", "native"), default="python",
+                   help="python: one Python-backend model holding the artifact (runs on any Triton); native: each "
+                        "engine a model of Triton's onnxruntime/tensorrt/openvino backend, called through BLS")
+    p.add_argument("--reference-artifact", action="store_true",
+                   help="python layout: the config names the artifact's path instead of holding a copy")
+    p.add_argument("--kserve", metavar="STORAGE_URI", default=None,
+                   help="also write REPO/inferenceservice.json, a KServe InferenceService for the Triton runtime "
+                        "reading the repository from STORAGE_URI (e.g. s3://bucket/model_repository)")
+    args = p.parse_args(argv)
+
+    def write():
+        from runners.serving.kserve import write_inference_service
+        from runners.serving.repository import describe, write_repository
+
+        model = write_repository(args.artifact, args.out, layout=args.layout,
+                                 reference_artifact=args.reference_artifact, **_repository_kwargs(args))
+        if args.kserve:
+            write_inference_service(args.out, model.name, args.kserve, args.artifact)
+        print(f"wrote {args.out} ({args.layout} layout):\n{describe(Path(args.out))}")
+        print(f"serve it: tritonserver --model-repository {Path(args.out).resolve()}")
+
+    return run_cli(write, (ManifestError, ValueError), "no repository was written")
+
+
+def serve(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners serve", description=__doc__)
+    _repository_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="the address every endpoint binds (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; gRPC is PORT+1, metrics PORT+2")
+    args = p.parse_args(argv)
+
+    def run():
+        from runners.serving.repository import write_repository
+        from runners.serving.server import Server
+
+        with tempfile.TemporaryDirectory(prefix="diffusion-aot-repository-") as scratch:
+            model = write_repository(args.artifact, Path(scratch) / "repository", reference_artifact=True,
+                                     **_repository_kwargs(args))
+            server = Server(model.parent, host=args.host, http_port=args.port, grpc_port=args.port + 1,
+                            metrics_port=args.port + 2)
+            print(f"starting Triton on {args.artifact} (log: {server.log}) ...", flush=True)
+            with server:
+                print(f"serving model {model.name!r}: HTTP http://{server.http_url}/v2/models/{model.name}, gRPC "
+                      f"{server.grpc_url}, metrics http://{args.host}:{server.metrics_port}/metrics; Ctrl-C stops",
+                      flush=True)
+                while server.process.poll() is None:
+                    time.sleep(0.5)
+                raise RuntimeError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n"
+                                   f"{server.log_tail()}")
+
+    return run_cli(run, (ManifestError, ValueError, RuntimeError), "the server was stopped")
+
+
+COMMANDS = {"triton": triton, "serve": serve}

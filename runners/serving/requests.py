@@ -1,0 +1,131 @@
+"""A Triton request's tensors -> Pipeline calls, and their images back. The tensors are named as
+the Pipeline's keyword arguments; a bad value is a ValueError naming its field, which the model
+answers with Triton's INVALID_ARG (HTTP 400) while the server goes on. Pure numpy: the tests and
+the model share it, and it needs no Triton."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Tensor(NamedTuple):
+    """One input or output of the model's config.pbtxt: dims after Triton's batch dimension."""
+    name: str
+    data_type: str
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+
+
+# Each batch row of a request is one prompt; an omitted optional input takes the family's default.
+TEXT_INPUTS = (
+    Tensor("prompt", "TYPE_STRING", optional=False),
+    Tensor("negative_prompt", "TYPE_STRING"),
+    Tensor("height", "TYPE_INT32"),
+    Tensor("width", "TYPE_INT32"),
+    Tensor("num_inference_steps", "TYPE_INT32"),
+    Tensor("guidance_scale", "TYPE_FP32"),
+    Tensor("seed", "TYPE_INT64"),
+    Tensor("num_images_per_prompt", "TYPE_INT32"),
+)
+# With a VAE encoder in the artifact: image to image, and inpainting with a mask (white: repaint).
+IMAGE_INPUTS = (
+    Tensor("image", "TYPE_UINT8", (-1, -1, 3)),
+    Tensor("mask_image", "TYPE_UINT8", (-1, -1)),
+    Tensor("strength", "TYPE_FP32"),
+)
+# Per prompt: its images, (num_images_per_prompt, height, width, RGB).
+OUTPUT = Tensor("images", "TYPE_UINT8", (-1, -1, -1, 3), optional=False)
+
+_STRINGS = ("prompt", "negative_prompt")
+_IMAGES = ("image", "mask_image")
+_FLOATS = ("guidance_scale", "strength")
+
+
+def inputs_for(manifest: dict) -> tuple[Tensor, ...]:
+    return TEXT_INPUTS + (IMAGE_INPUTS if "vae_encoder" in manifest["submodules"] else ())
+
+
+def _text(name: str, row: int, value) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}[{row}] is not UTF-8 text ({e.reason} at byte {e.start}): send UTF-8") from None
+
+
+def calls(tensors: dict[str, np.ndarray], draw_seed=None) -> list[dict]:
+    """The Pipeline keyword arguments of each batch row. `tensors` are one request's inputs by name
+    (Triton has checked their dtypes and that they share the batch dimension); a row without a seed
+    gets one from `draw_seed()`, so that the seed a batch runs with is always known."""
+    if "prompt" not in tensors:
+        raise ValueError("prompt is missing: every request needs a prompt (TYPE_STRING, one per batch row)")
+    rows = []
+    for row in range(len(tensors["prompt"])):
+        call = {}
+        for name, array in tensors.items():
+            value = array[row]
+            if name in _IMAGES:
+                from PIL import Image
+
+                call[name] = Image.fromarray(np.ascontiguousarray(value), "RGB" if name == "image" else "L")
+            elif name in _STRINGS:
+                call[name] = _text(name, row, value.reshape(-1)[0])
+            elif name in _FLOATS:
+                call[name] = float(value.reshape(-1)[0])
+            else:
+                call[name] = int(value.reshape(-1)[0])
+        if "seed" not in call:
+            call["seed"] = int((draw_seed or _random_seed)())
+        rows.append(call)
+    return rows
+
+
+def _random_seed() -> int:
+    return int(np.random.default_rng().integers(2**63))
+
+
+def batch_key(call: dict):
+    """Calls with equal keys run as one Pipeline call (one denoiser batch): text to image with the same
+    settings; their prompts, negative prompts and seeds may differ. None: the call runs alone."""
+    if any(name in call for name in _IMAGES):
+        return None
+    return tuple(sorted((k, v) for k, v in call.items() if k not in ("prompt", "negative_prompt", "seed")))
+
+
+def groups(all_calls: list[dict], max_images: int, batched: bool) -> list[list[int]]:
+    """Indices of `all_calls` in runs: calls sharing a batch key, at most `max_images` images a run
+    (the artifact's denoiser batch, halved for guidance), in arrival order; each alone if not `batched`."""
+    runs: list[list[int]] = []
+    open_runs: dict = {}
+    for i, call in enumerate(all_calls):
+        key = batch_key(call) if batched else None
+        per_call = call.get("num_images_per_prompt", 1)
+        run = open_runs.get(key) if key is not None else None
+        if run is not None and (len(run) + 1) * per_call <= max_images:
+            run.append(i)
+            continue
+        runs.append([i])
+        if key is not None:
+            open_runs[key] = runs[-1]
+    return runs
+
+
+def run(pipe, group: list[dict]) -> list[np.ndarray]:
+    """Each call's images as uint8 (num_images_per_prompt, H, W, 3). One call runs as itself, so its
+    image is exactly the Pipeline's for its seed; several (one batch key) run as one Pipeline call,
+    each prompt's starting latents drawn from its own seed as it would be alone."""
+    if len(group) == 1:
+        return [np.stack([np.asarray(image) for image in pipe(**group[0], output_type="pil")])]
+    first = group[0]
+    per_prompt = first.get("num_images_per_prompt", 1)
+    size = pipe.constants["default_image_size"]
+    scale = pipe.constants["vae_scale_factor"]
+    shape = (per_prompt, pipe.manifest["constants"]["latent_channels"],
+             first.get("height", size) // scale, first.get("width", size) // scale)
+    latents = np.concatenate([np.random.default_rng(c["seed"]).standard_normal(shape, dtype=np.float32)
+                              for c in group])
+    settings = {k: v for k, v in first.items() if k not in ("prompt", "negative_prompt", "seed")}
+    images = pipe([c["prompt"] for c in group], negative_prompt=[c.get("negative_prompt", "") for c in group],
+                  latents=latents, output_type="pil", **settings)
+    pixels = np.stack([np.asarray(image) for image in images])
+    return list(pixels.reshape(len(group), per_prompt, *pixels.shape[1:]))

@@ -1,0 +1,88 @@
+"""The Python-backend model of a Triton repository (`python -m runners triton`): it opens the
+artifact as a `Pipeline` once per instance, and answers each request with its images. Only
+Triton's Python backend stub imports this (its `triton_python_backend_utils` exists nowhere else);
+what a request means is `runners.serving.requests`'s, which the tests drive without Triton.
+
+With dynamic batching, Triton hands `execute` every request queued together; requests that share
+their settings then run as one Pipeline call when the repository was written with batching on
+(`parameters: batch_requests`). A bad request is answered with INVALID_ARG naming its field, an
+unexpected failure with INTERNAL: either way that request alone fails, and the server goes on."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runners import Pipeline
+from runners.manifest import ManifestError, read_manifest
+from runners.serving import requests as rq
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        version = Path(args["model_repository"]) / args["model_version"]
+        artifact = version / params["artifact"]  # an absolute path stays itself
+        threads = int(params.get("threads", "0")) or None
+        device_map = None
+        if args["model_instance_kind"] == "GPU":  # an instance per GPU (instance_group KIND_GPU): its engines there
+            manifest = read_manifest(artifact, verify=False)
+            device_map = {sub: int(args["model_instance_device_id"]) for sub in manifest["submodules"]}
+        self.pipe = Pipeline.load(artifact, threads=threads, device_map=device_map)
+        self.batched = params.get("batch_requests", "false") == "true"
+        self.names = [t.name for t in rq.inputs_for(self.pipe.manifest)]
+        guidance_batch = self.pipe.dims["batch"][2]
+        self.max_images = max(1, guidance_batch // 2)  # guidance doubles the denoiser's batch
+
+    def execute(self, requests):
+        answers: list = [None] * len(requests)
+        rows: list[tuple[int, dict]] = []  # (request, one call)
+        for r, request in enumerate(requests):
+            try:
+                tensors = {}
+                for name in self.names:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        tensors[name] = tensor.as_numpy()
+                rows += [(r, call) for call in rq.calls(tensors)]
+            except ValueError as e:
+                answers[r] = _error(e, pb_utils.TritonError.INVALID_ARG)
+        pending = [(r, call) for r, call in rows if answers[r] is None]
+        images: dict[int, list] = {}
+        for run in rq.groups([call for _, call in pending], self.max_images, self.batched):
+            owners = [pending[i][0] for i in run]
+            if any(answers[r] is not None for r in owners):
+                continue  # a row of the same request already failed
+            try:
+                for r, image in zip(owners, rq.run(self.pipe, [pending[i][1] for i in run])):
+                    images.setdefault(r, []).append(image)
+            except (ValueError, ManifestError) as e:
+                for r in set(owners):
+                    answers[r] = _error(e, pb_utils.TritonError.INVALID_ARG)
+            except Exception as e:  # the next request must still be served: this one fails alone
+                for r in set(owners):
+                    answers[r] = _error(e, pb_utils.TritonError.INTERNAL)
+        for r in range(len(requests)):
+            if answers[r] is None:
+                answers[r] = _images(images[r])
+        return answers
+
+    def finalize(self):
+        self.pipe.close()
+
+
+def _images(per_prompt: list[np.ndarray]):
+    shapes = {image.shape for image in per_prompt}
+    if len(shapes) > 1:
+        return _error(ValueError(f"the rows of one request made images of shapes {sorted(shapes)}: rows must share "
+                                 "height, width and num_images_per_prompt (send separate requests)"),
+                      pb_utils.TritonError.INVALID_ARG)
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(rq.OUTPUT.name, np.stack(per_prompt))])
+
+
+def _error(e: Exception, code):
+    message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))

@@ -1,0 +1,288 @@
+"""Triton serving (runners/serving): the python layout served by a real tritonserver on 127.0.0.1
+gives the Pipeline's own images, under concurrency, bad requests and faults; both layouts' configs
+parse as Triton's ModelConfig; the KServe manifest passes KServe's schema. Every server is stopped
+by its fixture."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runners import Pipeline
+from runners.serving.repository import write_repository
+from runners.serving.server import Server
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+import tritonclient.grpc as tritonclient_grpc  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+SIZE, STEPS = 64, 2  # the smallest sd3-tiny image, so that a request takes tens of ms
+RAISE = "raise inside execute"
+# The test's fault: a model whose execute raises (not a request it answers with an error).
+FAULTY_MODEL = f'''
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+_Model = TritonPythonModel
+
+
+class TritonPythonModel(_Model):
+    def execute(self, requests):
+        for request in requests:
+            prompt = pb_utils.get_input_tensor_by_name(request, "prompt")
+            if prompt is not None and prompt.as_numpy().reshape(-1)[0] == {RAISE.encode()!r}:
+                raise RuntimeError("the test's fault")
+        return super().execute(requests)
+'''
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def server_for(repository: Path, **kwargs) -> Server:
+    http, grpc, metrics = _free_ports(3)
+    return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_artifact, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("serving") / "repository"
+    model = write_repository(tiny_artifact, repo)
+    with open(model / "1" / "model.py", "a") as f:
+        f.write(FAULTY_MODEL)
+    with server_for(repo) as server:
+        yield server, model.name
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_artifact):
+    with Pipeline.load(tiny_artifact) as pipe:
+        yield pipe
+
+
+def _inputs(module, prompt: bytes | str = "a cat", rows: int = 1, **fields) -> list:
+    """A request: `prompt` in `rows` batch rows, and each field (name: (numpy dtype, value)) in every row."""
+    values = {"prompt": (object, prompt.encode() if isinstance(prompt, str) else prompt),
+              "height": (np.int32, SIZE), "width": (np.int32, SIZE), "num_inference_steps": (np.int32, STEPS),
+              **fields}
+    tensors = []
+    for name, spec in values.items():
+        if spec is None:
+            continue
+        dtype, value = spec
+        array = np.full((rows, 1), value, dtype=dtype)
+        triton_type = "BYTES" if dtype is object else {np.int32: "INT32", np.int64: "INT64",
+                                                         np.float32: "FP32"}[dtype]
+        tensor = module.InferInput(name, list(array.shape), triton_type)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def _reference(pipe, prompt="a cat", seed=0, **kwargs) -> np.ndarray:
+    return np.asarray(pipe(prompt, seed=seed, height=SIZE, width=SIZE, num_inference_steps=STEPS, **kwargs)[0])
+
+
+def _image(client, model, prompt="a cat", seed=0, **kwargs) -> np.ndarray:
+    module = tritonclient_grpc if isinstance(client, tritonclient_grpc.InferenceServerClient) else tritonclient_http
+    result = client.infer(model, _inputs(module, prompt, seed=(np.int64, seed)), **kwargs)
+    images = result.as_numpy("images")
+    assert images.shape == (1, 1, SIZE, SIZE, 3) and images.dtype == np.uint8
+    return images[0, 0]
+
+
+def test_served_image_is_the_pipelines_over_http_and_grpc(served, pipe):
+    server, model = served
+    reference = _reference(pipe, seed=7)
+    assert np.array_equal(_image(tritonclient_http.InferenceServerClient(server.http_url), model, seed=7), reference)
+    assert np.array_equal(_image(tritonclient_grpc.InferenceServerClient(server.grpc_url), model, seed=7), reference)
+    client = tritonclient_http.InferenceServerClient(server.http_url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(model)
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as response:
+        assert f'nv_inference_request_success{{model="{model}"'.encode() in response.read()
+
+
+def test_eight_clients_four_requests_each(served, pipe):
+    server, model = served
+    jobs = [(f"prompt {c}", 100 * c + r) for c in range(8) for r in range(4)]
+    references = {job: _reference(pipe, *job) for job in jobs}
+    results, errors = {}, []
+
+    def client(jobs_of_client):
+        http = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=120)
+        for job in jobs_of_client:
+            try:
+                results[job] = _image(http, model, *job)
+            except Exception as e:  # counted: a lost or failed request fails the test below
+                errors.append((job, e))
+
+    threads = [threading.Thread(target=client, args=(jobs[4 * c:4 * c + 4],)) for c in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(results) == sorted(jobs)
+    wrong = [job for job in jobs if not np.array_equal(results[job], references[job])]
+    assert not wrong, f"responses differing from the Pipeline's image: {wrong}"
+    assert server.ready()
+
+
+BAD_REQUESTS = {  # name: (fields of the request, what the error must name)
+    "missing prompt": (dict(prompt=None), "prompt is missing"),
+    "off-grid size": (dict(height=(np.int32, 65)), "height=65"),
+    "too large a size": (dict(width=(np.int32, 4096)), "width=4096"),
+    "zero steps": (dict(num_inference_steps=(np.int32, 0)), "num_inference_steps=0"),
+    "a million steps": (dict(num_inference_steps=(np.int32, 10**6)), "num_inference_steps=1000000"),
+    "non-UTF-8 prompt": (dict(prompt=(object, b"\xff\xfe cat")), "prompt[0] is not UTF-8"),
+    "wrong dtype": (dict(seed=(np.int32, 1)), "'seed'"),
+    "huge batch": (dict(rows=1000), "batch-size must be <= 4"),
+    "huge images per prompt": (dict(num_images_per_prompt=(np.int32, 10**6)), "num_images_per_prompt"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_request_names_its_field_and_the_next_succeeds(served, pipe, case):
+    server, model = served
+    fields, named = BAD_REQUESTS[case]
+    fields = dict(fields)
+    rows = fields.pop("rows", 1)
+    prompt = fields.pop("prompt", (object, b"a cat"))
+    inputs = _inputs(tritonclient_http, "a cat", rows, **fields)
+    if prompt is None:
+        inputs = [i for i in inputs if i.name() != "prompt"]
+    else:
+        inputs[0].set_data_from_numpy(np.full((rows, 1), prompt[1], dtype=object))
+    client = tritonclient_http.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(model, inputs)
+    assert (error.value.status(), named in error.value.message()) == ("400", True), error.value.message()
+    assert np.array_equal(_image(client, model, seed=3), _reference(pipe, seed=3))
+
+
+def _good_request(server, model, pipe_image) -> None:
+    image = _image(tritonclient_http.InferenceServerClient(server.http_url), model, seed=5)
+    assert np.array_equal(image, pipe_image)
+
+
+def test_faults_leave_the_server_answering_without_growing(served, pipe):
+    server, model = served
+    good = _reference(pipe, seed=5)
+    long = {"num_inference_steps": (np.int32, 150)}  # most of a second of work, to walk away from
+    http = tritonclient_http.InferenceServerClient(server.http_url)
+
+    def disconnect():  # the client gives up after 0.2 s and closes its connection
+        impatient = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=0.2)
+        with pytest.raises(Exception):
+            impatient.infer(model, _inputs(tritonclient_http, **long))
+
+    def time_out():  # gRPC's deadline: the server is told the request is over
+        grpc = tritonclient_grpc.InferenceServerClient(server.grpc_url)
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            grpc.infer(model, _inputs(tritonclient_grpc, **long), client_timeout=0.2)
+
+    def raise_inside():
+        with pytest.raises(InferenceServerException, match="the test's fault"):
+            http.infer(model, _inputs(tritonclient_http, RAISE))
+
+    faults = (disconnect, time_out, raise_inside)
+    for fault in faults:  # warm-up: every kind once, so that what is cached is in the baseline
+        fault()
+        _good_request(server, model, good)
+    before = server.rss_bytes()
+    for i in range(50):
+        faults[i % 3]()
+        _good_request(server, model, good)
+    growth = server.rss_bytes() - before
+    assert server.ready()
+    assert growth < 0.05 * before, f"RSS grew {growth / 2**20:.1f} MiB over 50 faults (from {before / 2**20:.0f} MiB)"
+
+
+def _model_config(path: Path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def test_python_layout_config_and_files(tiny_artifact, tmp_path):
+    model = write_repository(tiny_artifact, tmp_path / "repo", max_batch_size=3, instances=2, batch_requests=True)
+    config = _model_config(model / "config.pbtxt")
+    assert (config.name, config.backend, config.max_batch_size) == (model.name, "python", 3)
+    assert [i.name for i in config.input] == ["prompt", "negative_prompt", "height", "width", "num_inference_steps",
+                                              "guidance_scale", "seed", "num_images_per_prompt", "image",
+                                              "mask_image", "strength"]
+    assert [i.name for i in config.input if not i.optional] == ["prompt"]
+    (output,) = config.output
+    assert (output.name, list(output.dims)) == ("images", [-1, -1, -1, 3])
+    assert config.HasField("dynamic_batching") and config.instance_group[0].count == 2
+    assert config.parameters["batch_requests"].string_value == "true"
+    copied = model / "1" / "artifact" / "transformer.onnx"
+    assert copied.stat().st_ino == (tiny_artifact / "transformer.onnx").stat().st_ino  # a hard link
+    assert (model / "1" / "runners" / "serving" / "triton_model.py").is_file()
+    Pipeline.load(model / "1" / "artifact").close()  # the copy is a whole artifact
+
+
+def test_native_layout_configs_and_what_this_server_can_load(tiny_artifact, tmp_path):
+    repo = tmp_path / "native"
+    pipeline_model = write_repository(tiny_artifact, repo, layout="native")
+    source = json.loads((tiny_artifact / "manifest.json").read_text())
+    for sub, entry in source["submodules"].items():
+        config = _model_config(repo / f"{pipeline_model.name}_{sub}" / "config.pbtxt")
+        assert (config.backend, config.max_batch_size, config.default_model_filename) == ("onnxruntime", 0,
+                                                                                        entry["file"])
+        assert [i.name for i in config.input] == [i["name"] for i in entry["inputs"]]
+        assert [o.name for o in config.output] == [o["name"] for o in entry["outputs"]]
+        assert all(-1 in i.dims for i in config.input)  # every engine input has a dynamic axis here
+    manifest = json.loads((pipeline_model / "1" / "artifact" / "manifest.json").read_text())
+    assert {s["target"] for s in manifest["submodules"].values()} == {"triton"}
+    assert not any(f.endswith(".onnx") for f in manifest["files"])
+    # This tritonserver has only the Python backend: the pipeline model loads, and each engine model's
+    # config is read and then stops at its missing backend (a malformed config would stop earlier).
+    with server_for(repo, extra_args=["--exit-on-error=false", "--strict-readiness=false"]) as server:
+        index = {m["name"]: m for m in tritonclient_http.InferenceServerClient(server.http_url)
+                 .get_model_repository_index()}
+    assert index[pipeline_model.name]["state"] == "READY"
+    for sub in source["submodules"]:
+        engine = index[f"{pipeline_model.name}_{sub}"]
+        assert engine["state"] == "UNAVAILABLE" and "onnxruntime" in engine["reason"], engine
+
+
+def test_kserve_manifest_passes_kserve_schema(tiny_artifact, tmp_path, capsys):
+    import jsonschema
+
+    from runners.__main__ import main
+
+    assert main(["triton", str(tiny_artifact), "--out", str(tmp_path / "repo"), "--kserve", "s3://bucket/repo"]) == 0
+    assert "sd3-tiny: \"python\"" in capsys.readouterr().out
+    service = json.loads((tmp_path / "repo" / "inferenceservice.json").read_text())
+    schema = json.loads((Path(__file__).parent / "data" / "kserve_inferenceservice_v1beta1.schema.json").read_text())
+    jsonschema.validate(service, schema)
+    assert service["spec"]["predictor"]["model"]["storageUri"] == "s3://bucket/repo"
+    service["spec"]["predictor"]["model"]["storgeUri"] = "typo"  # the schema can fail
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(service, schema)
+
+
+def test_repository_errors_write_nothing(tiny_artifact, tmp_path, capsys):
+    from runners.__main__ import main
+
+    out = tmp_path / "repo"
+    assert main(["triton", str(tiny_artifact), "--out", str(out), "--instances", "0"]) == 2
+    assert "instances=0 is not allowed" in capsys.readouterr().err
+    assert main(["triton", str(tmp_path), "--out", str(out)]) == 2
+    assert "manifest.json is missing" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".repo*"))
