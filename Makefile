@@ -19,7 +19,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test bench scale-check clean
+.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test bench serve-bench scale-check clean
 venv: $(VENV)/.installed
 
 # constraints.txt is the lock: the exact versions CI tested (`make lock` writes it from the ranges in
@@ -121,6 +121,10 @@ bench: venv optimum-venv optimum-intel-venv
 # peak RSS measured from outside and written to BENCHMARKS.md; fails over SCALE_BUDGET_GIB.
 SCALE_MODEL ?= sd3-fullsize
 SCALE_BUDGET_GIB ?= 16
+# The serving table alone (`make bench` measures it too): sd3-bench through Triton on 127.0.0.1.
+serve-bench: venv
+	$(PY) -m bench --model sd3-bench --tables serving $(BENCH_ARGS)
+
 scale-check: venv
 	$(PY) -m bench.scale_check --model $(SCALE_MODEL) --budget-gib $(SCALE_BUDGET_GIB)
 

@@ -15,7 +15,7 @@ from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
 TABLES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "copies", "memory",
-          "export")
+          "export", "serving")
 
 
 def _log(msg: str) -> None:
@@ -47,6 +47,9 @@ def _parse(argv):
                         "openvino table")
     p.add_argument("--openvino-reps", type=int, default=3,
                    help="repetitions of the openvino table (each runs every variant end to end at --size, --steps)")
+    p.add_argument("--serving-size", type=int, default=512, help="image side of the serving table's requests")
+    p.add_argument("--serving-steps", type=int, default=4, help="steps of the serving table's requests")
+    p.add_argument("--serving-requests", type=int, default=8, help="requests per row of the serving table")
     p.add_argument("--tables", default=",".join(TABLES),
                    help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
                         "--out are kept as they are, each with the command that produced it")
@@ -502,6 +505,14 @@ class Bench:
                       "Session settings of the artifact: " + "; ".join(
                           f"{n}: {manifest[n].get('session_options', {})}" for n in names)]})
 
+    def measure_serving(self):
+        if "serving" in self.args.tables:
+            from bench.serving import serving_table
+
+            a = self.args
+            self.tables.append(serving_table(self.default_artifact, a.serving_size, a.serving_steps,
+                                             a.serving_requests, _log))
+
     def export_table(self):
         if "export" not in self.args.tables:
             return
@@ -566,7 +577,8 @@ def main(argv=None) -> int:
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
                   bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling,
-                  bench.measure_copies, bench.measure_memory, bench.export_table, bench.write):
+                  bench.measure_copies, bench.measure_memory, bench.measure_serving, bench.export_table,
+                  bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()
     return 0

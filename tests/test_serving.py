@@ -5,7 +5,6 @@ by its fixture."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from runners import Pipeline
 from runners.serving.repository import write_repository
-from runners.serving.server import Server
+from runners.serving.server import Server, free_ports
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 import tritonclient.grpc as tritonclient_grpc  # noqa: E402
@@ -40,18 +39,8 @@ class TritonPythonModel(_Model):
 '''
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def server_for(repository: Path, **kwargs) -> Server:
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
 
 

@@ -81,6 +81,19 @@ def _environment() -> dict:
     return env
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 now (for tests and benchmarks that start servers side by side)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
 class Server:
     """tritonserver on `repository`: `with Server(repo, http_port=...) as server:` starts it, waits
     until every model is ready, and stops it (SIGTERM, then SIGKILL after `exit_timeout` s)."""

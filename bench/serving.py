@@ -1,0 +1,112 @@
+"""The Triton serving table: the artifact served by `runners.serving` (python layout, tritonserver on
+127.0.0.1) under 1, 4 and 8 concurrent HTTP clients, against calling the Pipeline directly in a
+fresh process; with and without batching queued requests into one Pipeline call."""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONCURRENCY = (1, 4, 8)
+
+
+def _direct_seconds(artifact: str, size: int, steps: int, requests: int) -> list[float]:
+    """Latencies of `requests` Pipeline calls in this (fresh) process, after one warm-up call."""
+    from runners import Pipeline
+
+    with Pipeline.load(artifact) as pipe:
+        pipe("a photo of a cat", seed=0, height=size, width=size, num_inference_steps=steps)
+        times = []
+        for i in range(requests):
+            t0 = time.perf_counter()
+            pipe("a photo of a cat", seed=i, height=size, width=size, num_inference_steps=steps)
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _inputs(size: int, steps: int, seed: int) -> list:
+    import tritonclient.http as http
+
+    tensors = []
+    for name, value, dtype in (("prompt", b"a photo of a cat", object), ("height", size, np.int32),
+                               ("width", size, np.int32), ("num_inference_steps", steps, np.int32),
+                               ("seed", seed, np.int64)):
+        array = np.full((1, 1), value, dtype=dtype)
+        tensor = http.InferInput(name, [1, 1], {object: "BYTES", np.int32: "INT32", np.int64: "INT64"}[dtype])
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def _load(server, model: str, clients: int, requests: int, size: int, steps: int) -> dict:
+    """`requests` requests spread over `clients` threads, each with its own connection."""
+    import tritonclient.http as http
+
+    latencies, errors = [], []
+    lock = threading.Lock()
+
+    def client(seeds):
+        connection = http.InferenceServerClient(server.http_url, network_timeout=3600, connection_timeout=60)
+        for seed in seeds:
+            t0 = time.perf_counter()
+            try:
+                connection.infer(model, _inputs(size, steps, seed)).as_numpy("images")
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+            except Exception as e:  # counted in the table
+                with lock:
+                    errors.append(repr(e))
+
+    seeds = list(range(requests))
+    threads = [threading.Thread(target=client, args=(seeds[c::clients],)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "latencies": latencies, "errors": errors}
+
+
+def serving_table(artifact: Path, size: int, steps: int, requests: int, log) -> dict:
+    from bench.harness import in_child
+    from runners.serving.repository import write_repository
+    from runners.serving.server import Server, free_ports
+
+    log(f"serving: {requests} direct Pipeline calls at {size}x{size}, {steps} steps")
+    direct = statistics.median(in_child(_direct_seconds, str(artifact), size, steps, requests))
+    rows = [["Pipeline, direct", "-", "1", f"{60 / direct:.2f}", f"{direct:.2f}", "-", "0", "-", "-"]]
+    for batched in (False, True):
+        with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
+            model = write_repository(artifact, Path(scratch) / "repo", reference_artifact=True,
+                                     batch_requests=batched)
+            for clients in CONCURRENCY if not batched else CONCURRENCY[1:]:
+                http_port, grpc_port, metrics_port = free_ports(3)
+                with Server(model.parent, http_port=http_port, grpc_port=grpc_port,
+                            metrics_port=metrics_port) as server:
+                    _load(server, model.name, 1, 1, size, steps)  # warm-up
+                    log(f"serving: {requests} requests from {clients} clients, batching {'on' if batched else 'off'}")
+                    run = _load(server, model.name, clients, requests, size, steps)
+                    peak = server.rss_bytes("VmHWM") / 2**20
+                lat = sorted(run["latencies"]) or [float("nan")]
+                p50, p95 = statistics.median(lat), lat[min(len(lat) - 1, int(0.95 * len(lat)))]
+                overhead = f"{p50 / direct - 1:+.1%}" if clients == 1 else "-"
+                rows.append([f"Triton, python layout", "on" if batched else "off", str(clients),
+                             f"{60 * len(run['latencies']) / run['wall']:.2f}", f"{p50:.2f}", f"{p95:.2f}",
+                             str(len(run["errors"])), f"{peak:.0f}", overhead])
+    return {"title": f"Serving with Triton at {size}x{size}, {steps} steps (ort-fp32, HTTP on 127.0.0.1)",
+            "columns": ["runner", "batching", "clients", "images / min", "p50 s", "p95 s", "errors",
+                        "peak RSS MiB", "overhead vs direct (p50)"],
+            "rows": rows,
+            "notes": [f"{requests} requests per row (seeds 0 to {requests - 1}), spread over the clients, each a thread "
+                      "with its own connection; one request is one prompt, guidance on, one image. Every row but the "
+                      "first is a fresh tritonserver (`runners.serving.Server`, the nvidia-pytriton wheel's) on a "
+                      "repository written by `write_repository(..., reference_artifact=True)`, after one warm-up "
+                      "request. The direct row is the median of as many `Pipeline` calls in a fresh process, after "
+                      "one warm-up. p95 is the nearest rank. Peak RSS: the server and its model process, each one's "
+                      "VmHWM, summed. Batching on: queued requests with equal settings run as one Pipeline call "
+                      "(`--batch-requests`), at most what one denoiser call of the artifact takes."]}
