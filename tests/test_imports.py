@@ -71,7 +71,8 @@ def test_cycle_finder_finds_one():
 DISTRIBUTION = {"PIL": "pillow", "onnx_ir": "onnx-ir", "onnx_graphsurgeon": "onnx-graphsurgeon",
                 "huggingface_hub": "huggingface-hub", "tensorrt_rtx": "tensorrt-rtx", "cuda": "cuda-python",
                 "optimum": None,  # optimum: imported only in the peer's own venv (bench/optimum.py)
-                "triton_python_backend_utils": None}  # Triton's Python backend provides it to its models
+                "triton_python_backend_utils": None,  # Triton's Python backend provides it to its models
+                "google": "protobuf"}
 
 
 def test_every_import_is_declared():

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tritonclient_grpc
+import tritonclient.http as tritonclient_http
+from tritonclient.utils import InferenceServerException
 
 from runners import Pipeline
 from runners.serving.repository import write_repository
 from runners.serving.server import Server, free_ports
-
-tritonclient_http = pytest.importorskip("tritonclient.http")
-import tritonclient.grpc as tritonclient_grpc  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
 
 SIZE, STEPS = 64, 2  # the smallest sd3-tiny image, so that a request takes tens of ms
 RAISE = "raise inside execute"
@@ -41,7 +40,8 @@ class TritonPythonModel(_Model):
 
 def server_for(repository: Path, **kwargs) -> Server:
     http, grpc, metrics = free_ports(3)
-    return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, **kwargs)
+    # A client's idle keep-alive connection holds Triton's exit for the whole exit timeout: keep it short.
+    return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout=2, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,29 @@ def test_eight_clients_four_requests_each(served, pipe):
     wrong = [job for job in jobs if not np.array_equal(results[job], references[job])]
     assert not wrong, f"responses differing from the Pipeline's image: {wrong}"
     assert server.ready()
+
+
+def test_batching_requests_gives_each_its_image(tiny_artifact, tmp_path, pipe):
+    """--batch-requests: concurrent requests run as shared Pipeline calls, and each gets its own image (up to the
+    batch-dependent rounding test_batched_calls_equal_each_call_alone bounds)."""
+    model = write_repository(tiny_artifact, tmp_path / "repo", batch_requests=True, queue_delay_us=200_000)
+    jobs = [(f"prompt {i}", i) for i in range(4)]
+    results = {}
+
+    def client(job):
+        results[job] = _image(tritonclient_http.InferenceServerClient(server.http_url), model.name, *job)
+
+    with server_for(model.parent) as server:
+        threads = [threading.Thread(target=client, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        batches = tritonclient_http.InferenceServerClient(server.http_url).get_inference_statistics(model.name)
+    stats = batches["model_stats"][0]
+    assert stats["execution_count"] < stats["inference_count"] == len(jobs)  # some requests ran together
+    worst = max(int(np.abs(results[job].astype(int) - _reference(pipe, *job)).max()) for job in jobs)
+    assert worst <= 1, f"served images differ from the Pipeline's by {worst}/255"
 
 
 BAD_REQUESTS = {  # name: (fields of the request, what the error must name)
@@ -275,3 +298,68 @@ def test_repository_errors_write_nothing(tiny_artifact, tmp_path, capsys):
     assert main(["triton", str(tmp_path), "--out", str(out)]) == 2
     assert "manifest.json is missing" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".repo*"))
+
+
+def test_groups_share_settings_and_fit_the_denoiser():
+    from runners.serving.requests import groups
+
+    calls = [dict(prompt="a", seed=1), dict(prompt="b", seed=2, negative_prompt="x"),
+             dict(prompt="c", seed=3, height=128), dict(prompt="d", seed=4), dict(prompt="e", seed=5, image=object())]
+    assert groups(calls, max_images=2, batched=True) == [[0, 1], [2], [3], [4]]
+    assert groups(calls, max_images=2, batched=False) == [[0], [1], [2], [3], [4]]
+    assert groups([dict(prompt="a", seed=1, num_images_per_prompt=2)] * 2, max_images=3, batched=True) == [[0], [1]]
+
+
+def test_batched_calls_equal_each_call_alone(pipe):
+    """--batch-requests: one Pipeline call for several requests gives each the image it gets alone, up to
+    the kernels' batch-dependent rounding."""
+    from runners.serving.requests import run
+
+    settings = {"height": SIZE, "width": SIZE, "num_inference_steps": STEPS}
+    calls = [{"prompt": f"prompt {i}", "seed": 10 + i, **settings} for i in range(3)]
+    calls.append({"prompt": "prompt 0", "negative_prompt": "blurry", "seed": 99, **settings})
+    together = run(pipe, calls)
+    alone = [run(pipe, [call])[0] for call in calls]
+    assert np.array_equal(alone[0][0], _reference(pipe, "prompt 0", seed=10))
+    worst = max(int(np.abs(t.astype(int) - a).max()) for t, a in zip(together, alone))
+    assert worst <= 1, f"batched images differ from single ones by {worst}/255"
+
+
+# The test's stand-in for Triton's onnxruntime backend, which this tritonserver lacks: a Python-backend
+# model with the engine model's own inputs and outputs, running its .onnx in ONNX Runtime.
+ENGINE_DOUBLE = '''import json
+from pathlib import Path
+
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        (engine,) = (Path(args["model_repository"]) / args["model_version"]).glob("*.onnx")
+        self.session = ort.InferenceSession(str(engine))
+        self.inputs = [i["name"] for i in config["input"]]
+        self.outputs = [o["name"] for o in config["output"]]
+
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            feeds = {n: pb_utils.get_input_tensor_by_name(request, n).as_numpy() for n in self.inputs}
+            results = self.session.run(self.outputs, feeds)
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, r) for n, r in zip(self.outputs, results)]))
+        return answers
+'''
+
+
+def test_native_layout_serves_the_pipelines_image_through_bls(tiny_artifact, tmp_path, pipe):
+    repo = tmp_path / "native"
+    pipeline_model = write_repository(tiny_artifact, repo, layout="native")
+    for config_path in repo.glob(f"{pipeline_model.name}_*/config.pbtxt"):
+        config = config_path.read_text().replace('backend: "onnxruntime"', 'backend: "python"')
+        config_path.write_text("\n".join(line for line in config.splitlines()
+                                         if not line.startswith("default_model_filename")) + "\n")
+        (config_path.parent / "1" / "model.py").write_text(ENGINE_DOUBLE)
+    with server_for(repo) as server:
+        image = _image(tritonclient_http.InferenceServerClient(server.http_url), pipeline_model.name, seed=11)
+    assert np.array_equal(image, _reference(pipe, seed=11))

@@ -21,12 +21,14 @@ def _repository_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1, help="Pipeline copies per device (instance_group count)")
     p.add_argument("--batch-requests", action="store_true",
                    help="run queued requests with equal settings as one Pipeline call (one denoiser batch)")
+    p.add_argument("--queue-delay-us", type=int, default=2000,
+                   help="how long Triton's dynamic batcher waits to fill a batch, in microseconds")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
 
 
 def _repository_kwargs(args) -> dict:
     return {"model_name": args.model_name, "max_batch_size": args.max_batch_size, "instances": args.instances,
-            "batch_requests": args.batch_requests, "threads": args.threads}
+            "batch_requests": args.batch_requests, "queue_delay_us": args.queue_delay_us, "threads": args.threads}
 
 
 def triton(argv) -> int:

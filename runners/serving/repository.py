@@ -112,9 +112,10 @@ def write_repository(artifact, out, *, layout: str = "python", model_name: str |
     if reference_artifact and layout != "python":
         raise ValueError("--reference-artifact is the python layout's: the native layout splits the artifact into "
                          "one model per engine")
-    for name, value in (("max_batch_size", max_batch_size), ("instances", instances)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} is not allowed: use an integer >= 1")
+    for name, value, least in (("max_batch_size", max_batch_size, 1), ("instances", instances, 1),
+                               ("queue_delay_us", queue_delay_us, 0)):
+        if value is not None and (not isinstance(value, int) or value < least):
+            raise ValueError(f"{name}={value!r} is not allowed: use an integer >= {least}")
     name = model_name or manifest["model"]["name"]
     capacity = max(1, manifest["dims"]["batch"][2] // 2)
     params = {"artifact": str(artifact) if reference_artifact else ARTIFACT_DIR,

@@ -39,7 +39,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         answers: list = [None] * len(requests)
-        rows: list[tuple[int, dict]] = []  # (request, one call)
+        rows: list[tuple[int, int, dict]] = []  # (request, its row, the row's Pipeline call)
         for r, request in enumerate(requests):
             try:
                 tensors = {}
@@ -47,27 +47,33 @@ class TritonPythonModel:
                     tensor = pb_utils.get_input_tensor_by_name(request, name)
                     if tensor is not None:
                         tensors[name] = tensor.as_numpy()
-                rows += [(r, call) for call in rq.calls(tensors)]
+                rows += [(r, i, call) for i, call in enumerate(rq.calls(tensors))]
             except ValueError as e:
                 answers[r] = _error(e, pb_utils.TritonError.INVALID_ARG)
-        pending = [(r, call) for r, call in rows if answers[r] is None]
-        images: dict[int, list] = {}
-        for run in rq.groups([call for _, call in pending], self.max_images, self.batched):
-            owners = [pending[i][0] for i in run]
+        images: dict[int, dict[int, np.ndarray]] = {}  # request -> row -> its images
+
+        def attempt(run: list[int]) -> None:
+            owners = {rows[k][0] for k in run}
             if any(answers[r] is not None for r in owners):
-                continue  # a row of the same request already failed
+                return  # a row of the same request already failed
             try:
-                for r, image in zip(owners, rq.run(self.pipe, [pending[i][1] for i in run])):
-                    images.setdefault(r, []).append(image)
+                for k, image in zip(run, rq.run(self.pipe, [rows[k][2] for k in run])):
+                    images.setdefault(rows[k][0], {})[rows[k][1]] = image
             except (ValueError, ManifestError) as e:
-                for r in set(owners):
-                    answers[r] = _error(e, pb_utils.TritonError.INVALID_ARG)
-            except Exception as e:  # the next request must still be served: this one fails alone
-                for r in set(owners):
+                if len(run) > 1:  # a bad row among several requests: each alone, so that only its own fails
+                    for k in run:
+                        attempt([k])
+                    return
+                answers[rows[run[0]][0]] = _error(e, pb_utils.TritonError.INVALID_ARG)
+            except Exception as e:  # the next request must still be served: these fail alone
+                for r in owners:
                     answers[r] = _error(e, pb_utils.TritonError.INTERNAL)
+
+        for run in rq.groups([call for _, _, call in rows], self.max_images, self.batched):
+            attempt(run)
         for r in range(len(requests)):
             if answers[r] is None:
-                answers[r] = _images(images[r])
+                answers[r] = _images([images[r][i] for i in sorted(images[r])])
         return answers
 
     def finalize(self):
