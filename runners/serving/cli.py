@@ -67,9 +67,15 @@ def serve(argv) -> int:
     args = p.parse_args(argv)
 
     def run():
+        import signal
+
         from runners.serving.repository import write_repository
         from runners.serving.server import Server
 
+        def stop(*_):  # SIGTERM (docker stop, systemd, kill) stops the server as Ctrl-C does
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
         with tempfile.TemporaryDirectory(prefix="diffusion-aot-repository-") as scratch:
             model = write_repository(args.artifact, Path(scratch) / "repository", reference_artifact=True,
                                      **_repository_kwargs(args))
@@ -85,7 +91,8 @@ def serve(argv) -> int:
                 raise RuntimeError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n"
                                    f"{server.log_tail()}")
 
-    return run_cli(run, (ManifestError, ValueError, RuntimeError), "the server was stopped")
+    return run_cli(run, (ManifestError, ValueError, RuntimeError), "the server was stopped and its temporary "
+                   "repository removed")
 
 
 COMMANDS = {"triton": triton, "serve": serve}
