@@ -50,6 +50,7 @@ def _parse(argv):
     p.add_argument("--serving-size", type=int, default=512, help="image side of the serving table's requests")
     p.add_argument("--serving-steps", type=int, default=4, help="steps of the serving table's requests")
     p.add_argument("--serving-requests", type=int, default=8, help="requests per row of the serving table")
+    p.add_argument("--serving-clients", default="1,4,8", help="the serving table's numbers of concurrent clients")
     p.add_argument("--tables", default=",".join(TABLES),
                    help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
                         "--out are kept as they are, each with the command that produced it")
@@ -510,8 +511,9 @@ class Bench:
             from bench.serving import serving_table
 
             a = self.args
+            clients = [int(c) for c in a.serving_clients.split(",")]
             self.tables.append(serving_table(self.default_artifact, a.serving_size, a.serving_steps,
-                                             a.serving_requests, _log))
+                                             a.serving_requests, clients, _log))
 
     def export_table(self):
         if "export" not in self.args.tables:

@@ -11,9 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-CONCURRENCY = (1, 4, 8)
-
-
 def _direct_seconds(artifact: str, size: int, steps: int, requests: int) -> list[float]:
     """Latencies of `requests` Pipeline calls in this (fresh) process, after one warm-up call."""
     from runners import Pipeline
@@ -60,6 +57,7 @@ def _load(server, model: str, clients: int, requests: int, size: int, steps: int
             except Exception as e:  # counted in the table
                 with lock:
                     errors.append(repr(e))
+        connection.close()  # an idle keep-alive connection would hold the server's exit for its whole timeout
 
     seeds = list(range(requests))
     threads = [threading.Thread(target=client, args=(seeds[c::clients],)) for c in range(clients)]
@@ -72,7 +70,7 @@ def _load(server, model: str, clients: int, requests: int, size: int, steps: int
     return {"wall": wall, "latencies": latencies, "errors": errors}
 
 
-def serving_table(artifact: Path, size: int, steps: int, requests: int, log) -> dict:
+def serving_table(artifact: Path, size: int, steps: int, requests: int, concurrency: list[int], log) -> dict:
     from bench.harness import in_child
     from runners.serving.repository import write_repository
     from runners.serving.server import Server, free_ports
@@ -84,7 +82,7 @@ def serving_table(artifact: Path, size: int, steps: int, requests: int, log) -> 
         with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
             model = write_repository(artifact, Path(scratch) / "repo", reference_artifact=True,
                                      batch_requests=batched)
-            for clients in CONCURRENCY if not batched else CONCURRENCY[1:]:
+            for clients in [c for c in concurrency if c > 1 or not batched]:  # one client batches nothing
                 http_port, grpc_port, metrics_port = free_ports(3)
                 with Server(model.parent, http_port=http_port, grpc_port=grpc_port,
                             metrics_port=metrics_port) as server:

@@ -193,18 +193,18 @@ def _good_request(server, model, pipe_image) -> None:
 def test_faults_leave_the_server_answering_without_growing(served, pipe):
     server, model = served
     good = _reference(pipe, seed=5)
-    long = {"num_inference_steps": (np.int32, 150)}  # most of a second of work, to walk away from
+    long = {"num_inference_steps": (np.int32, 60)}  # a quarter of a second of work, to walk away from
     http = tritonclient_http.InferenceServerClient(server.http_url)
 
-    def disconnect():  # the client gives up after 0.2 s and closes its connection
-        impatient = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=0.2)
+    def disconnect():  # the client gives up after 0.05 s and closes its connection
+        impatient = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=0.05)
         with pytest.raises(Exception):
             impatient.infer(model, _inputs(tritonclient_http, **long))
 
     def time_out():  # gRPC's deadline: the server is told the request is over
         grpc = tritonclient_grpc.InferenceServerClient(server.grpc_url)
         with pytest.raises(InferenceServerException, match="Deadline"):
-            grpc.infer(model, _inputs(tritonclient_grpc, **long), client_timeout=0.2)
+            grpc.infer(model, _inputs(tritonclient_grpc, **long), client_timeout=0.05)
 
     def raise_inside():
         with pytest.raises(InferenceServerException, match="the test's fault"):
