@@ -93,7 +93,7 @@ def serving_table(artifact: Path, size: int, steps: int, requests: int, concurre
                 lat = sorted(run["latencies"]) or [float("nan")]
                 p50, p95 = statistics.median(lat), lat[min(len(lat) - 1, int(0.95 * len(lat)))]
                 overhead = f"{p50 / direct - 1:+.1%}" if clients == 1 else "-"
-                rows.append([f"Triton, python layout", "on" if batched else "off", str(clients),
+                rows.append(["Triton, python layout", "on" if batched else "off", str(clients),
                              f"{60 * len(run['latencies']) / run['wall']:.2f}", f"{p50:.2f}", f"{p95:.2f}",
                              str(len(run["errors"])), f"{peak:.0f}", overhead])
     return {"title": f"Serving with Triton at {size}x{size}, {steps} steps (ort-fp32, HTTP on 127.0.0.1)",

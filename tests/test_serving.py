@@ -275,6 +275,27 @@ def test_native_layout_configs_and_what_this_server_can_load(tiny_artifact, tmp_
         assert engine["state"] == "UNAVAILABLE" and "onnxruntime" in engine["reason"], engine
 
 
+def test_gpu_and_openvino_artifacts_configs_and_engine_files():
+    """What TensorRT and OpenVINO artifacts get (no such server here): GPU instances and tensorrt_plan for
+    TensorRT, and every file of an engine moves with it (OpenVINO's .bin beside its .xml)."""
+    from runners.serving.repository import _engine_files, engine_config, pipeline_config
+
+    entry = {"file": "transformer.trt1.7.plan", "dims": {"batch": [1, 2, 8]},
+             "inputs": [{"name": "x", "dtype": "float16", "shape": ["batch", 16]}],
+             "outputs": [{"name": "y", "dtype": "float16", "shape": ["batch", 16]}]}
+    manifest = {"target": "trt-rtx", "submodules": {"transformer": entry}}
+    assert "kind: KIND_GPU count: 2" in pipeline_config("m", manifest, 4, 2, 0, {})
+    engine = engine_config("m_transformer", "trt-rtx", entry)
+    assert 'platform: "tensorrt_plan"' in engine and "kind: KIND_GPU" in engine
+    assert '{ name: "x" data_type: TYPE_FP16 dims: [ -1, 16 ] }' in engine
+    files = ["text_encoder.xml", "text_encoder.bin", "text_encoder_2.xml", "text_encoder_2.bin",
+             "text_encoder.GPU.blob", "tokenizer/tokenizer.json"]
+    assert _engine_files({"files": files}, {"file": "text_encoder.xml"}) == [
+        "text_encoder.xml", "text_encoder.bin", "text_encoder.GPU.blob"]
+    assert _engine_files({"files": ["vae_decoder.onnx", "vae_decoder.onnx.data"]}, {"file": "vae_decoder.onnx"}) == [
+        "vae_decoder.onnx", "vae_decoder.onnx.data"]
+
+
 def test_kserve_manifest_passes_kserve_schema(tiny_artifact, tmp_path, capsys):
     import jsonschema
 
@@ -299,6 +320,9 @@ def test_repository_errors_write_nothing(tiny_artifact, tmp_path, capsys):
     assert "instances=0 is not allowed" in capsys.readouterr().err
     assert main(["triton", str(tmp_path), "--out", str(out)]) == 2
     assert "manifest.json is missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_code:
+        main(["triton", str(tiny_artifact), "--out", str(out), "--kserve", "s3://b/r", "--reference-artifact"])
+    assert exit_code.value.code == 2 and "drop --reference-artifact" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".repo*"))
 
 

@@ -44,6 +44,9 @@ def triton(argv) -> int:
                    help="also write REPO/inferenceservice.json, a KServe InferenceService for the Triton runtime "
                         "reading the repository from STORAGE_URI (e.g. s3://bucket/model_repository)")
     args = p.parse_args(argv)
+    if args.kserve and args.reference_artifact:
+        p.error("--kserve serves the repository from storage: it must hold the artifact, not name its path here "
+                "(drop --reference-artifact)")
 
     def write():
         from runners.serving.kserve import write_inference_service

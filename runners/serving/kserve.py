@@ -13,7 +13,7 @@ from runners.serving.repository import GPU_TARGETS
 FILE = "inferenceservice.json"
 
 
-def inference_service(name: str, storage_uri: str, target: str, artifact_bytes: int, max_replicas: int = 1) -> dict:
+def inference_service(name: str, storage_uri: str, target: str, artifact_bytes: int) -> dict:
     """The manifest; resources are a starting point to edit: 2 CPUs, and memory for the artifact's files
     twice over plus 2 GiB (weights in the engines' sessions, and the process itself)."""
     service = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63] or "diffusion"
@@ -26,7 +26,7 @@ def inference_service(name: str, storage_uri: str, target: str, artifact_bytes: 
         "metadata": {"name": service},
         "spec": {"predictor": {
             "minReplicas": 1,
-            "maxReplicas": max_replicas,
+            "maxReplicas": 1,  # raise it, and KServe's autoscaler adds replicas with the load
             "model": {
                 "modelFormat": {"name": "triton"},
                 "protocolVersion": "v2",
@@ -38,10 +38,10 @@ def inference_service(name: str, storage_uri: str, target: str, artifact_bytes: 
     }
 
 
-def write_inference_service(repo, model_name: str, storage_uri: str, artifact, max_replicas: int = 1) -> Path:
+def write_inference_service(repo, model_name: str, storage_uri: str, artifact) -> Path:
     manifest = read_manifest(Path(artifact), verify=False)
     size = sum((Path(artifact) / f).stat().st_size for f in manifest["files"])
     path = Path(repo) / FILE
-    service = inference_service(model_name, storage_uri, manifest["target"], size, max_replicas)
+    service = inference_service(model_name, storage_uri, manifest["target"], size)
     path.write_text(json.dumps(service, indent=2) + "\n")
     return path

@@ -11,7 +11,6 @@ The repository is written whole or not at all (runners.manifest.atomic_folder). 
 links to the artifact's where the filesystem allows, copies otherwise."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from runners.serving.requests import OUTPUT, Tensor, inputs_for
 LAYOUTS = ("python", "native")
 ARTIFACT_DIR = "artifact"  # inside the version folder
 RUNNERS = Path(__file__).resolve().parents[1]
-# Triton's model backend or platform of each target, and the engine's file name it loads.
+# Triton's model backend or platform of each target (the engine's file is named by default_model_filename).
 ENGINE_BACKENDS = {"ort": 'backend: "onnxruntime"', "trt": 'platform: "tensorrt_plan"',
                    "trt-rtx": 'platform: "tensorrt_plan"', "openvino": 'backend: "openvino"'}
 DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
@@ -88,8 +87,10 @@ def engine_config(name: str, target: str, entry: dict) -> str:
 
 
 def _engine_files(manifest: dict, entry: dict) -> list[str]:
-    """The engine file and its external weights (`<file>.data`), if any."""
-    return [f for f in manifest["files"] if f == entry["file"] or f.startswith(entry["file"] + ".")]
+    """The engine's files: all that share its name's stem (ONNX's `.onnx.data` weights, OpenVINO's
+    `.bin` beside its `.xml`, the compiled blobs)."""
+    stem = entry["file"].split(".")[0]
+    return [f for f in manifest["files"] if f.startswith(stem + ".")]
 
 
 def _runners_copy(dest: Path) -> None:

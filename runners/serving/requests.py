@@ -53,10 +53,10 @@ def _text(name: str, row: int, value) -> str:
         raise ValueError(f"{name}[{row}] is not UTF-8 text ({e.reason} at byte {e.start}): send UTF-8") from None
 
 
-def calls(tensors: dict[str, np.ndarray], draw_seed=None) -> list[dict]:
+def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
     """The Pipeline keyword arguments of each batch row. `tensors` are one request's inputs by name
     (Triton has checked their dtypes and that they share the batch dimension); a row without a seed
-    gets one from `draw_seed()`, so that the seed a batch runs with is always known."""
+    gets a random one here, so that a batched run can draw each row's latents from its seed."""
     if "prompt" not in tensors:
         raise ValueError("prompt is missing: every request needs a prompt (TYPE_STRING, one per batch row)")
     rows = []
@@ -75,13 +75,9 @@ def calls(tensors: dict[str, np.ndarray], draw_seed=None) -> list[dict]:
             else:
                 call[name] = int(value.reshape(-1)[0])
         if "seed" not in call:
-            call["seed"] = int((draw_seed or _random_seed)())
+            call["seed"] = int(np.random.default_rng().integers(2**63))
         rows.append(call)
     return rows
-
-
-def _random_seed() -> int:
-    return int(np.random.default_rng().integers(2**63))
 
 
 def batch_key(call: dict):
