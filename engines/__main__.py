@@ -1,5 +1,6 @@
 """python -m engines BUILD_DIR --target ort --precision fp32: build an artifact from BUILD_DIR/onnx.
-python -m engines inspect PATH: what each graph holds in memory (see python -m engines inspect -h)."""
+python -m engines inspect PATH: what each graph holds in memory (see python -m engines inspect -h).
+python -m engines lora ARTIFACT --lora PATH[:SCALE] --out NEW: LoRA adapters merged into a built artifact."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,10 @@ def main(argv=None) -> int:
         from engines.memory.inspect import main as inspect_main
 
         return inspect_main(argv[1:])
+    if argv[:1] == ["lora"]:
+        from engines.lora import main as lora_main
+
+        return lora_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m engines", description=__doc__)
     p.add_argument("build_dir", nargs="?", help="the export's output folder (holds onnx/)")
     p.add_argument("--target", default="ort")

@@ -23,8 +23,9 @@ from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Targ
 from runners.manifest import (
     MANIFEST, ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest,
 )
+from runners.provenance import WeightTable, table_path
 
-ARTIFACT_FORMAT = 1  # bump when the artifact this code writes changes for the same inputs
+ARTIFACT_FORMAT = 2  # bump when the artifact this code writes changes for the same inputs
 
 
 def _log(msg: str) -> None:
@@ -141,7 +142,8 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             t0 = time.perf_counter()
             model = ir.load(onnx_dir / sub["file"])  # weights in external data stay on disk (memory-mapped)
             feeds = calibration_dir and CalibrationFeeds(calibration_dir, name)
-            context = PassContext(name, sub, feeds, plan_dims, memory_budget)
+            weights = WeightTable.load(table_path(onnx_dir / sub["file"]))
+            context = PassContext(name, sub, feeds, plan_dims, memory_budget, weights)
             model, reports = pipelines[name](model, name, log=_log, context=context)
             if memory:
                 request_session_options(model, **tgt.memory.options_for(name))
@@ -158,11 +160,16 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
                 files, record = ort_target.build_submodule(built, tmp, options)
                 record = {**record, "target": "ort", "fallback_because": str(e)}
             del model, built
+            if weights:  # the names of the engine's weights are the graph's (TensorRT's refit map too)
+                if files[0].endswith(".onnx"):
+                    weights.locate(tmp / files[0])
+                weights.save(table_path(tmp / files[0]))
             size = sum((tmp / f).stat().st_size for f in files)
             seconds = round(time.perf_counter() - t0, 2)
             _log(f"{name}: {record.get('target', target)}-{precision} in {seconds:.1f} s, {size / 2**20:.1f} MiB")
             submodules[name] = {
                 "file": files[0],
+                **({"weights_file": table_path(tmp / files[0]).name} if weights else {}),
                 **entry,
                 "build_seconds": seconds,
                 "passes": reports,

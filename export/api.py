@@ -21,7 +21,7 @@ from export.source import ModelSource, resolve
 from export.versions import package_versions
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
 
-EXPORT_FORMAT = 3  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 4  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:

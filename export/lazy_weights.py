@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from runners.provenance import WeightTable, dtype_name
+
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
 
 
@@ -80,12 +82,14 @@ def checkpoint_index(folder: Path) -> dict[str, dict]:
     return index
 
 
-def attach_weights(model: ir.Model, wrapper, index: dict[str, dict]) -> dict[str, int]:
+def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: str,
+                   table: WeightTable) -> dict[str, int]:
     """Give the graph traced from `wrapper` its weights: each initializer named after a parameter
     of the wrapped component reads its checkpoint bytes in place, converted when it is written if
-    the dtypes differ (T5's float32 `wo` from an fp16 checkpoint). A buffer the checkpoint holds
-    (SD3's position embedding) is read from it too, as from_pretrained does; the others keep the
-    value the constructor gave them. Returns counts."""
+    the dtypes differ (T5's float32 `wo` from an fp16 checkpoint), and `table` records which
+    checkpoint tensor of `component` it holds. A buffer the checkpoint holds (SD3's position
+    embedding) is read from it too, as from_pretrained does; the others keep the value the
+    constructor gave them. Returns counts."""
     params = {}  # every name of a parameter (tied ones have several) -> the names of that tensor
     for name, p in wrapper.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), []).append(name)
@@ -94,9 +98,10 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict]) -> dict[str
     counts = {"weights_mapped": 0, "weights_converted": 0, "buffers_from_checkpoint": 0}
     for name, value in model.graph.initializers.items():
         if name in aliases:
-            stored = _stored(name, aliases[name], index)
+            key, stored = _stored(name, aliases[name], index)
+            table.source(name, component, key, dtype_name(value.const_value.dtype), stored.shape)
         elif name in buffers and _key(name) in index:
-            stored = _stored(name, [name], index)
+            _, stored = _stored(name, [name], index)
             counts["buffers_from_checkpoint"] += 1
         else:
             continue  # a buffer the checkpoint lacks, or a constant of the exporter: it has its value
@@ -116,7 +121,7 @@ def _key(name: str) -> str:
     return name.split(".", 1)[1]
 
 
-def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> ir.ExternalTensor:
+def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> tuple[str, ir.ExternalTensor]:
     keys = [_key(alias) for alias in aliases]
     key = next((k for k in keys if k in index), None)
     if key is None:
@@ -125,8 +130,8 @@ def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> ir.Externa
     if entry["dtype"] not in _SAFETENSORS_DTYPES:
         raise WeightsError(f"{key}: checkpoint dtype {entry['dtype']} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
     dtype = ir.DataType.from_numpy(np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]]))
-    return ir.ExternalTensor(entry["file"].name, entry["offset"], entry["length"], dtype,
-                             shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
+    return key, ir.ExternalTensor(entry["file"].name, entry["offset"], entry["length"], dtype,
+                                  shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
 
 
 def _read(tensor) -> np.ndarray:
@@ -137,8 +142,9 @@ def _read(tensor) -> np.ndarray:
     return array
 
 
-def defer_weight_transposes(model: ir.Model) -> int:
-    """Replace each Transpose of a weight by an initializer computed when the graph is written.
+def defer_weight_transposes(model: ir.Model, table: WeightTable) -> int:
+    """Replace each Transpose of a weight by an initializer computed when the graph is written
+    (recorded in `table` as the weight transposed).
 
     The exporter's optimizer folds these (a linear layer's weight is stored transposed for MatMul)
     by computing them all in memory: the whole submodule's weights again. Done here first, each is
@@ -157,6 +163,8 @@ def defer_weight_transposes(model: ir.Model) -> int:
         out.replace_all_uses_with(folded)
         model.graph.remove(node, safe=True)
         model.graph.register_initializer(folded)
+        if source.name in table:
+            table.transposed(source.name, out.name, perm or list(reversed(range(len(shape)))), shape)
         if not source.uses() and not source.is_graph_output():
             model.graph.initializers.pop(source.name)
         deferred += 1

@@ -20,6 +20,7 @@ from export.lazy_weights import attach_weights, checkpoint_index, defer_weight_t
 from export.shapes import concrete
 from export.spec import SubmoduleSpec
 from runners.manifest import save_graph
+from runners.provenance import WeightTable, initializer_types, table_path
 
 DEFAULT_OPSET = 20  # MatMul/Softmax attention: builds on every target (opset 23's Attention does not)
 EXPORT_DTYPES = ("float32", "float16")
@@ -134,13 +135,44 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
 def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str], probe: dict,
                       opset: int = DEFAULT_OPSET):
     """The submodule's graph traced without weights, then given them from the checkpoint (still
-    on disk: they are read when the graph is written). Returns (onnx-ir model, counts)."""
+    on disk: they are read when the graph is written). Returns (onnx-ir model, the weights'
+    provenance, counts)."""
     module = wrapped(spec, weightless_component(src, spec.component, dtype, **spec.load_kwargs), dtype)
     program = trace(spec, module, constants, dynamic, probe, opset, optimize=False)
-    counts = attach_weights(program.model, module, checkpoint_index(src.folder / spec.component))
-    counts["transposes_deferred"] = defer_weight_transposes(program.model)
+    table = WeightTable()
+    counts = attach_weights(program.model, module, checkpoint_index(src.folder / spec.component), spec.component,
+                            table)
+    counts["transposes_deferred"] = defer_weight_transposes(program.model, table)
+    table.reconcile(initializer_types(program.model))  # the transposed weights' sources are gone
+    small = {name: program.model.graph.initializers[name].const_value for name, r in table.items()
+             if np.prod(r["shape"]) <= MERGED_SIZE_LIMIT}
     program.optimize()  # the exporter's own optimizer, as torch.onnx.export(optimize=True) runs it
-    return program.model, counts
+    counts["parameters_merged"] = _record_merged(table, small, program.model)
+    counts.update(table.reconcile(initializer_types(program.model)))
+    return program.model, table, counts
+
+
+MERGED_SIZE_LIMIT = 1024  # onnx-ir's DeduplicateInitializersPass (run by the optimizer) merges up to this size
+
+
+def _record_merged(table, small: dict, model) -> int:
+    """The optimizer merges bitwise-equal small initializers into one (zero biases, unit norm
+    scales): record a merged parameter as a further part of the initializer it now shares, so a
+    change to one of them alone is refused instead of lost. Returns how many were merged."""
+    kept = {}
+    for name, value in model.graph.initializers.items():
+        if name in table and value.const_value is not None and value.const_value.size <= MERGED_SIZE_LIMIT:
+            t = value.const_value
+            kept[(t.dtype, tuple(t.shape), t.tobytes())] = name
+    merged = 0
+    for name, tensor in small.items():
+        if name in model.graph.initializers:
+            continue
+        into = kept.get((tensor.dtype, tuple(tensor.shape), tensor.tobytes()))
+        if into is not None:
+            table[into]["parts"] += table[name]["parts"]
+            merged += 1
+    return merged
 
 
 def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str],
@@ -148,8 +180,9 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
     """Export `spec`'s component of `src` with `dtype` weights to `out_path` and check it against
     PyTorch; returns the report."""
     t0 = time.perf_counter()
-    model, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset)
+    model, table, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset)
     files = save_graph(model, out_path)
+    table.save(table_path(out_path))
     del model
     gc.collect()  # the graph's nodes and values refer to each other: free it (and its maps) now
     export_seconds = time.perf_counter() - t0

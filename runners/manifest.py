@@ -108,15 +108,16 @@ ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights 
 SMALL_INLINE_BYTES = 1024
 
 
-def save_graph(model, path: Path) -> list[str]:
-    """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB, else in one
-    external file beside it, streamed there a tensor at a time from wherever they live (a
-    checkpoint, a memory map, a tensor computed on demand). Returns the file names written."""
+def save_graph(model, path: Path, external: bool = False) -> list[str]:
+    """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB (unless
+    `external`), else in one external file beside it, streamed there a tensor at a time from
+    wherever they live (a checkpoint, a memory map, a tensor computed on demand). Returns the
+    file names written."""
     import onnx_ir as ir
 
     path = Path(path)
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    data = f"{path.name}.data" if size > ONNX_INLINE_LIMIT else None
+    data = f"{path.name}.data" if external or size > ONNX_INLINE_LIMIT else None
     if data is None:  # inline: weights that still point at another file (a checkpoint) are read in
         ir.external_data.load_to_model(model)
     # Small constants stay inline even then: ONNX Runtime reads shapes, axes and split sizes

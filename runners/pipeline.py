@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from runners.backends import open_session
+from runners.lora import adapted_submodules
 from runners.manifest import ManifestError, read_manifest
 from runners.profile import Profiler
 from runners.schedulers import load_scheduler
@@ -32,11 +33,12 @@ class Pipeline:
     @classmethod
     def load(cls, artifact_dir, *, threads: int | None = None, providers: list[str] | None = None,
              verify: bool = True, progress: bool = False, submodules: list[str] | None = None,
-             device_map: dict[str, int] | None = None) -> "Pipeline":
+             device_map: dict[str, int] | None = None, loras: dict | None = None) -> "Pipeline":
         """Open an artifact folder. `threads` sets each session's intra-op threads, `providers`
         the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files;
         `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents);
-        `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0)."""
+        `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0);
+        `loras` ({adapter path: scale}) opens the engines with those adapters (see `set_loras`)."""
         families = FAMILIES
         folder = Path(artifact_dir)
         manifest = read_manifest(folder, verify=verify)
@@ -59,10 +61,10 @@ class Pipeline:
             raise ValueError(f"threads={threads} sets the CPU threads of ONNX Runtime and OpenVINO sessions; every "
                              f"engine {folder} opens is TensorRT's, which runs on the GPU: leave threads unset")
         return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
-                                submodules=submodules, device_map=device_map)
+                                submodules=submodules, device_map=device_map, loras=loras)
 
     def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False, submodules=None,
-                 device_map=None):
+                 device_map=None, loras=None):
         self.folder, self.manifest = folder, manifest
         self.device_map = dict(device_map or {})
         self.opened = list(submodules or manifest["submodules"])
@@ -72,6 +74,8 @@ class Pipeline:
         self.timings: dict[str, float] = {}  # seconds per stage of the last call
         self._session_options = {"threads": threads, "providers": providers}
         self.closed = False
+        self.loras: dict = dict(loras or {})
+        self._adapted = adapted_submodules(folder, manifest, self.loras)  # {submodule: {weight: value}}
         self.sessions = self._open_sessions()
         self.profiler: Profiler | None = None
         # Sees the inputs of every engine call: (submodule, feeds) -> None. The build's calibration
@@ -83,19 +87,36 @@ class Pipeline:
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
+    def _open_session(self, name: str, profile: bool = False):
+        sub = self.manifest["submodules"][name]  # a submodule built with `--fallback ort` names its own target
+        return open_session(sub.get("target", self.manifest["target"]), self.folder / sub["file"],
+                            device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
+                            session_options=sub.get("session_options"), initializers=self._adapted.get(name),
+                            **self._session_options)
+
     def _open_sessions(self, profile: bool = False) -> dict:
         sessions = {}
         try:
-            for name, sub in self.manifest["submodules"].items():
-                if name in self.opened:  # a submodule built with `--fallback ort` names its own target
-                    sessions[name] = open_session(
-                        sub.get("target", self.manifest["target"]), self.folder / sub["file"],
-                        device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
-                        session_options=sub.get("session_options"), **self._session_options)
+            for name in self.manifest["submodules"]:
+                if name in self.opened:
+                    sessions[name] = self._open_session(name, profile)
         except BaseException:  # the engines opened before the failing one hold device memory too
             _close_all(sessions)
             raise
         return sessions
+
+    def set_loras(self, loras: dict, ignore_unmatched: bool = False) -> None:
+        """Switch to `loras` ({adapter path: scale}; {} for none) before the next call. The adapted
+        weights are computed from the artifact's own each time, so switching back to an adapter gives
+        exactly its images again. Only the engines whose weights change are reopened, one at a time."""
+        if self.closed:
+            raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again")
+        adapted = adapted_submodules(self.folder, self.manifest, dict(loras), ignore_unmatched)
+        reopen = (set(adapted) | set(self._adapted)) & set(self.sessions)
+        self._adapted, self.loras = adapted, dict(loras)
+        for name in reopen:
+            self.sessions.pop(name).close()  # one copy of the engine's weights in memory at a time
+            self.sessions[name] = self._open_session(name)
 
     def close(self) -> None:
         """Free what every engine holds (TensorRT's device buffers and streams, the weights). The

@@ -11,6 +11,8 @@ import dataclasses
 import onnx_ir as ir
 from onnx_ir.passes import FunctionalPass, InPlacePass, PassResult
 
+from runners.provenance import WeightTable
+
 __all__ = ["GraphPass", "LibraryPass", "PassContext", "Report"]
 
 
@@ -38,6 +40,9 @@ class PassContext:
     # and lower the peak until it is at most `memory_budget` bytes (None: as far as they can).
     dims: dict = dataclasses.field(default_factory=dict)
     memory_budget: int | None = None
+    # Where each weight comes from (runners/provenance.py): the pipeline drops the records of the
+    # weights a pass removed; a pass that makes a weight from others records how.
+    weights: WeightTable = dataclasses.field(default_factory=WeightTable)
 
 
 class GraphPass(InPlacePass):

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from engines.passes.base import GraphPass
+from runners.provenance import WeightTable, dtype_name
 
 
 @dataclass
@@ -113,18 +114,22 @@ def _initializer(graph: ir.Graph, tensor) -> ir.Value:
     return value
 
 
-def _fuse(graph: ir.Graph, group: list[_Member], index: int) -> int:
-    """Replace one group; return how many nodes the graph lost."""
+def _fuse(graph: ir.Graph, group: list[_Member], index: int, table: WeightTable) -> int:
+    """Replace one group, recording in `table` which slice of the fused weight and bias each
+    projection's own became; return how many nodes the graph lost."""
     first = group[0]
     x, op, dtype, trans_b = first.node.inputs[0], first.node.op_type, first.weight.const_value.dtype, first.trans_b
     prefix = f"qkv_fused_{index}"
-    weight = _initializer(graph, _lazy_concat([m.weight.const_value for m in group], 0 if trans_b else 1,
-                                              f"{prefix}.weight"))
+    axis = 0 if trans_b else 1
+    weight = _initializer(graph, _lazy_concat([m.weight.const_value for m in group], axis, f"{prefix}.weight"))
+    table.concatenated(weight.name, [(m.weight.name, m.width) for m in group], axis, weight.shape, dtype_name(dtype))
     bias = None
     if any(m.bias is not None for m in group):
         parts = [m.bias.const_value if m.bias is not None else ir.tensor(np.zeros(m.width, dtype.numpy()))
                  for m in group]
         bias = _initializer(graph, _lazy_concat(parts, 0, f"{prefix}.bias"))
+        table.concatenated(bias.name, [(m.bias.name if m.bias is not None else "", m.width) for m in group], 0,
+                           bias.shape, dtype_name(dtype))
     new_nodes = []
     if op == "Gemm":
         gemm = ir.node("Gemm", [x, weight] + ([bias] if bias is not None else []),
@@ -166,6 +171,6 @@ class FuseQKV(GraphPass):
 
     def apply(self, model: ir.Model) -> dict[str, int]:
         groups = find_groups(model.graph)
-        nodes_removed = sum(_fuse(model.graph, group, i) for i, group in enumerate(groups))
+        nodes_removed = sum(_fuse(model.graph, group, i, self.context.weights) for i, group in enumerate(groups))
         return {"groups": len(groups), "projections_fused": sum(len(g) for g in groups),
                 "nodes_removed": nodes_removed}

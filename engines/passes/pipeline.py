@@ -11,6 +11,7 @@ import onnx_ir as ir
 
 from engines.passes.base import PassContext
 from engines.passes.registry import PASSES, check_pass_names
+from runners.provenance import initializer_types
 
 
 class PassFailed(RuntimeError):
@@ -43,9 +44,10 @@ class PassPipeline:
                 raise PassFailed(f"pass '{p.name}' failed on {submodule} (passes already run: {done}): "
                                  f"{type(e).__name__}: {e}") from e
             model = result.model
+            tracked = context.weights.reconcile(initializer_types(model))
             reports.append({"name": p.name, "modified": result.modified, "counts": result.counts,
                             **({"details": result.details} if getattr(result, "details", None) else {}),
-                            "seconds": round(time.perf_counter() - t0, 2)})
+                            "seconds": round(time.perf_counter() - t0, 2), **tracked})
             if log:
                 counts = ", ".join(f"{k} {v}" for k, v in result.counts.items()) or "nothing to report"
                 log(f"{submodule}: {p.name}: {counts}")

@@ -32,6 +32,19 @@ def _select(proto, context) -> tuple[list[str], list[str]]:
     return [n for n in linear if n not in kept], [n for n in linear if n in kept]
 
 
+def _record_quantized(table, proto) -> None:
+    """ONNX Runtime's quantizers replace a weight W by W_quantized, with W_scale and W_zero_point:
+    its provenance follows it and names them. The channel axis is the DequantizeLinear's (the fp8
+    Q/DQ pairs); MatMulInteger's weights (int8) are per output channel, axis 1 of (in, out)."""
+    names = {i.name for i in proto.graph.initializer}
+    axes = {n.input[0]: next((a.i for a in n.attribute if a.name == "axis"), 1)
+            for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    for name in [n for n in table if n not in names and f"{n}_quantized" in names]:
+        quantized = f"{name}_quantized"
+        table[quantized] = {**table.pop(name), "quantized": {
+            "scale": f"{name}_scale", "zero_point": f"{name}_zero_point", "axis": axes.get(quantized, 1)}}
+
+
 @contextlib.contextmanager
 def _quiet_root_logger():
     """The quantizers warn on the root logger, at every call, that the model did not go through
@@ -67,6 +80,7 @@ class QuantizeInt8(LibraryPass):
                              # contrib ops (MultiHeadAttention) have no ONNX type inference: their outputs are float
                              extra_options={"DefaultTensorType": TensorProto.FLOAT})
             out = load_model(folder / "int8.onnx")
+        _record_quantized(self.context.weights, out)
         ops = Counter(n.op_type for n in out.graph.node)
         return out, {"linear_int8": ops["MatMulInteger"], "linear_kept_float": len(kept)}, {"kept_float": kept}
 
@@ -103,6 +117,7 @@ class QuantizeFp8(LibraryPass):
                                            "QDQKeepRemovableActivations": True,
                                            "CalibStridedMinMax": feeds.chunk()})
             out = load_model(folder / "fp8.onnx")
+        _record_quantized(self.context.weights, out)
         entry = out.metadata_props.add()
         entry.key, entry.value = SESSION_CONFIG_KEY, json.dumps(self.SESSION_CONFIG)
         ops = Counter(n.op_type for n in out.graph.node)

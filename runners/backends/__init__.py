@@ -12,14 +12,19 @@ from __future__ import annotations
 
 
 def open_session(target: str, path, device: int | None = None, **options):
-    """`device`: the GPU a TensorRT engine runs on (a device map's entry; default 0)."""
+    """`device`: the GPU a TensorRT engine runs on (a device map's entry; default 0). `initializers`
+    ({name: array}, ONNX Runtime only) replace weights of the graph: adapters (runners/lora.py)."""
+    initializers = options.pop("initializers", None)
+    if initializers and target != "ort":
+        raise ValueError(f"{path}: adapters switch at run time on ONNX Runtime engines; this is a {target} engine "
+                         f"(apply them with `python -m engines lora` to an ONNX Runtime artifact)")
     if target == "ort":
         from runners.backends.ort import OrtSession
 
         if device is not None:
             raise ValueError(f"{path}: a device map places TensorRT engines; this is an ONNX Runtime engine "
                              "(choose its GPU with ONNX Runtime's provider options)")
-        return OrtSession(path, **options)
+        return OrtSession(path, initializers=initializers, **options)
     if target in ("trt", "trt-rtx"):
         from runners.backends.trt import TrtSession
 

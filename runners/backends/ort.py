@@ -32,11 +32,12 @@ def session_settings(options, config: dict[str, str] | None, settings: dict | No
 class OrtSession:
     def __init__(self, path, threads: int | None = None, providers: list[str] | None = None,
                  profile: bool = False, session_config: dict[str, str] | None = None,
-                 session_options: dict | None = None):
+                 session_options: dict | None = None, initializers: dict[str, np.ndarray] | None = None):
         """`session_config` and `session_options`: what the artifact's manifest asks of ONNX Runtime
         (fp8 graphs need `session.disable_quant_qdq` on onnxruntime before 1.32, whose QDQ fusions
         are int8 only; graphs whose memory passes ran need their node order kept, see
-        `session_settings`)."""
+        `session_settings`). `initializers` replace the graph's weights of those names (adapted by
+        a LoRA, runners/lora.py): ONNX Runtime takes them before it optimizes the graph."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -49,6 +50,11 @@ class OrtSession:
         # gain in speed (the peak RSS columns of BENCHMARKS.md are measured with it off).
         options.enable_mem_pattern = False
         extra = session_settings(options, session_config, session_options)
+        # The session reads these buffers for as long as it lives: they are kept with it.
+        self._initializers = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
+                              for v in (initializers or {}).values()]
+        for name, value in zip(initializers or {}, self._initializers):
+            options.add_initializer(name, value)
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])
