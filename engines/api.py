@@ -150,7 +150,7 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
             entry = submodule_entry(source, name)
             if static:
                 entry = static_entry(entry, static.dims(name, source["pipeline"]), source["constants"])
-            built = BuildInput(model, name, entry, source["constants"], own, feeds)
+            built = BuildInput(model, name, entry, source["constants"], own, feeds, weights)
             try:
                 files, record = tgt.build_submodule(built, tmp, options)
             except SubmoduleBuildFailed as e:

@@ -96,9 +96,11 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
     aliases = {name: group for group in params.values() for name in group}
     buffers = {name for name, _ in wrapper.named_buffers()}
     counts = {"weights_mapped": 0, "weights_converted": 0, "buffers_from_checkpoint": 0}
+    read = set()
     for name, value in model.graph.initializers.items():
         if name in aliases:
             key, stored = _stored(name, aliases[name], index)
+            read.add(key)
             table.source(name, component, key, dtype_name(value.const_value.dtype), stored.shape)
         elif name in buffers and _key(name) in index:
             _, stored = _stored(name, [name], index)
@@ -113,6 +115,7 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
             value.const_value = ir.LazyTensor(
                 lambda s=stored, w=want: ir.tensor(_read(s).astype(w.numpy())), dtype=want, shape=stored.shape, name=name)
             counts["weights_converted"] += 1
+    table.unread = {(component, key) for key in index if key not in read and key.endswith(".weight")}
     return counts
 
 

@@ -80,24 +80,32 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def read_adapter(path: Path, parameters: set[tuple[str, str]], ignore_unmatched: bool = False) -> list[Layer]:
+def read_adapter(path: Path, parameters: set[tuple[str, str]], unread: set[tuple[str, str]] = frozenset(),
+                 ignore_unmatched: bool = False) -> list[Layer]:
     """The adapter's layers, each named by the (component, module) whose weight it changes.
-    `parameters` are the (component, checkpoint key) pairs the artifact holds. A key that matches
-    none of them is an error listing them all, unless `ignore_unmatched`."""
+    `parameters` are the (component, checkpoint key) pairs the artifact holds; a layer on one of
+    `unread` (weights no engine reads) cannot change an image and is skipped with a warning. A key
+    that matches neither is an error listing them all, unless `ignore_unmatched`."""
     path = Path(path)
     if not path.is_file():
         raise LoraError(f"adapter {path} does not exist")
     tensors, metadata = read_safetensors(path)
-    kohya = _kohya_names(parameters)
+    kohya = _kohya_names(parameters | unread)
     pairs: dict[tuple[str, str], dict] = {}
-    unmatched = []
+    unmatched, skipped = [], []
     for name, array in tensors.items():
         parsed = _parse_key(name, kohya)
-        if parsed is None or (parsed[0], f"{parsed[1]}.weight") not in parameters:
+        spellings = _spellings(parsed[1]) if parsed else []
+        module = next((m for m in spellings if (parsed[0], f"{m}.weight") in parameters), None)
+        if module is not None:
+            pairs.setdefault((parsed[0], module), {})[parsed[2]] = array
+        elif any((parsed[0], f"{m}.weight") in unread for m in spellings):
+            skipped.append(name)
+        else:
             unmatched.append(name)
-            continue
-        component, module, role = parsed
-        pairs.setdefault((component, module), {})[role] = array
+    if skipped:
+        warnings.warn(f"{path}: {len(skipped)} keys change weights that no engine of this artifact reads (the "
+                      f"pipeline does not use those layers), so they cannot change an image: {skipped[0]} ...")
     if unmatched and not ignore_unmatched:
         shown = ", ".join(unmatched[:10]) + (f" and {len(unmatched) - 10} more" if len(unmatched) > 10 else "")
         raise LoraError(f"{path}: {len(unmatched)} keys match no weight of this artifact: {shown}. Is the adapter "
@@ -113,9 +121,9 @@ def read_adapter(path: Path, parameters: set[tuple[str, str]], ignore_unmatched:
                             f"lora_A/lora_down and lora_B/lora_up")
         rank = roles["down"].shape[0]
         alpha = roles.get("alpha")
-        alpha = float(alpha) if alpha is not None else _configured_alpha(config, component, module, rank)
+        alpha = float(alpha.reshape(-1)[0]) if alpha is not None else _configured_alpha(config, component, module, rank)
         layers.append(Layer(component, module, roles["down"], roles["up"], alpha))
-    if not layers:
+    if not layers and not skipped:
         raise LoraError(f"{path}: no LoRA layer found (keys like <component>.<module>.lora_A.weight, or kohya's "
                         f"lora_unet_<module>.lora_down.weight)")
     return layers
@@ -138,6 +146,15 @@ def _parse_key(name: str, kohya: dict[str, tuple[str, str]]) -> tuple[str, str, 
     return (component, module, role) if module else None
 
 
+def _spellings(module: str) -> list[str]:
+    """A module's path as an adapter may spell it: CLIP's checkpoints name their layers with a
+    `text_model.` prefix or without it (transformers 5 saves them without), and adapters follow
+    the checkpoint they were trained on."""
+    if module.startswith("text_model."):
+        return [module, module[len("text_model."):]]
+    return [module, f"text_model.{module}"]
+
+
 def _kohya_names(parameters) -> dict[str, tuple[str, str]]:
     """{kohya layer name: (component, module)} for every weight the artifact holds."""
     names = {}
@@ -146,7 +163,8 @@ def _kohya_names(parameters) -> dict[str, tuple[str, str]]:
             module = key[:-len(".weight")]
             for prefix, named in KOHYA_PREFIXES.items():
                 if named == component:
-                    names[prefix + module.replace(".", "_")] = (component, module)
+                    for spelling in _spellings(module):
+                        names[prefix + spelling.replace(".", "_")] = (component, module)
     return names
 
 
@@ -173,11 +191,12 @@ def parse_lora_spec(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
-def weight_deltas(loras: dict, parameters: set, ignore_unmatched: bool = False) -> dict[tuple[str, str], np.ndarray]:
+def weight_deltas(loras: dict, parameters: set, unread: set = frozenset(),
+                  ignore_unmatched: bool = False) -> dict[tuple[str, str], np.ndarray]:
     """{(component, checkpoint key): the sum of the adapters' changes, each at its scale}."""
     deltas: dict[tuple[str, str], np.ndarray] = {}
     for path, scale in loras.items():
-        for layer in read_adapter(path, parameters, ignore_unmatched):
+        for layer in read_adapter(path, parameters, unread, ignore_unmatched):
             key = (layer.component, layer.key)
             change = float(scale) * layer.delta()
             deltas[key] = deltas[key] + change if key in deltas else change
@@ -245,7 +264,8 @@ def adapted_submodules(folder: Path, manifest: dict, loras: dict,
         raise LoraError(f"{folder} records no weight provenance (built before adapters were supported): rebuild it "
                         f"with `python -m engines`")
     parameters = set().union(*(t.parameters() for t in tables.values()))
-    deltas = weight_deltas(loras, parameters, ignore_unmatched)
+    unread = set().union(*(t.unread for t in tables.values())) - parameters
+    deltas = weight_deltas(loras, parameters, unread, ignore_unmatched)
     base = artifact_weights(folder)
     changed = {name: adapted(table, deltas, base) for name, table in tables.items()}
     return {name: weights for name, weights in changed.items() if weights}

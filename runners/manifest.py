@@ -108,19 +108,40 @@ ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights 
 SMALL_INLINE_BYTES = 1024
 
 
-def save_graph(model, path: Path, external: bool = False) -> list[str]:
-    """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB (unless
-    `external`), else in one external file beside it, streamed there a tensor at a time from
-    wherever they live (a checkpoint, a memory map, a tensor computed on demand). Returns the
-    file names written."""
+def save_graph(model, path: Path, external: set[str] = frozenset()) -> list[str]:
+    """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB, else in one
+    external file beside it, streamed there a tensor at a time from wherever they live (a
+    checkpoint, a memory map, a tensor computed on demand). The initializers named in `external`
+    go to that file whatever the total or their own size. Returns the file names written."""
     import onnx_ir as ir
 
     path = Path(path)
+    if external:
+        return _save_with_external(model, path, external)
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    data = f"{path.name}.data" if external or size > ONNX_INLINE_LIMIT else None
+    data = f"{path.name}.data" if size > ONNX_INLINE_LIMIT else None
     if data is None:  # inline: weights that still point at another file (a checkpoint) are read in
         ir.external_data.load_to_model(model)
     # Small constants stay inline even then: ONNX Runtime reads shapes, axes and split sizes
     # (Split's widths after fuse_qkv) at load time, and refuses them as external data.
     ir.save(model, path, external_data=data, size_threshold_bytes=SMALL_INLINE_BYTES)
     return [path.name] + ([data] if data else [])
+
+
+def _save_with_external(model, path: Path, external: set[str]) -> list[str]:
+    """`save_graph` with every weight over SMALL_INLINE_BYTES, and those named in `external`, in
+    NAME.onnx.data; the other small constants inline."""
+    import onnx_ir as ir
+
+    data = f"{path.name}.data"
+    values = [v for v in model.graph.initializers.values() if v.const_value is not None]
+    outside = [v for v in values if v.name in external or v.const_value.nbytes > SMALL_INLINE_BYTES]
+    chosen = {id(v) for v in outside}
+    inside = [v for v in values if id(v) not in chosen and isinstance(v.const_value, ir.ExternalTensor)]
+    for value, tensor in zip(inside, ir.external_data.convert_tensors_from_external([v.const_value for v in inside])):
+        value.const_value = tensor
+    for value, tensor in zip(outside, ir.external_data.convert_tensors_to_external(
+            [v.const_value for v in outside], path.parent, data)):
+        value.const_value = tensor
+    ir.save(model, path)
+    return [path.name, data]

@@ -29,7 +29,13 @@ def table_path(graph_file: Path) -> Path:
 
 
 class WeightTable(dict):
-    """{initializer name: record}."""
+    """{initializer name: record}, and `unread`: the (component, key) pairs of checkpoint tensors
+    the graph never reads (SDXL's last CLIP layer, whose output the pipeline skips; the VAE
+    encoder's half in the decoder's graph). An adapter may change those without effect."""
+
+    def __init__(self, records=(), unread=()):
+        super().__init__(records)
+        self.unread = {tuple(p) for p in unread}
 
     def source(self, name: str, component: str, key: str, dtype: str, shape) -> None:
         """`name` holds checkpoint tensor `key` of `component` as it is."""
@@ -59,15 +65,16 @@ class WeightTable(dict):
 
     def reconcile(self, initializers: dict) -> dict[str, int]:
         """Keep the records true to a graph's initializers ({name: (dtype, shape)}): a record whose
-        initializer is gone is dropped (a pass removed an unused weight), a cast or reshape updates
-        dtype and shape. Returns the counts a pass report shows."""
-        dropped = [n for n in self if n not in initializers]
-        for name in dropped:
+        initializer is gone is dropped (a pass removed an unused weight, or made it part of another,
+        which has its own record), a cast updates dtype and shape. Returns the counts a report shows:
+        the weights tracked, and the parameters no initializer holds any more."""
+        before = self.parameters()
+        for name in [n for n in self if n not in initializers]:
             del self[name]
         for name, record in self.items():
             dtype, shape = initializers[name]
             record["dtype"], record["shape"] = dtype, list(shape)
-        return {"weights_tracked": len(self), "weight_records_dropped": len(dropped)}
+        return {"weights_tracked": len(self), "parameters_lost": len(before - self.parameters())}
 
     def locate(self, graph_file: Path) -> None:
         """Record where each weight's bytes are in a saved ONNX graph's external data file:
@@ -86,12 +93,16 @@ class WeightTable(dict):
         return {(p["component"], p["key"]) for r in self.values() for p in r["parts"]}
 
     def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(dict(sorted(self.items())), indent=0))
+        Path(path).write_text(json.dumps({"unread": sorted(self.unread), "weights": dict(sorted(self.items()))},
+                                         indent=0))
 
     @classmethod
     def load(cls, path: Path) -> WeightTable:
         path = Path(path)
-        return cls(json.loads(path.read_text())) if path.exists() else cls()
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        return cls(data["weights"], data["unread"])
 
 
 def dtype_name(dtype) -> str:

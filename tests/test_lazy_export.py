@@ -12,6 +12,7 @@ import pytest
 from export.families import FAMILIES
 from export.lazy_weights import WeightsError, attach_weights, checkpoint_index
 from export.onnx_export import export_weightless, trace, wrapped
+from runners.provenance import WeightTable
 from export.shapes import dim_ranges, probe_dims
 
 SD3 = FAMILIES["sd3"]
@@ -49,7 +50,7 @@ def setting(tiny_source):
 def test_lazy_export_gives_the_ordinary_graph(tiny_source, setting, name):
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == name)
-    lazy, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
     component = tiny_source.load(spec.component, **spec.load_kwargs).eval()
     ordinary = trace(spec, wrapped(spec, component), constants, dynamic, probe).model
     assert counts["weights_mapped"] > 0 and counts["weights_converted"] == 0
@@ -67,7 +68,7 @@ def test_buffers_the_checkpoint_holds_come_from_it(tiny_source, setting):
     """As from_pretrained loads them: a checkpoint's position embedding wins over the constructor's."""
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == "transformer")
-    lazy, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
     assert counts["buffers_from_checkpoint"] == 1
     assert isinstance(lazy.graph.initializers["transformer.pos_embed.pos_embed"].const_value, ir.ExternalTensor)
 
@@ -75,7 +76,7 @@ def test_buffers_the_checkpoint_holds_come_from_it(tiny_source, setting):
 def test_weights_stay_in_the_checkpoint_until_written(tiny_source, setting):
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == "text_encoder_3")
-    lazy, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
     kinds = {type(v.const_value).__name__ for v in lazy.graph.initializers.values() if v.const_value.nbytes > 4096}
     assert kinds <= {"ExternalTensor", "LazyTensor"}, kinds  # nothing large is held in memory
     assert counts["weights_converted"] == 0
@@ -89,13 +90,13 @@ def test_a_parameter_missing_from_the_checkpoint_is_named(tiny_source, setting):
     index = checkpoint_index(tiny_source.folder / spec.component)
     index.pop("text_model.final_layer_norm.weight")
     with pytest.raises(WeightsError, match="final_layer_norm.weight is not in the checkpoint"):
-        attach_weights(model, module, index)
+        attach_weights(model, module, index, spec.component, WeightTable())
 
 
 def test_fp16_export_keeps_float32_io_and_t5s_wo(tiny_source, setting):
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == "text_encoder_3")
-    model, counts = export_weightless(spec, tiny_source, "float16", constants, dynamic, probe)
+    model, _, counts = export_weightless(spec, tiny_source, "float16", constants, dynamic, probe)
     assert model.graph.inputs[0].dtype == ir.DataType.INT64 and model.graph.outputs[0].dtype == ir.DataType.FLOAT
     dtypes = {name: v.const_value.dtype for name, v in model.graph.initializers.items()}
     assert dtypes["t5.encoder.embed_tokens.weight"] == ir.DataType.FLOAT16

@@ -20,9 +20,9 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
 
     model = sub.model
     out = out_dir / f"{sub.name}.onnx"
-    # The weights in external data: a runner applying an adapter reads and overrides them in place
-    # (runners/lora.py), which it could not do inside the protobuf.
-    files = save_graph(model, out, external=True)
+    # Every weight with a provenance in external data, whatever its size: a runner applying an
+    # adapter reads and replaces them there (runners/lora.py), which it could not inside the protobuf.
+    files = save_graph(model, out, external=set(sub.weights or ()))
     # What the passes asked of ONNX Runtime (fp8: session.disable_quant_qdq; the memory passes: the
     # node order kept): this check opens the session with it, and the manifest records it for the runner.
     record = {key: json.loads(model.metadata_props[meta]) for key, meta in

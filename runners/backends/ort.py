@@ -55,6 +55,12 @@ class OrtSession:
                               for v in (initializers or {}).values()]
         for name, value in zip(initializers or {}, self._initializers):
             options.add_initializer(name, value)
+        if any(v.ndim >= 3 for v in (initializers or {}).values()):
+            # onnxruntime 1.32's NCHWc layout transformer (CPU, full optimization level) reorders a
+            # convolution's kernel from the graph's own tensor, not the one given here: the override
+            # is lost without a word (measured on sd15-tiny's 1x1 proj_in Convs). Matrix weights
+            # (2-D) are not affected, and keep every optimization.
+            extra["disabled_optimizers"] = [*extra.get("disabled_optimizers", []), "NchwcTransformer"]
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])
