@@ -15,7 +15,7 @@ from runners.manifest import read_manifest
 
 SUBMODULES = ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder")
 TABLES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "copies", "memory",
-          "export", "serving")
+          "export", "serving", "lora")
 
 
 def _log(msg: str) -> None:
@@ -51,6 +51,7 @@ def _parse(argv):
     p.add_argument("--serving-steps", type=int, default=4, help="steps of the serving table's requests")
     p.add_argument("--serving-requests", type=int, default=8, help="requests per row of the serving table")
     p.add_argument("--serving-clients", default="1,4,8", help="the serving table's numbers of concurrent clients")
+    p.add_argument("--lora-steps", type=int, default=4, help="steps of the LoRA table's runs (at --size)")
     p.add_argument("--tables", default=",".join(TABLES),
                    help=f"comma-separated tables to measure, of {', '.join(TABLES)}; the other tables already in "
                         "--out are kept as they are, each with the command that produced it")
@@ -515,6 +516,13 @@ class Bench:
             self.tables.append(serving_table(self.default_artifact, a.serving_size, a.serving_steps,
                                              a.serving_requests, clients, _log))
 
+    def measure_lora(self):
+        if "lora" in self.args.tables:
+            from bench.lora import lora_table
+
+            a = self.args
+            self.tables.append(lora_table(self.build, self.src.folder, a.size, a.lora_steps, a.reps, _log))
+
     def export_table(self):
         if "export" not in self.args.tables:
             return
@@ -579,7 +587,7 @@ def main(argv=None) -> int:
     bench = Bench(_parse(argv), "python -m bench " + " ".join(map(shlex.quote, argv)))
     for stage in (bench.prepare, bench.measure_gemm, bench.measure, bench.measure_passes, bench.profile,
                   bench.measure_precision, bench.measure_openvino, bench.measure_profiling, bench.measure_tiling,
-                  bench.measure_copies, bench.measure_memory, bench.measure_serving, bench.export_table,
+                  bench.measure_copies, bench.measure_memory, bench.measure_serving, bench.measure_lora, bench.export_table,
                   bench.write):
         _log(f"{stage.__name__} ({time.perf_counter() - bench.started:.0f} s in)")
         stage()

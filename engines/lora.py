@@ -1,8 +1,9 @@
 """`apply_loras`: a built artifact with LoRA adapters merged into its weights, without re-export.
 
-Only what the adapters change is rewritten: the external-data file of each engine they touch is
-copied with the adapted weights written at their recorded places (`runners/provenance.py`); every
-other file, the graphs included, is a hard link to the source artifact's (a copy where the
+Only what the adapters change is written: the adapted weights go to a data file of their own,
+`<engine>.lora-<hash>.data`, and the graph of each engine they touch (its structure, a small file)
+is rewritten to read them from there (`runners/provenance.py` records the new places). Every other
+file, the large weight files included, is a hard link to the source artifact's (a copy where the
 filesystem has no links). The manifest records each adapter's file, sha256 and scale.
 
 `python -m engines lora ARTIFACT --lora PATH[:SCALE] ... --out NEW` is the command line of it.
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from runners.lora import LoraError, adapted_submodules, parse_lora_spec, sha256, submodule_tables
-from runners.manifest import ManifestError, atomic_folder, read_manifest, write_manifest
+from runners.manifest import ManifestError, atomic_folder, digest, read_manifest, write_manifest
 
 
 def _log(msg: str) -> None:
@@ -38,38 +39,48 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
         raise LoraError("give at least one adapter (--lora PATH[:SCALE])")
     if out.resolve() == artifact.resolve():
         raise LoraError(f"--out {out} is the source artifact: write the adapted artifact to a new folder")
-    manifest = read_manifest(artifact)
+    # Not verified here: every file of the new artifact is the source's (hard links, with the source's
+    # checksums) or written now, and loading the new artifact verifies them all.
+    manifest = read_manifest(artifact, verify=False)
     if manifest.get("stage") != "artifact":
         raise ManifestError(f"{artifact} is not a built artifact (its stage is {manifest.get('stage')!r})")
     changed = adapted_submodules(artifact, manifest, loras, ignore_unmatched)
     tables = submodule_tables(artifact, manifest)
+    record = [{"file": Path(p).name, "sha256": sha256(p), "scale": float(s)} for p, s in loras.items()]
     with atomic_folder(out) as tmp:
-        rewritten = set()
+        written = set()
         for name, weights in changed.items():
-            table = tables[name]
-            by_file: dict[str, list] = {}
-            for weight, value in weights.items():
-                by_file.setdefault(table[weight]["location"]["file"], []).append((table[weight]["location"], value))
-            for file, places in by_file.items():
-                shutil.copy2(artifact / file, tmp / file)
-                with open(tmp / file, "r+b") as f:
-                    for location, value in places:
-                        data = value.tobytes()
-                        if len(data) != location["length"]:
-                            raise LoraError(f"{file}: a weight's adapted bytes ({len(data)}) differ in size from "
-                                            f"the stored ones ({location['length']})")
-                        f.seek(location["offset"])
-                        f.write(data)
-                rewritten.add(file)
-            _log(f"{name}: {len(weights)} weights adapted")
+            sub = manifest["submodules"][name]
+            data_file = f"{name}.lora-{digest(record)[:8]}.data"
+            _rewrite_graph(artifact / sub["file"], tmp / sub["file"], weights, data_file, tables[name])
+            tables[name].save(tmp / sub["weights_file"])
+            written |= {sub["file"], sub["weights_file"], data_file}
+            _log(f"{name}: {len(weights)} weights adapted, in {data_file}")
         for rel in manifest["files"]:
-            if rel not in rewritten:
+            if rel not in written:
                 _link_or_copy(artifact / rel, tmp / rel)
-        record = [{"file": Path(p).name, "sha256": sha256(p), "scale": float(s)} for p, s in loras.items()]
         data = {k: v for k, v in manifest.items() if k not in ("files", "format_version")}
-        write_manifest(tmp, {**data, "loras": manifest.get("loras", []) + record, "lora_source": str(artifact)})
-    _log(f"wrote {out} ({len(rewritten)} files rewritten, {len(manifest['files']) - len(rewritten)} shared)")
+        write_manifest(tmp, {**data, "loras": manifest.get("loras", []) + record, "lora_source": str(artifact)},
+                       known={rel: sha for rel, sha in manifest["files"].items() if rel not in written})
+    _log(f"wrote {out} ({len(written)} files written, {len(manifest['files']) + len(changed) - len(written)} "
+         f"shared with {artifact})")
     return out
+
+
+def _rewrite_graph(source: Path, dest: Path, weights: dict, data_file: str, table) -> None:
+    """`source`'s graph with `weights` in a new external data file of their own beside `dest`;
+    every other weight stays where it is (in the data files `dest` shares with `source`), and
+    `table` records the new places."""
+    import onnx_ir as ir
+
+    model = ir.load(source)
+    values = [model.graph.initializers[name] for name in weights]
+    tensors = ir.external_data.convert_tensors_to_external(
+        [ir.tensor(weights[v.name], name=v.name) for v in values], dest.parent, data_file)
+    for value, tensor in zip(values, tensors):
+        value.const_value = tensor
+        table[value.name]["location"] = {"file": data_file, "offset": tensor.offset, "length": tensor.length}
+    ir.save(model, dest)
 
 
 def main(argv=None) -> int:

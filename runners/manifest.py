@@ -32,11 +32,14 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_manifest(folder: Path, data: dict) -> dict:
-    """Write `data` as the folder's manifest, adding the checksums of every other file in it."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+def write_manifest(folder: Path, data: dict, known: dict[str, str] | None = None) -> dict:
+    """Write `data` as the folder's manifest, adding the checksums of every other file in it.
+    `known` ({file: sha256}) are checksums to take as they are: files hard-linked from another
+    artifact, the same bytes, which its manifest hashed (loading the new artifact verifies them)."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    known = known or {}
     data = {"format_version": FORMAT_VERSION, **data,
-            "files": {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}}
+            "files": {rel: known[rel] if rel in known else sha256_file(folder / rel) for rel in files}}
     (folder / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
     return data
 

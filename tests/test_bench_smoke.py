@@ -13,7 +13,7 @@ TITLES = {  # table -> the start of its section title
     "profile": "Transformer step at 128x128, batch 2, by op type", "precision": "Precision at 128x128",
     "openvino": "CPU runtimes at 128x128",
     "profiling": "Profiling cost", "tiling": "VAE decode, whole and tiled", "copies": "Output copies", "memory": "Activation memory",
-    "export": "Export and build", "serving": "Serving with Triton at 64x64",
+    "export": "Export and build", "serving": "Serving with Triton at 64x64", "lora": "LoRA on a built artifact",
 }
 
 
@@ -24,7 +24,7 @@ def test_every_table_runs(tmp_path):
             "--large-steps", "1", "--profiling-steps", "1", "--tiling-sizes", "128,1024", "--memory-size", "128",
             "--precision-steps", "1", "--calibration-size", "64", "--calibration-steps", "1",
             "--openvino-reps", "1", "--serving-size", "64", "--serving-steps", "1", "--serving-requests", "4",
-            "--serving-clients", "1,2", "--out", str(out), "--build-dir", str(tmp_path / "build")]
+            "--serving-clients", "1,2", "--lora-steps", "1", "--out", str(out), "--build-dir", str(tmp_path / "build")]
     run = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()

@@ -23,7 +23,7 @@ def test_full_disk_while_writing_an_artifact(export_copy, monkeypatch, capsys):
     import runners.manifest
     from engines.__main__ import main
 
-    def full(model, path):
+    def full(model, path, **options):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(runners.manifest, "save_graph", full)

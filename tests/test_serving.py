@@ -401,6 +401,7 @@ def test_serve_command_serves_until_stopped(tiny_artifact):
     (port,) = free_ports(1)  # gRPC and metrics take the next two
     command = [sys.executable, "-m", "runners", "serve", str(tiny_artifact), "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    printed = ""
     try:
         client = tritonclient_http.InferenceServerClient(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 120
@@ -408,9 +409,13 @@ def test_serve_command_serves_until_stopped(tiny_artifact):
             time.sleep(0.3)
         assert client.is_model_ready("sd3-tiny")
         client.close()
+        # The command prints its line once its own readiness check returns, which can come after ours.
+        while "serving model" not in printed and process.poll() is None:
+            printed += process.stdout.readline()
     finally:
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=60)
+    out = printed + out
     assert process.returncode == 130, err
     assert "serving model 'sd3-tiny'" in out and "the server was stopped" in err
     with pytest.raises(ConnectionError):

@@ -61,6 +61,11 @@ class OrtSession:
             # is lost without a word (measured on sd15-tiny's 1x1 proj_in Convs). Matrix weights
             # (2-D) are not affected, and keep every optimization.
             extra["disabled_optimizers"] = [*extra.get("disabled_optimizers", []), "NchwcTransformer"]
+        if any(v.dtype != np.float32 for v in (initializers or {}).values()):
+            # Likewise, above the layout level (ORT_ENABLE_ALL) onnxruntime 1.32 computes fp16 weights'
+            # float32 copies for its CPU kernels from the graph's own tensors (sd3-tiny's fp16 transformer:
+            # the adapter's change was lost entirely). The layout level keeps the overrides.
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_LAYOUT
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])

@@ -1,0 +1,178 @@
+"""The LoRA table: one adapter on the transformer applied to the built artifact (`python -m engines
+lora`) against exporting and building it again; switching adapters at run time; and the denoising
+step with and without an adapter, switched in at run time or applied offline."""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ATTENTION = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight", "attn.to_out.0.weight")
+
+
+def make_adapter(checkpoint_folder: Path, out: Path, rank: int = 16, seed: int = 0) -> Path:
+    """A random diffusers-format adapter (rank `rank`, alpha = rank) on every attention projection
+    of the transformer, the layers SD3 LoRA training scripts adapt by default."""
+    from safetensors.numpy import save_file
+
+    from export.lazy_weights import checkpoint_index
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for key, entry in checkpoint_index(checkpoint_folder).items():
+        if key.endswith(ATTENTION):
+            module = key[:-len(".weight")]
+            rows, cols = entry["shape"]
+            tensors[f"transformer.{module}.lora_A.weight"] = rng.standard_normal((rank, cols), np.float32) / cols ** 0.5
+            tensors[f"transformer.{module}.lora_B.weight"] = rng.standard_normal((rows, rank), np.float32) * 0.01
+    metadata = {"lora_adapter_metadata": json.dumps({"transformer.r": rank, "transformer.lora_alpha": rank})}
+    save_file(tensors, str(out), metadata=metadata)
+    return out
+
+
+def _steps(artifact: str, loras: dict, offline: str, size: int, steps: int, reps: int) -> dict:
+    """In a fresh process: the apply, switch and per-step times."""
+    from engines.lora import apply_loras
+    from runners import Pipeline
+
+    kwargs = dict(prompt="a photo of a cat", height=size, width=size, num_inference_steps=steps, seed=0,
+                  output_type="latent")
+    applies = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        apply_loras(artifact, loras, Path(offline) / f"a{i}")
+        applies.append(time.perf_counter() - t0)
+    pipes = {"no adapter": Pipeline.load(artifact), "adapter switched in (set_loras)": Pipeline.load(artifact),
+             "adapter applied offline": Pipeline.load(Path(offline) / "a0")}
+    switches = []
+    for _ in range(reps):  # switching in and out: each one reopens the transformer with or without it
+        for target in (loras, {}):
+            t0 = time.perf_counter()
+            pipes["adapter switched in (set_loras)"].set_loras(target)
+            switches.append(time.perf_counter() - t0)
+    pipes["adapter switched in (set_loras)"].set_loras(loras)
+    step = {label: [] for label in pipes}
+    for pipe in pipes.values():
+        pipe(**kwargs)  # warm-up
+    for _ in range(reps):  # interleaved, so that drift in the machine's speed reaches every variant alike
+        for label, pipe in pipes.items():
+            pipe(**kwargs)
+            step[label].append(pipe.timings["denoise"] / steps)
+    return {"apply": applies, "switch": switches, "step": step}
+
+
+def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> dict:
+    """In a fresh process, one transformer call (the pipeline's first, recorded) by three sessions:
+    no adapter; design 1, the adapted weights as initializer overrides of a reopened session (what
+    `set_loras` does); design 2, the adapted weights as graph inputs, bound once (IOBinding), so that
+    a switch rebinds them without reopening. Returns switch and call seconds."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from runners import Pipeline
+    from runners.backends.ort import OrtSession
+    from runners.lora import adapted_submodules
+    from runners.manifest import read_manifest
+
+    artifact, scratch = Path(artifact), Path(scratch)
+    calls = []
+    with Pipeline.load(artifact) as pipe:
+        pipe.recorder = lambda sub, feeds: calls.append(dict(feeds)) if sub == "transformer" else None
+        pipe("a photo of a cat", height=size, width=size, num_inference_steps=1, seed=0, output_type="latent")
+    feeds = calls[0]
+    manifest = read_manifest(artifact, verify=False)
+    t0 = time.perf_counter()
+    adapted = adapted_submodules(artifact, manifest, loras)["transformer"]
+    compute = time.perf_counter() - t0
+    model = ir.load(artifact / "transformer.onnx")
+    for name in adapted:  # an initializer that is also a graph input: a fed value replaces it
+        model.graph.inputs.append(model.graph.initializers[name])
+    ir.save(model, scratch / "inputs.onnx", external_data="inputs.onnx.data")
+    del model
+    base = OrtSession(artifact / "transformer.onnx")
+    t0 = time.perf_counter()
+    overrides = OrtSession(artifact / "transformer.onnx", initializers=adapted)
+    open_seconds = time.perf_counter() - t0
+    inputs = ort.InferenceSession(str(scratch / "inputs.onnx"), providers=["CPUExecutionProvider"])
+    binding = inputs.io_binding()
+    t0 = time.perf_counter()
+    bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in adapted.items()}
+    for name, value in bound.items():
+        binding.bind_ortvalue_input(name, value)
+    bind_seconds = time.perf_counter() - t0
+    outputs = [o.name for o in inputs.get_outputs()]
+
+    def run_bound():
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name in outputs:
+            binding.bind_output(name)
+        inputs.run_with_iobinding(binding)
+
+    runs = {"no adapter": lambda: base.run(feeds), "design 1: overrides, session reopened": lambda: overrides.run(feeds),
+            "design 2: graph inputs, bound once": run_bound}
+    for run in runs.values():
+        run()  # warm-up
+    times = {label: [] for label in runs}
+    for _ in range(reps):
+        for label, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[label].append(time.perf_counter() - t0)
+    return {"compute": compute, "switch": {"design 1: overrides, session reopened": compute + open_seconds,
+                                           "design 2: graph inputs, bound once": compute + bind_seconds},
+            "call": times}
+
+
+def lora_table(build: Path, checkpoint: Path, size: int, steps: int, reps: int, log) -> dict:
+    from bench.harness import in_child, stats
+    from runners.manifest import read_manifest
+
+    artifact = build / "ort-fp32"
+    export = read_manifest(build / "onnx", verify=False)["submodules"]
+    built = read_manifest(artifact, verify=False)["submodules"]
+    rebuild_transformer = export["transformer"]["export"]["seconds_with_checks"] + built["transformer"]["build_seconds"]
+    rebuild_all = sum(export[n]["export"]["seconds_with_checks"] + built[n]["build_seconds"] for n in export)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-", dir=build) as scratch:
+        adapter = make_adapter(checkpoint / "transformer", Path(scratch) / "adapter.safetensors")
+        log(f"lora: applying, switching and stepping at {size}x{size}, {reps} repetitions")
+        got = in_child(_steps, str(artifact), {str(adapter): 1.0}, scratch, size, steps, reps)
+        log("lora: the two run-time designs, one transformer call each")
+        designs = in_child(_designs, str(artifact), {str(adapter): 1.0}, scratch, size, reps)
+    apply = statistics.median(got["apply"])
+    rows = [["apply the adapter (`python -m engines lora`)", f"{apply:.2f}",
+             f"{apply / rebuild_transformer:.1%} of the transformer's export + build ({rebuild_transformer:.1f} s); "
+             f"{apply / rebuild_all:.1%} of the whole pipeline's ({rebuild_all:.1f} s)"],
+            ["switch adapters at run time (`set_loras`, in or out)", f"{statistics.median(got['switch']):.2f}",
+             f"range {min(got['switch']):.2f}-{max(got['switch']):.2f} s over {len(got['switch'])} switches"]]
+    base = got["step"]["no adapter"]
+    for label, times in got["step"].items():
+        st = stats(times, None if label == "no adapter" else base)
+        rows.append([f"denoising step, {label}", f"{st.median:.3f}",
+                     "reference" if label == "no adapter" else f"speed vs no adapter {st.ratio_text()}"])
+    base = designs["call"]["no adapter"]
+    for label, times in designs["call"].items():
+        st = stats(times, None if label == "no adapter" else base)
+        switch = designs["switch"].get(label)
+        rows.append([f"transformer call, {label}", f"{st.median:.3f}",
+                     "reference" if switch is None else
+                     f"speed vs no adapter {st.ratio_text()}; a switch {switch:.2f} s "
+                     f"({designs['compute']:.2f} s of it computing the adapted weights)"])
+    return {"title": f"LoRA on a built artifact (ort-fp32; steps at {size}x{size})",
+            "columns": ["what", "seconds (median)", "against"],
+            "rows": rows,
+            "notes": ["The adapter: rank 16 on every attention projection of the transformer (q, k, v, out; "
+                      "those fuse_qkv fused are changed in their slices), random weights in diffusers' format. "
+                      "The rebuild times are the export (with its parity checks) and build seconds recorded in the "
+                      "manifests by the run that built them. Applying writes the adapted weights to a file of their "
+                      "own and the transformer's graph; every other file is a hard link. A switch reopens the "
+                      "transformer's ONNX Runtime session with the adapted weights given as initializers "
+                      "(`SessionOptions.add_initializer`). Step: the denoise stage's seconds over its steps (guidance "
+                      f"on, {steps} steps), median of {reps} interleaved runs; the speed ratio's range is over the "
+                      "runs. The last rows time one transformer call (the pipeline's first, batch 2) in three sessions "
+                      "of one process: `set_loras` is design 1; design 2 would keep one session and rebind the "
+                      "weights, at the cost of feeding them as inputs on every call."]}
