@@ -28,8 +28,8 @@ def _sibling(build: Path, name: str) -> Path:
     return sibling
 
 
-def build_openvino(build: Path, calibration: dict, size: int) -> dict[str, str]:
-    """{artifact label: folder}; every build is cached like `python -m engines`."""
+def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | None = None) -> dict[str, str]:
+    """{artifact label: folder} (`only`: those labels); every build is cached like `python -m engines`."""
     from engines.api import build_artifact
     from engines.calibration import CalibrationSettings
     from engines.targets import BuildOptions
@@ -37,17 +37,20 @@ def build_openvino(build: Path, calibration: dict, size: int) -> dict[str, str]:
     settings = CalibrationSettings(**calibration)
     dynamic = BuildOptions(ov_shapes="dynamic")
     int8 = build_artifact(build, "openvino", "int8", calibration=settings)  # first: its recordings are shared
-    built = {"ort-int8": build_artifact(build, "ort", "int8"),
-             "openvino-fp32": build_artifact(build, "openvino", "fp32"),
-             "openvino-bf16, no passes, dynamic shapes": build_artifact(_sibling(build, "no-passes"), "openvino", "bf16",
-                                                                         passes=[], options=dynamic),
-             "openvino-bf16, dynamic shapes": build_artifact(_sibling(build, "dynamic"), "openvino", "bf16",
-                                                              options=dynamic),
-             "openvino-bf16": build_artifact(build, "openvino", "bf16"),
-             "openvino-int8, dynamic shapes": build_artifact(_sibling(build, "dynamic"), "openvino", "int8",
-                                                              calibration=settings, options=dynamic),
-             "openvino-int8": int8}
-    built[f"openvino-int8, compiled for CPU at {size}x{size}"] = build_artifact(
-        _sibling(build, "compiled-cpu"), "openvino", "int8", calibration=settings,
-        options=BuildOptions(device="CPU", ov_sizes=((size, size),)))
-    return {label: str(path) for label, path in built.items()}
+    builds = {"ort-int8": lambda: build_artifact(build, "ort", "int8"),
+              "openvino-fp32": lambda: build_artifact(build, "openvino", "fp32"),
+              "openvino-bf16, no passes, dynamic shapes": lambda: build_artifact(
+                  _sibling(build, "no-passes"), "openvino", "bf16", passes=[], options=dynamic),
+              "openvino-bf16, dynamic shapes": lambda: build_artifact(_sibling(build, "dynamic"), "openvino", "bf16",
+                                                                      options=dynamic),
+              "openvino-bf16": lambda: build_artifact(build, "openvino", "bf16"),
+              "openvino-int8, dynamic shapes": lambda: build_artifact(
+                  _sibling(build, "dynamic"), "openvino", "int8", calibration=settings, options=dynamic),
+              "openvino-int8": lambda: int8,
+              f"openvino-int8, compiled for CPU at {size}x{size}": lambda: build_artifact(
+                  _sibling(build, "compiled-cpu"), "openvino", "int8", calibration=settings,
+                  options=BuildOptions(device="CPU", ov_sizes=((size, size),)))}
+    unknown = set(only or ()) - set(builds)
+    if unknown:
+        raise ValueError(f"openvino table: no variant {', '.join(sorted(unknown))}; they are: {', '.join(builds)}")
+    return {label: str(make()) for label, make in builds.items() if only is None or label in only}

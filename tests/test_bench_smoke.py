@@ -23,8 +23,8 @@ def test_every_table_runs(tmp_path):
     args = ["--model", "sd3-tiny", "--reps", "1", "--size", "128", "--steps", "2", "--large-size", "256",
             "--large-steps", "1", "--profiling-steps", "1", "--tiling-sizes", "128,1024", "--memory-size", "128",
             "--precision-steps", "1", "--calibration-size", "64", "--calibration-steps", "1",
-            "--openvino-reps", "1", "--serving-size", "64", "--serving-steps", "1", "--serving-requests", "4",
-            "--serving-clients", "1,2", "--lora-steps", "1", "--out", str(out), "--build-dir", str(tmp_path / "build")]
+            "--openvino-reps", "1", "--openvino-variants", "openvino-int8", "--serving-size", "64", "--serving-steps", "1", "--serving-requests", "4",
+            "--serving-clients", "2", "--lora-steps", "1", "--out", str(out), "--build-dir", str(tmp_path / "build")]
     run = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()
