@@ -11,25 +11,15 @@ filesystem has no links). The manifest records each adapter's file, sha256 and s
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from pathlib import Path
 
 from runners.lora import LoraError, adapted_submodules, parse_lora_spec, sha256, submodule_tables
-from runners.manifest import ManifestError, atomic_folder, digest, read_manifest, write_manifest
+from runners.manifest import ManifestError, atomic_folder, digest, link_or_copy, read_manifest, write_manifest
 
 
 def _log(msg: str) -> None:
     print(f"[lora] {msg}", flush=True)
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:  # another filesystem, or one without hard links
-        shutil.copy2(src, dest)
 
 
 def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool = False) -> Path:
@@ -58,7 +48,7 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
             _log(f"{name}: {len(weights)} weights adapted, in {data_file}")
         for rel in manifest["files"]:
             if rel not in written:
-                _link_or_copy(artifact / rel, tmp / rel)
+                link_or_copy(artifact / rel, tmp / rel)
         data = {k: v for k, v in manifest.items() if k not in ("files", "format_version")}
         write_manifest(tmp, {**data, "loras": manifest.get("loras", []) + record, "lora_source": str(artifact)},
                        known={rel: sha for rel, sha in manifest["files"].items() if rel not in written})

@@ -107,6 +107,15 @@ def atomic_folder(dest: Path):
         raise
 
 
+def link_or_copy(src: Path, dest: Path) -> None:
+    """`dest` as a hard link to `src` (the same bytes, no space), or a copy across filesystems."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(src, dest)
+
+
 ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights in NAME.onnx.data
 SMALL_INLINE_BYTES = 1024
 

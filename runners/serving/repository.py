@@ -11,11 +11,10 @@ The repository is written whole or not at all (runners.manifest.atomic_folder). 
 links to the artifact's where the filesystem allows, copies otherwise."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from runners.manifest import atomic_folder, read_manifest, write_manifest
+from runners.manifest import atomic_folder, link_or_copy, read_manifest, write_manifest
 from runners.serving.requests import OUTPUT, Tensor, inputs_for
 
 LAYOUTS = ("python", "native")
@@ -36,14 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runners.serving.triton_model import TritonPythonModel  # noqa: E402,F401
 '''
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:  # another filesystem, or one without hard links
-        shutil.copy2(src, dest)
 
 
 def _tensor(t: Tensor) -> str:
@@ -133,7 +124,7 @@ def write_repository(artifact, out, *, layout: str = "python", model_name: str |
         _runners_copy(version / "runners")
         if layout == "python" and not reference_artifact:
             for file in [*manifest["files"], "manifest.json"]:
-                _link_or_copy(artifact / file, version / ARTIFACT_DIR / file)
+                link_or_copy(artifact / file, version / ARTIFACT_DIR / file)
         elif layout == "native":
             _write_native(artifact, manifest, repo, name, version / ARTIFACT_DIR)
     return Path(out) / name
@@ -150,12 +141,12 @@ def _write_native(artifact: Path, manifest: dict, repo: Path, name: str, pipelin
         (repo / engine / "1").mkdir(parents=True)
         (repo / engine / "config.pbtxt").write_text(engine_config(engine, target, entry))
         for file in _engine_files(manifest, entry):
-            _link_or_copy(artifact / file, repo / engine / "1" / file)
+            link_or_copy(artifact / file, repo / engine / "1" / file)
             engine_files.add(file)
         submodules[sub] = {**entry, "target": "triton", "file": engine,
                            "session_options": {"model": engine, "outputs": [o["name"] for o in entry["outputs"]]}}
     for file in set(manifest["files"]) - engine_files:
-        _link_or_copy(artifact / file, pipeline_artifact / file)
+        link_or_copy(artifact / file, pipeline_artifact / file)
     rest = {k: v for k, v in manifest.items() if k not in ("files", "format_version")}
     write_manifest(pipeline_artifact, {**rest, "submodules": submodules})
 
