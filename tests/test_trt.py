@@ -409,3 +409,26 @@ def test_close_returns_device_memory(rtx):
         pipe("a photo of a cat", num_inference_steps=2)
         assert used() > start
     assert used() <= start + 2**20  # the CUDA context's own allocations may stay
+
+
+@needs_rtx
+def test_adapters_on_a_tensorrt_artifact_are_refused_with_the_reason(rtx, tmp_path):
+    """A TensorRT engine would take an adapter through a refit, which is not built: its weight table
+    names the engine's weights (the ONNX initializers the parser names them after), and an adapter is
+    refused, saying where adapters apply."""
+    from lora_adapters import write_raw
+    from runners.lora import LoraError, adapted_submodules, submodule_tables
+
+    data = manifest(rtx["fp32"])
+    table = submodule_tables(rtx["fp32"], data)["transformer"]
+    part = next(p for r in table.values() for p in r["parts"] if p["key"].endswith("attn.to_q.weight"))
+    record = next(r for r in table.values() if part in r["parts"])
+    view = list(record["shape"])
+    if "axis" in part:
+        view[part["axis"]] = part["stop"] - part["start"]
+    rows, cols = view[::-1] if part.get("perm") else view  # the checkpoint's (out, in)
+    module = part["key"][:-len(".weight")]
+    adapter = write_raw(tmp_path / "a.safetensors", {f"transformer.{module}.lora_A.weight": np.ones((1, cols)),
+                                                     f"transformer.{module}.lora_B.weight": np.ones((rows, 1))})
+    with pytest.raises(LoraError, match="adapters apply to ONNX Runtime artifacts"):
+        adapted_submodules(rtx["fp32"], data, {adapter: 1.0})
