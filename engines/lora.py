@@ -14,8 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from runners.lora import LoraError, adapted_submodules, parse_lora_spec, sha256, submodule_tables
-from runners.manifest import ManifestError, atomic_folder, digest, link_or_copy, read_manifest, write_manifest
+from runners.lora import LoraError, adapted_submodules, parse_lora_spec, submodule_tables
+from runners.manifest import (
+    ManifestError, atomic_folder, digest, link_or_copy, read_manifest, sha256_file, write_manifest,
+)
 
 
 def _log(msg: str) -> None:
@@ -36,7 +38,7 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
         raise ManifestError(f"{artifact} is not a built artifact (its stage is {manifest.get('stage')!r})")
     changed = adapted_submodules(artifact, manifest, loras, ignore_unmatched)
     tables = submodule_tables(artifact, manifest)
-    record = [{"file": Path(p).name, "sha256": sha256(p), "scale": float(s)} for p, s in loras.items()]
+    record = [{"file": Path(p).name, "sha256": sha256_file(p), "scale": float(s)} for p, s in loras.items()]
     with atomic_folder(out) as tmp:
         written = set()
         for name, weights in changed.items():

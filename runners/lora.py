@@ -14,7 +14,6 @@ runner applies adapters without torch.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import struct
@@ -74,10 +73,6 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
                             f"{', '.join(['BF16', *_DTYPES])}")
         tensors[name] = array.reshape(t["shape"])
     return tensors, metadata
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def read_adapter(path: Path, parameters: set[tuple[str, str]], unread: set[tuple[str, str]] = frozenset(),

@@ -182,10 +182,10 @@ def test_offline_artifact_shares_unchanged_files_and_records_the_adapters(tiny_a
                                                                           sd3_adapters):
     """Only the touched engines' graphs and weight tables are rewritten, and their adapted weights go
     to a file of their own; every other file (the large weight files too) is the source's, linked."""
-    from runners.lora import sha256
+    from runners.manifest import sha256_file
 
     data, source = manifest(sd3_lora_artifact), manifest(tiny_artifact)
-    assert data["loras"] == [{"file": sd3_adapters["a"].name, "sha256": sha256(sd3_adapters["a"]), "scale": 0.8}]
+    assert data["loras"] == [{"file": sd3_adapters["a"].name, "sha256": sha256_file(sd3_adapters["a"]), "scale": 0.8}]
     new = set(data["files"]) - set(source["files"])
     assert {f.split(".lora-")[0] for f in new} == {"transformer", "text_encoder"} and all(
         f.endswith(".data") for f in new)
