@@ -9,7 +9,7 @@ An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh
   (`lora_te_`, `lora_te1_`, `lora_te2_` for the text encoders).
 
 The changed weight of every initializer an adapter touches is computed from the artifact's own
-(fp16 and bf16 in float32, rounded once), each fused slice at its place. Numpy only: a deployed
+(an fp16 one in float32, rounded once), each fused slice at its place. Numpy only: a deployed
 runner applies adapters without torch.
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def adapted(table: WeightTable, deltas: dict, base) -> dict[str, np.ndarray]:
                 raise LoraError(f"{part['component']}.{part['key']}: the adapter's change has shape {change.shape}, "
                                 f"the weight {value[index].shape}: the adapter is for another model")
             value[index] += change
-        out[name] = _cast(value, record["dtype"])
+        out[name] = value.astype(np.dtype(record["dtype"]))
     return out
 
 
@@ -234,11 +234,9 @@ def artifact_weights(folder: Path):
         location = record.get("location")
         if location is None:
             raise LoraError(f"{folder}: weight {name} is not in an external data file, where adapters reach weights: "
-                            f"adapters apply to ONNX Runtime artifacts, which keep there every weight of 1 KiB or more")
-        stored = np.uint16 if record["dtype"] == "bfloat16" else np.dtype(record["dtype"])
-        array = np.fromfile(Path(folder) / location["file"], dtype=stored, count=int(np.prod(record["shape"])),
-                            offset=location["offset"]).reshape(record["shape"])
-        return (array.astype(np.uint32) << 16).view(np.float32) if record["dtype"] == "bfloat16" else array
+                            f"adapters apply to ONNX Runtime artifacts, which keep every tracked weight there")
+        return np.fromfile(Path(folder) / location["file"], dtype=np.dtype(record["dtype"]),
+                           count=int(np.prod(record["shape"])), offset=location["offset"]).reshape(record["shape"])
 
     return base
 
@@ -265,9 +263,3 @@ def adapted_submodules(folder: Path, manifest: dict, loras: dict,
     changed = {name: adapted(table, deltas, base) for name, table in tables.items()}
     return {name: weights for name, weights in changed.items() if weights}
 
-
-def _cast(value: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":  # round to nearest even, kept as the bits an ONNX bf16 tensor holds
-        bits = value.astype(np.float32).view(np.uint32)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return value.astype(np.dtype(dtype))

@@ -98,8 +98,9 @@ def test_provenance_rebuilds_every_weight_from_the_checkpoint(tiny_source, tiny_
 
 
 def test_pass_reports_count_the_tracked_weights(tiny_artifact):
-    reports = manifest(tiny_artifact)["submodules"]["transformer"]["passes"]
-    assert all(r["weights_tracked"] > 0 and r["parameters_lost"] == 0 for r in reports)
+    submodules = manifest(tiny_artifact)["submodules"]
+    assert all(r["weights_tracked"] > 0 and r["parameters_lost"] == 0 for s in submodules.values() for r in s["passes"])
+    reports = submodules["transformer"]["passes"]
     fuse = next(r for r in reports if r["name"] == "fuse_qkv")
     before = reports[[r["name"] for r in reports].index("fuse_qkv") - 1]["weights_tracked"]
     # each group's weights (and biases) became one fused weight (and bias) with their slices recorded
@@ -270,6 +271,18 @@ def test_a_quantized_artifact_refuses_adapters(precision_artifacts, sd3_adapters
     assert quantized and all(r["dtype"] == "int8" and r["quantized"]["scale"] in initializers for r in quantized)
     with pytest.raises(LoraError, match="is quantized.*apply the adapter to the fp32"):
         Pipeline.load(int8, loras={sd3_adapters["a"]: 1.0})
+
+
+def test_parameters_the_exporter_merged_cannot_be_changed_alone():
+    """Two equal parameters sharing one initializer (the exporter's deduplication): an adapter on one
+    of them is refused, not applied to both."""
+    from runners.lora import adapted
+    from runners.provenance import WeightTable
+
+    table = WeightTable({"bias": {"dtype": "float32", "shape": [4], "parts": [
+        {"component": "transformer", "key": "a.weight"}, {"component": "transformer", "key": "b.weight"}]}})
+    with pytest.raises(LoraError, match="holds a.weight, b.weight, which were equal"):
+        adapted(table, {("transformer", "a.weight"): np.ones(4, np.float32)}, lambda name, record: np.zeros(4))
 
 
 # --- the U-Net families: kohya's format and PEFT's naming -----------------------------------------

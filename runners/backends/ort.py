@@ -50,18 +50,18 @@ class OrtSession:
         # gain in speed (the peak RSS columns of BENCHMARKS.md are measured with it off).
         options.enable_mem_pattern = False
         extra = session_settings(options, session_config, session_options)
+        initializers = initializers or {}
         # The session reads these buffers for as long as it lives: they are kept with it.
-        self._initializers = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v))
-                              for v in (initializers or {}).values()]
-        for name, value in zip(initializers or {}, self._initializers):
+        self._initializers = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for v in initializers.values()]
+        for name, value in zip(initializers, self._initializers):
             options.add_initializer(name, value)
-        if any(v.ndim >= 3 for v in (initializers or {}).values()):
+        if any(v.ndim >= 3 for v in initializers.values()):
             # onnxruntime 1.32's NCHWc layout transformer (CPU, full optimization level) reorders a
             # convolution's kernel from the graph's own tensor, not the one given here: the override
             # is lost without a word (measured on sd15-tiny's 1x1 proj_in Convs). Matrix weights
             # (2-D) are not affected, and keep every optimization.
             extra["disabled_optimizers"] = [*extra.get("disabled_optimizers", []), "NchwcTransformer"]
-        if any(v.dtype != np.float32 for v in (initializers or {}).values()):
+        if any(v.dtype != np.float32 for v in initializers.values()):
             # Likewise, above the layout level (ORT_ENABLE_ALL) onnxruntime 1.32 computes fp16 weights'
             # float32 copies for its CPU kernels from the graph's own tensors (sd3-tiny's fp16 transformer:
             # the adapter's change was lost entirely). The layout level keeps the overrides.
