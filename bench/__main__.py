@@ -169,7 +169,7 @@ class Bench:
 
     def measure_passes(self):
         """The transformer step through each pass list, against the peers' graphs of the same weights."""
-        from bench.passes import build_with_passes, ort_optimizer
+        from bench.tables.passes import build_with_passes, ort_optimizer
 
         if "passes" not in self.args.tables:
             return
@@ -219,7 +219,7 @@ class Bench:
         """Where the step's time goes in the graph the ORT target builds: per op type, its time, its
         FLOPs and how far it runs from its own FLOP bound."""
         from engines.memory.graph import graph_flops_by_op
-        from bench.passes import build_with_passes, op_profile
+        from bench.tables.passes import build_with_passes, op_profile
 
         if "profile" not in self.args.tables:
             return
@@ -248,8 +248,8 @@ class Bench:
 
     def _built_and_checked(self, build, *args) -> tuple[dict[str, str], dict[str, dict]]:
         """The artifacts `build(build_dir, calibration settings, *args)` makes ({label: folder}, in a
-        child process), and their error against the default artifact (bench.precision.accuracy)."""
-        from bench.precision import accuracy
+        child process), and their error against the default artifact (bench.tables.precision.accuracy)."""
+        from bench.tables.precision import accuracy
 
         a = self.args
         calibration = {"prompts": 32, "steps": a.calibration_steps, "size": a.calibration_size}
@@ -259,7 +259,7 @@ class Bench:
     def measure_precision(self):
         """Each precision ONNX Runtime's CPU runs: the transformer step and a whole run against diffusers
         eager fp32, and the error of its images and transformer output against the fp32 artifact."""
-        from bench.precision import PRECISIONS, PROMPTS, build_precisions
+        from bench.tables.precision import PRECISIONS, PROMPTS, build_precisions
 
         if "precision" not in self.args.tables:
             return
@@ -301,7 +301,7 @@ class Bench:
         """Our CPU artifacts (ONNX Runtime and OpenVINO, each precision) against diffusers eager and
         optimum-intel: the transformer step, the VAE decode and a whole run, load and first-call time,
         peak RSS, and the error against the ort-fp32 artifact."""
-        from bench.openvino import build_openvino
+        from bench.tables.openvino import build_openvino
         if "openvino" not in self.args.tables:
             return
         a = self.args
@@ -363,7 +363,7 @@ class Bench:
 
         import numpy as np
 
-        from bench.precision import PROMPTS, psnr
+        from bench.tables.precision import PROMPTS, psnr
 
         with tempfile.TemporaryDirectory() as out, running([reference, peer], self.constants, _log) as workers:
             job = {"job": "images", "prompts": list(PROMPTS), "steps": self.args.precision_steps,
@@ -428,7 +428,7 @@ class Bench:
 
     def measure_copies(self):
         if "copies" in self.args.tables:
-            from bench.copies import copies_table
+            from bench.tables.copies import copies_table
 
             self.tables.append(copies_table(self.build / "ort-fp32", self.constants, self.args.size, self.args.reps))
 
@@ -439,7 +439,7 @@ class Bench:
         increase measured with buffer reuse and the arena off."""
         if "memory" not in self.args.tables:
             return
-        from bench.memory import graph_gflops, graph_without, planned_peak_mib, run_once
+        from bench.tables.memory import graph_gflops, graph_without, planned_peak_mib, run_once
         from bench.prepare import build_memory
         from export.shapes import concrete
 
@@ -514,7 +514,7 @@ class Bench:
 
     def measure_serving(self):
         if "serving" in self.args.tables:
-            from bench.serving import serving_table
+            from bench.tables.serving import serving_table
 
             a = self.args
             clients = [int(c) for c in a.serving_clients.split(",")]
@@ -523,7 +523,7 @@ class Bench:
 
     def measure_lora(self):
         if "lora" in self.args.tables:
-            from bench.lora import lora_table
+            from bench.tables.lora import lora_table
 
             a = self.args
             self.tables.append(lora_table(self.build, self.src.folder, a.size, a.lora_steps, a.reps, _log))
@@ -560,7 +560,7 @@ class Bench:
 
 def _accuracy_cells(err: dict) -> list[str]:
     """Image PSNR, image max abs, transformer rel. errors, all finite: of one variant's entry in
-    bench.precision.accuracy's result ({} for a variant it did not run)."""
+    bench.tables.precision.accuracy's result ({} for a variant it did not run)."""
     cells = ["-"] * 3 + [("yes" if err["finite"] else "NO") if err else "-"]
     if "psnr_min" in err:
         cells[:3] = [f"{err['psnr_min']:.1f}", f"{err['max_abs']:.1e}",

@@ -1,0 +1,1 @@
+"""The bench's tables, one module each."""
