@@ -19,7 +19,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
 
-.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test bench serve-bench scale-check clean
+.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test test-fast bench serve-bench scale-check clean
 venv: $(VENV)/.installed
 
 # constraints.txt is the lock: the exact versions CI tested (`make lock` writes it from the ranges in
@@ -72,6 +72,10 @@ image: engines
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The tests that need no export (conftest.py marks the others `export`): a developer's inner loop.
+test-fast: venv
+	$(PY) -m pytest -q -m "not export" tests
 
 # A peer's environment of its own, on the same CPU torch as ours: $(1) its folder, $(2) its pinned
 # packages (any other torch request may pull a multi-GB CUDA build).

@@ -1,6 +1,7 @@
 """Shared fixtures: the sd3-tiny pipeline exported and built once per test session."""
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import warnings
@@ -12,6 +13,44 @@ import pytest
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+# The fixtures that export and build a tiny model (about a minute each): a test that needs one is in
+# the `export` tier, which `make test-fast` leaves out (`-m "not export"`).
+BUILD_FIXTURES = ("tiny_build", "tiny_artifact", "tiny_memory_artifact", "sd3_tiny_build", "sd15_tiny_build",
+                  "sd15_inpaint_tiny_build", "sdxl_tiny_build")
+# What a test's or its module fixture's code says when it exports by itself, or asks for a fixture by
+# name at run time (`request.getfixturevalue(...)`, which the fixture closure cannot show: in this
+# suite, always a build); `python -m bench` exports the model it measures.
+EXPORTING_CODE = ("getfixturevalue(", "export_model(", "build_artifact(", '"-m", "bench"')
+
+
+def needs_export(item: pytest.Item) -> bool:
+    """Whether a test needs an export: by its fixtures, or by what its own code or its module's fixtures call."""
+    if item.get_closest_marker("export") or set(BUILD_FIXTURES) & set(getattr(item, "fixturenames", ())):
+        return True
+    functions = [getattr(item, "function", None)]
+    fixture_info = getattr(item, "_fixtureinfo", None)
+    for definitions in (fixture_info.name2fixturedefs.values() if fixture_info else ()):
+        functions += [d.func for d in definitions if d.baseid]  # baseid "" holds pytest's own fixtures
+    return any(code in _source(f) for f in functions if f is not None and f.__module__ != __name__
+               for code in EXPORTING_CODE)
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "export: needs a tiny model exported and built (left out by `make test-fast`)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if needs_export(item):
+            item.add_marker("export")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from engines.api import build_artifact
 from engines.targets import TargetError
 from runners.manifest import FORMAT_VERSION, sha256_file
-from tests.conftest import manifest
+from conftest import manifest
 
 SUBMODULES = {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder", "vae_encoder"}
 

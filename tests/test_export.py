@@ -10,7 +10,7 @@ import torch
 
 from export.families import FAMILIES
 from export.onnx_export import PARITY_RTOL, example_inputs
-from tests.conftest import manifest
+from conftest import manifest
 
 SD3 = FAMILIES["sd3"]
 SUBMODULES = [s.name for s in SD3.submodules]

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from runners import Pipeline
-from tests.conftest import manifest
+from conftest import manifest
 
 
 def test_pipeline_saved_without_t5(tmp_path, reference_pipeline):
