@@ -6,9 +6,10 @@ A target declares its pipeline as a list of these names (`engines/targets/`); th
 """
 from __future__ import annotations
 
-from engines.passes.base import GraphPass, LibraryPass, PassContext, Report
+from engines.passes.base import GraphPass, LibraryPass, PassContext, Report, Transformed
+from engines.passes.library_output import show_library_output
 from engines.passes.pipeline import PassFailed, PassPipeline, run_passes
 from engines.passes.registry import PASSES, UnknownPass, check_pass_names, describe_passes
 
-__all__ = ["PASSES", "GraphPass", "LibraryPass", "PassContext", "PassFailed", "PassPipeline", "Report", "UnknownPass",
-           "run_passes", "check_pass_names", "describe_passes"]
+__all__ = ["PASSES", "GraphPass", "LibraryPass", "PassContext", "PassFailed", "PassPipeline", "Report", "Transformed",
+           "UnknownPass", "run_passes", "check_pass_names", "describe_passes", "show_library_output"]

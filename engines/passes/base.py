@@ -1,19 +1,27 @@
 """What a graph pass is: a named unit that returns the model and a report of what it did.
 
-Built on onnx-ir's pass infrastructure (`requires` / `call` / `ensures`, in-place or
-functional). Our result adds `counts`: how many groups were fused, nodes removed and so on,
-which the manifest records and the tests assert.
+Built on onnx-ir's pass infrastructure: `PassBase.__call__` runs `requires(model)`, then
+`call(model)`, then `ensures(result.model)`. Our contract on top of it:
+
+- `requires` refuses a model the pass cannot work on, naming the pass: a pass that reads tensor
+  shapes (`needs_shapes`) refuses a graph whose intermediate tensors have none, and a pass that
+  measures the model (`needs_calibration`) refuses to run without calibration inputs.
+- `ensures` checks that the graph's inputs and outputs kept their names, dtypes and ranks (the
+  runner's contract), naming the pass that changed them.
+- `call` returns a `Report` whose `modified` the pass sets itself, from what it did (a quantizer
+  that quantized nothing reports modified=False even though it counted the layers it kept).
+- The `PassContext` is given to the constructor: one pass object per submodule.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import onnx_ir as ir
-from onnx_ir.passes import FunctionalPass, InPlacePass, PassResult
+from onnx_ir.passes import FunctionalPass, InPlacePass, PassBase, PassResult, PostconditionError, PreconditionError
 
 from runners.provenance import WeightTable
 
-__all__ = ["GraphPass", "LibraryPass", "PassContext", "Report"]
+__all__ = ["GraphPass", "LibraryPass", "PassContext", "Report", "Transformed"]
 
 
 @dataclasses.dataclass
@@ -31,7 +39,7 @@ class PassContext:
     """What a pass may know beyond the graph: the submodule's entry in the export manifest (its
     I/O and quantization hints) and, for passes that measure, calibration inputs recorded from the
     fp32 pipeline (`engines/calibration.py`), and for the memory passes the shapes to plan at. The
-    pipeline sets it on every pass before a call."""
+    pipeline makes each submodule's passes with it."""
 
     submodule: str = "model"
     entry: dict = dataclasses.field(default_factory=dict)
@@ -45,45 +53,91 @@ class PassContext:
     weights: WeightTable = dataclasses.field(default_factory=WeightTable)
 
 
-class GraphPass(InPlacePass):
-    """A pass of ours that edits an onnx-ir model in place.
+def signature(model: ir.Model) -> dict[str, list[tuple]]:
+    """The graph's inputs and outputs as (name, dtype, rank): what the runner feeds and reads."""
+    def described(values):
+        return [(v.name, v.dtype, None if v.shape is None else len(v.shape)) for v in values]
+
+    return {"inputs": described(model.graph.inputs), "outputs": described(model.graph.outputs)}
+
+
+def _unchanged(before: tuple, after: tuple) -> bool:
+    """A dtype or rank unknown before may become known (shape inference adds it); a known one stays."""
+    return before[0] == after[0] and all(b is None or b == a for b, a in zip(before[1:], after[1:]))
+
+
+class _Contract(PassBase):
+    """What every pass of ours declares and checks (see the module docstring)."""
+
+    name: str = ""
+    summary: str = ""
+    needs_calibration = False  # measures the model on calibration inputs (engines/calibration.py)
+    needs_shapes = False  # reads the shapes of intermediate tensors (run infer_shapes before it)
+    plans_memory = False  # runs the planner of engines/memory (its code is part of the artifact's cache key)
+
+    def __init__(self, context: PassContext | None = None):
+        self.context = context or PassContext()
+        self._signature: dict | None = None
+
+    def requires(self, model: ir.Model) -> None:
+        self._signature = signature(model)
+        where = self.context.submodule
+        if self.needs_calibration and self.context.calibration is None:
+            raise PreconditionError(f"pass '{self.name}' measures the model on calibration inputs, and none were "
+                                    f"given for {where} (engines.calibration.collect records them)")
+        if self.needs_shapes:
+            values = [v for node in model.graph for v in node.outputs]
+            unknown = [v.name for v in values if v.shape is None or v.dtype is None]
+            if unknown:
+                raise PreconditionError(
+                    f"pass '{self.name}' reads tensor shapes, and {len(unknown)} of the {len(values)} tensors of "
+                    f"{where} have none (e.g. {', '.join(unknown[:3])}): run infer_shapes before it")
+
+    def ensures(self, model: ir.Model) -> None:
+        after = signature(model)
+        for side, before in self._signature.items():
+            now = after[side]
+            if len(now) != len(before) or not all(map(_unchanged, before, now)):
+                raise PostconditionError(
+                    f"pass '{self.name}' changed the {side} of {self.context.submodule} from {before} to {now}: "
+                    f"a pass must keep the graph's input and output names, dtypes and ranks")
+
+
+class GraphPass(_Contract, InPlacePass):
+    """A pass of ours that edits an onnx-ir model in place; `call` returns its `Report`.
 
     Weights stay where they are: an initializer loaded from external data is a memory-mapped
     `ExternalTensor`, and a pass that makes new weights makes them as `LazyTensor`s that are
     computed one at a time when the model is saved.
     """
 
-    name: str = ""
-    summary: str = ""
-    needs_calibration = False
-    plans_memory = False  # runs the planner of engines/memory (its code is part of the artifact's cache key)
-    context = PassContext()
-
     def call(self, model: ir.Model) -> Report:
-        counts = self.apply(model)
-        return Report(model, modified=any(counts.values()), counts=counts)
-
-    def apply(self, model: ir.Model) -> dict[str, int]:
         raise NotImplementedError
 
 
-class LibraryPass(FunctionalPass):
-    """A pass done by onnx-graphsurgeon or polygraphy, which work on `onnx.ModelProto`.
+@dataclasses.dataclass
+class Transformed:
+    """What a `LibraryPass.transform` returns: the library's model, whether it changed anything
+    (the pass says so itself), its counts and details."""
+
+    proto: object  # onnx.ModelProto
+    modified: bool
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    details: dict = dataclasses.field(default_factory=dict)
+
+
+class LibraryPass(_Contract, FunctionalPass):
+    """A pass done by onnx-graphsurgeon, polygraphy or ONNX Runtime's tools, which work on
+    `onnx.ModelProto`.
 
     The model crosses over without its weights: every initializer over `HELD_BYTES` goes into
     the proto as an external-data reference to a file that does not exist, so the libraries
     copy it through untouched and cannot read it, and it comes back as the same tensor object
     (memory-mapped, lazy or in memory, as it was). Without this, a 1.5 GB graph was copied
     several times over on its way through polygraphy. A library step that needs a held weight's
-    values (folding a Transpose of a weight, say) cannot read it and fails loudly; the dynamo
-    exporter's optimizer has already folded those in our graphs.
+    values must not see it as a constant (`fold_constants` hands them over as graph inputs).
     """
 
-    name: str = ""
-    summary: str = ""
-    needs_calibration = False
-    plans_memory = False
-    context = PassContext()
     HELD_BYTES = 2**20  # smaller constants cross over as data: the libraries fold and inspect those
     EXTERNAL_HELD_BYTES = 1024  # in a >2 GB graph's external file, all but the smallest stay there
     # Precision passes convert or quantize the weights themselves, so they must see them all. They
@@ -99,21 +153,20 @@ class LibraryPass(FunctionalPass):
                 self.EXTERNAL_HELD_BYTES if isinstance(v.const_value, ir.ExternalTensor) else self.HELD_BYTES)}
         proto = to_proto_without(model, held)
         before = len(proto.graph.node)
-        result = self.transform(proto)
-        proto, counts, details = result if len(result) == 3 else (*result, {})
-        out = ir.from_proto(proto)
+        done = self.transform(proto)
+        out = ir.from_proto(done.proto)
         _restore_node_metadata(model, out)
         for name, value in out.graph.initializers.items():
             tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor) and tensor.location == _HELD:
+            if isinstance(tensor, ir.ExternalTensor) and tensor.location == HELD:
                 if name not in held:  # a library renamed or made a reference: never silently lose a weight
                     raise RuntimeError(f"{self.name}: initializer '{name}' came back as a reference to no weight")
                 value.const_value = held[name]
-        delta = before - len(proto.graph.node)
-        counts = {("nodes_removed" if delta >= 0 else "nodes_added"): abs(delta), **counts}
-        return Report(out, modified=any(counts.values()), counts=counts, details=details)
+        delta = before - len(done.proto.graph.node)
+        counts = {("nodes_removed" if delta >= 0 else "nodes_added"): abs(delta), **done.counts}
+        return Report(out, modified=done.modified, counts=counts, details=done.details)
 
-    def transform(self, proto):  # -> (onnx.ModelProto, counts) or (onnx.ModelProto, counts, details)
+    def transform(self, proto) -> Transformed:
         raise NotImplementedError
 
 
@@ -126,11 +179,11 @@ def _restore_node_metadata(before: ir.Model, after: ir.Model) -> None:
             node.metadata_props.update(metadata[node.name])
 
 
-_HELD = "__weight_held_by_diffusion_aot__"
+HELD = "__weight_held_by_diffusion_aot__"  # the file a held weight refers to
 
 
 def to_proto_without(model: ir.Model, held: dict):
-    """`ir.to_proto(model)` with the `held` initializers as references to `_HELD`: their shapes
+    """`ir.to_proto(model)` with the `held` initializers as references to `HELD`: their shapes
     and types without their bytes. Every other weight crosses as data, also one that a graph over
     2 GB keeps in its external file (shapes and axes there are what the libraries read). The
     model is left as it was."""
@@ -139,7 +192,7 @@ def to_proto_without(model: ir.Model, held: dict):
                 if name not in held and isinstance(v.const_value, ir.ExternalTensor)}
     try:
         for name, tensor in held.items():
-            values[name].const_value = ir.ExternalTensor(_HELD, 0, tensor.nbytes, tensor.dtype,
+            values[name].const_value = ir.ExternalTensor(HELD, 0, tensor.nbytes, tensor.dtype,
                                                          shape=tensor.shape, name=name)
         for name, tensor in external.items():
             values[name].const_value = ir.Tensor(tensor.numpy(), name=name)
@@ -147,15 +200,3 @@ def to_proto_without(model: ir.Model, held: dict):
     finally:
         for name, tensor in {**held, **external}.items():
             values[name].const_value = tensor
-
-
-def quiet_polygraphy() -> None:
-    """Polygraphy logs every fold at INFO, and ONNX Runtime's symbolic shape inference (which it
-    calls) warns about every comparison of symbolic dims it cannot decide; our own log line
-    reports the counts."""
-    import logging
-
-    from polygraphy.logger import G_LOGGER
-
-    G_LOGGER.module_severity = G_LOGGER.ERROR
-    logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.ERROR)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from engines.passes.base import GraphPass
+from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import MS_DOMAIN, Builder, is_op, only_use, scalar
 
 
@@ -180,7 +180,9 @@ class FuseAttention(GraphPass):
     name = "fuse_attention"
     summary = "MatMul/Softmax/MatMul attention becomes ONNX Runtime's fused MultiHeadAttention (ORT only)"
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    needs_shapes = True  # the head count, the operands' ranks and the biases' query axis come from shapes
+
+    def call(self, model: ir.Model) -> Report:
         graph = model.graph
         matches = [m for m in (_match(n) for n in graph if is_op(n, "Softmax")) if m is not None]
         before = graph.num_nodes()
@@ -189,4 +191,5 @@ class FuseAttention(GraphPass):
         if matches:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             RemoveUnusedNodesPass()(model)  # the replaced subgraphs, now unread
-        return {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes()}
+        counts = {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes()}
+        return Report(model, modified=bool(matches), counts=counts)

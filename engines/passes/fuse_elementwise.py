@@ -12,7 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from engines.passes.base import GraphPass
+from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import MS_DOMAIN, is_op, only_use, scalar
 
 
@@ -36,7 +36,7 @@ class FuseElementwise(GraphPass):
     name = "fuse_elementwise"
     summary = "SiLU and quick GELU become one QuickGelu: one full-size tensor fewer at each (ORT only)"
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def call(self, model: ir.Model) -> Report:
         graph = model.graph
         before = graph.num_nodes()
         silus = 0
@@ -54,4 +54,4 @@ class FuseElementwise(GraphPass):
         if silus:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             RemoveUnusedNodesPass()(model)
-        return {"silus": silus, "nodes_removed": before - graph.num_nodes()}
+        return Report(model, modified=bool(silus), counts={"silus": silus, "nodes_removed": before - graph.num_nodes()})

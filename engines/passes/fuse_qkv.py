@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from engines.passes.base import GraphPass
+from engines.passes.base import GraphPass, Report
 from runners.provenance import WeightTable, dtype_name
 
 
@@ -152,9 +152,10 @@ def _fuse(graph: ir.Graph, group: list[_Member], index: int, table: WeightTable)
     old_outputs = [m.output for m in group]
     for old, new in zip(old_outputs, split.outputs):
         new.name, new.shape, new.type = f"{prefix}.{old.name}", old.shape, old.type
-    fused.type = old_outputs[0].type
-    if old_outputs[0].shape is not None:
-        fused.shape = ir.Shape(list(old_outputs[0].shape)[:-1] + [sum(m.width for m in group)])
+    for node in new_nodes[:-1]:  # the projection before and after its bias: what the passes after it read
+        node.outputs[0].type = old_outputs[0].type
+        if old_outputs[0].shape is not None:
+            node.outputs[0].shape = ir.Shape(list(old_outputs[0].shape)[:-1] + [sum(m.width for m in group)])
     graph.insert_before(min((m.node for m in group), key=graph.index), new_nodes)
     ir.convenience.replace_all_uses_with(old_outputs, list(split.outputs), replace_graph_outputs=True)
     old_nodes = [n for m in group for n in (m.node, m.bias_add) if n is not None]
@@ -169,8 +170,8 @@ class FuseQKV(GraphPass):
     name = "fuse_qkv"
     summary = "projections of one tensor (q/k/v, gates, adaLN) become one MatMul + bias Add + Split"
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def call(self, model: ir.Model) -> Report:
         groups = find_groups(model.graph)
         nodes_removed = sum(_fuse(model.graph, group, i, self.context.weights) for i, group in enumerate(groups))
-        return {"groups": len(groups), "projections_fused": sum(len(g) for g in groups),
-                "nodes_removed": nodes_removed}
+        counts = {"groups": len(groups), "projections_fused": sum(len(g) for g in groups), "nodes_removed": nodes_removed}
+        return Report(model, modified=bool(groups), counts=counts)

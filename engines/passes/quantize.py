@@ -12,7 +12,7 @@ import json
 import logging
 from collections import Counter
 
-from engines.passes.base import LibraryPass
+from engines.passes.base import LibraryPass, Transformed
 from engines.passes.ort_tools import SESSION_CONFIG_KEY, load_model, model_file, nodes_in_scopes
 
 LINEAR_OPS = ["MatMul"]
@@ -64,13 +64,13 @@ class QuantizeInt8(LibraryPass):
     summary = "ONNX Runtime quantize_dynamic: int8 weights per channel, uint8 activations per call"
     READS_WEIGHTS = True
 
-    def transform(self, proto):
+    def transform(self, proto) -> Transformed:
         from onnx import TensorProto
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         chosen, kept = _select(proto, self.context)
         if not chosen:  # the tools read an empty list as "quantize every node"
-            return proto, {"linear_int8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept}
+            return Transformed(proto, False, {"linear_int8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept})
         # quantize_dynamic re-runs ONNX shape inference, which rejects a shape recorded in the value_info
         # of our graphs (sd3-tiny's transformer: 80 vs 32); without value_info it infers them afresh.
         del proto.graph.value_info[:]
@@ -82,7 +82,9 @@ class QuantizeInt8(LibraryPass):
             out = load_model(folder / "int8.onnx")
         _record_quantized(self.context.weights, out)
         ops = Counter(n.op_type for n in out.graph.node)
-        return out, {"linear_int8": ops["MatMulInteger"], "linear_kept_float": len(kept)}, {"kept_float": kept}
+        return Transformed(out, modified=bool(ops["MatMulInteger"]),
+                           counts={"linear_int8": ops["MatMulInteger"], "linear_kept_float": len(kept)},
+                           details={"kept_float": kept})
 
 
 class QuantizeFp8(LibraryPass):
@@ -96,12 +98,12 @@ class QuantizeFp8(LibraryPass):
     # onnxruntime than the one that built it (pyproject.toml admits >= 1.22), so the manifest keeps it.
     SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
 
-    def transform(self, proto):
+    def transform(self, proto) -> Transformed:
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
         chosen, kept = _select(proto, self.context)
         if not chosen:  # the tools read an empty list as "quantize every node"
-            return proto, {"linear_fp8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept}
+            return Transformed(proto, False, {"linear_fp8": 0, "linear_kept_float": len(kept)}, {"kept_float": kept})
         feeds = self.context.calibration
         with model_file(proto) as (path, folder), _quiet_root_logger():
             quantize_static(path, folder / "fp8.onnx", feeds.reader(), quant_format=QuantFormat.QDQ,
@@ -124,7 +126,8 @@ class QuantizeFp8(LibraryPass):
         producer = {o: n.op_type for n in out.graph.node for o in n.output}
         quantized = sum(1 for n in out.graph.node if n.op_type in LINEAR_OPS
                         and all(producer.get(i) == "DequantizeLinear" for i in n.input[:2]))
-        return out, {"linear_fp8": quantized, "linear_kept_float": len(kept),
-                     "quantize_nodes": ops["QuantizeLinear"], "dequantize_nodes": ops["DequantizeLinear"]}, {
-            "kept_float": kept, "calibration_calls": len(feeds)}
+        counts = {"linear_fp8": quantized, "linear_kept_float": len(kept),
+                  "quantize_nodes": ops["QuantizeLinear"], "dequantize_nodes": ops["DequantizeLinear"]}
+        return Transformed(out, modified=bool(quantized), counts=counts,
+                           details={"kept_float": kept, "calibration_calls": len(feeds)})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from engines.passes.base import GraphPass
+from engines.passes.base import GraphPass, Report
 
 FLOAT, BF16 = ir.DataType.FLOAT, ir.DataType.BFLOAT16
 FP32_OPS = ("ReduceMean", "InstanceNormalization", "Softmax")
@@ -30,7 +30,7 @@ class ToBf16(GraphPass):
     name = "to_bf16"
     summary = "every float32 weight and activation in bfloat16; norm statistics and Softmax stay fp32"
 
-    def apply(self, model: ir.Model) -> dict[str, int]:
+    def call(self, model: ir.Model) -> Report:
         graph = model.graph
         fixed = {node.inputs[i] for node in graph for op, i in FLOAT_INPUTS
                  if node.op_type == op and len(node.inputs) > i and node.inputs[i] is not None}
@@ -64,8 +64,9 @@ class ToBf16(GraphPass):
         outputs = [i for i, v in enumerate(graph.outputs) if v.dtype == BF16]
         for i in outputs:
             self._cast_output(graph, i)
-        return {"weights_bf16": weights, "constants_bf16": constants, "activations_bf16": activations,
-                "fp32_nodes": len(kept), "io_casts": len(inputs) + len(outputs)}
+        counts = {"weights_bf16": weights, "constants_bf16": constants, "activations_bf16": activations,
+                  "fp32_nodes": len(kept), "io_casts": len(inputs) + len(outputs)}
+        return Report(model, modified=bool(weights or constants or activations), counts=counts)
 
     @staticmethod
     def _keep_fp32(graph, node) -> None:

@@ -9,7 +9,7 @@ keep their fp32 types, so the runner feeds and reads the same arrays.
 """
 from __future__ import annotations
 
-from engines.passes.base import LibraryPass
+from engines.passes.base import LibraryPass, Transformed
 
 FP16_MAX = 65504.0
 # Calibration sees a few dozen prompts: keep 4x headroom for activations larger than those.
@@ -23,7 +23,8 @@ class ToFp16(LibraryPass):
     READS_WEIGHTS = True
     needs_calibration = True
 
-    def transform(self, proto):
+    def transform(self, proto) -> Transformed:
+        from onnx import TensorProto
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         from engines.passes.ort_tools import activation_ranges, infer_symbolic_shapes
@@ -40,13 +41,15 @@ class ToFp16(LibraryPass):
         round_trips = _skip_fp16_round_trips(out)
         out = _cleaned_and_sorted(out)
         casts = len(out.graph.node) - nodes_before
-        return out, {"fp32_nodes": len(islands), "casts_added": casts, "duplicate_casts_dropped": duplicates,
-                     "fp16_round_trips_skipped": round_trips}, {
+        converted = any(t.type.tensor_type.elem_type == TensorProto.FLOAT16 for t in out.graph.value_info)
+        counts = {"fp32_nodes": len(islands), "casts_added": casts, "duplicate_casts_dropped": duplicates,
+                  "fp16_round_trips_skipped": round_trips}
+        return Transformed(out, modified=converted, counts=counts, details={
             "fp32_islands": islands,
             "range_limit": RANGE_LIMIT,
             "largest_activation": max((r for r in ranges.values() if r < MASK_MAGNITUDE), default=0.0),
             "calibration_calls": len(self.context.calibration),
-        }
+        })
 
 
 def fp32_islands(proto, ranges: dict[str, float], limit: float) -> list[str]:
