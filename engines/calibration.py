@@ -75,15 +75,21 @@ def _log(msg: str) -> None:
     print(f"[calibration] {msg}", flush=True)
 
 
+def recordings_folder(artifact: Path, artifact_key: str, settings: CalibrationSettings) -> Path:
+    """Where `collect` keeps the recordings of the artifact whose cache key is `artifact_key`: named by
+    their own key, which a build plan knows before the artifact exists."""
+    key = digest([artifact_key, dataclasses.asdict(settings), PROMPTS[:settings.prompts]])
+    return Path(artifact).parent / "calibration" / key
+
+
 def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings()) -> Path:
     """Record every engine call of the fp32 ORT `artifact` (its caller builds it) over the
     calibration prompts, and return the folder beside it that holds them."""
     from runners.pipeline import Pipeline
 
-    build_dir = Path(artifact).parent
     prompts = PROMPTS[:settings.prompts]
-    key = digest([read_manifest(artifact, verify=False)["cache_key"], dataclasses.asdict(settings), prompts])
-    dest = Path(build_dir) / "calibration" / key
+    dest = recordings_folder(artifact, read_manifest(artifact, verify=False)["cache_key"], settings)
+    key = dest.name
     if is_current(dest, key):
         _log(f"{dest} is up to date: reusing it")
         return dest

@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from runners.backends import open_session
+from runners.backends import backend_of, get_backend, open_session, thread_backends
 from runners.lora import adapted_submodules
 from runners.manifest import ManifestError, read_manifest
 from runners.profile import Profiler
@@ -55,11 +55,11 @@ class Pipeline:
             raise ValueError(f"{folder} has no submodule {', '.join(sorted(unknown))}; "
                              f"it has: {', '.join(manifest['submodules'])}")
         check_device_map(device_map or {}, manifest["submodules"])
-        targets = {sub.get("target", manifest["target"]) for name, sub in manifest["submodules"].items()
-                   if name in (submodules or manifest["submodules"])}
-        if threads and targets <= {"trt", "trt-rtx"}:
-            raise ValueError(f"threads={threads} sets the CPU threads of ONNX Runtime and OpenVINO sessions; every "
-                             f"engine {folder} opens is TensorRT's, which runs on the GPU: leave threads unset")
+        backends = {get_backend(backend_of(manifest, name)) for name in submodules or manifest["submodules"]}
+        if threads and not any(b.threads for b in backends):
+            titles = " and ".join(sorted({b.title for b in backends}))
+            raise ValueError(f"threads={threads} sets the CPU threads of {thread_backends()} sessions; every "
+                             f"engine {folder} opens is {titles}'s: leave threads unset")
         return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
                                 submodules=submodules, device_map=device_map, loras=loras)
 
@@ -88,8 +88,8 @@ class Pipeline:
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
     def _open_session(self, name: str, profile: bool = False):
-        sub = self.manifest["submodules"][name]  # a submodule built with `--fallback ort` names its own target
-        return open_session(sub.get("target", self.manifest["target"]), self.folder / sub["file"],
+        sub = self.manifest["submodules"][name]
+        return open_session(backend_of(self.manifest, name), self.folder / sub["file"],
                             device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
                             session_options=sub.get("session_options"), initializers=self._adapted.get(name),
                             **self._session_options)

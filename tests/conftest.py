@@ -151,12 +151,12 @@ def assert_real_image(image, max_clipped: float = 0.25) -> None:
 
 
 def rtx_options(**kwargs):
-    """BuildOptions for TensorRT-RTX: on a machine without a GPU the build needs the generations to
+    """TrtOptions for TensorRT-RTX: on a machine without a GPU the build needs the generations to
     target (it refuses to guess), SM89 here; with a GPU, the default is that GPU's."""
-    from engines.targets import BuildOptions
+    from engines.targets.trt import TrtOptions
     from runners.backends.trt import gpu_count
 
-    return BuildOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)
+    return TrtOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)
 
 
 def smooth_image(height: int, width: int, seed: int = 0):

@@ -82,7 +82,7 @@ def test_failure_midway_leaves_no_artifact(tiny_build, tmp_path, monkeypatch, er
 
 
 def test_unknown_target_and_precision(tiny_build):
-    with pytest.raises(TargetError, match="unknown target 'tpu'; known targets: ort"):
+    with pytest.raises(TargetError, match="unknown target 'tpu'; known targets: openvino, ort"):
         build_artifact(tiny_build, "tpu", "fp32")
     with pytest.raises(TargetError, match="unknown precision 'int3' for target 'ort'; it builds: fp32, fp16, int8, fp8"):
         build_artifact(tiny_build, "ort", "int3")

@@ -14,7 +14,8 @@ pytest.importorskip("openvino")
 
 from conftest import assert_real_image, image_task_outputs  # noqa: E402
 from engines.api import build_artifact  # noqa: E402
-from engines.targets import BuildOptions, TargetError, get_target  # noqa: E402
+from engines.targets import TargetError, get_target  # noqa: E402
+from engines.targets.openvino import OpenVinoOptions  # noqa: E402
 from export.families import FAMILIES  # noqa: E402
 from export.onnx_export import example_inputs  # noqa: E402
 from runners import Pipeline  # noqa: E402
@@ -50,7 +51,7 @@ def ov_fp32(tiny_build):
 @pytest.fixture(scope="module")
 def ov_bf16(tiny_build):
     """bf16 with the models compiled for the CPU at build time (`--ov-device CPU`)."""
-    return build_artifact(tiny_build, "openvino", "bf16", options=BuildOptions(device="CPU"))
+    return build_artifact(tiny_build, "openvino", "bf16", options=OpenVinoOptions(device="CPU"))
 
 
 @pytest.fixture(scope="module")
@@ -244,14 +245,14 @@ def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
 
 def test_unknown_shapes_are_refused(tiny_build):
     with pytest.raises(TargetError, match=r"^--ov-shapes static: the openvino target takes dynamic or per-size$"):
-        build_artifact(tiny_build, "openvino", "fp32", options=BuildOptions(ov_shapes="static"))
+        build_artifact(tiny_build, "openvino", "fp32", options=OpenVinoOptions(shapes="static"))
 
 
 def test_listed_sizes_are_compiled_static_at_build_time(tiny_build, monkeypatch):
     import openvino as ov
 
     folder = build_artifact(tiny_build, "openvino", "fp32",
-                            options=BuildOptions(device="CPU", ov_shapes="dynamic", ov_sizes=((64, 96),)))
+                            options=OpenVinoOptions(device="CPU", shapes="dynamic", sizes=((64, 96),)))
     options = _manifest(folder)["submodules"]["transformer"]["session_options"]
     assert options["compiled_model"] == "transformer.cpu.blob"
     assert [(s["size"], s["file"], s["shapes"]["hidden_states"]) for s in options["static_models"]] == [
@@ -303,9 +304,9 @@ def _engines(*args):
 @pytest.mark.parametrize("args, message", [
     (["--target", "ort", "--precision", "bf16"],
      "error: target 'ort' does not take precision 'bf16' (ONNX Runtime's CPU has no bf16 MatMul or Conv kernel); "
-     "the targets that take it: trt-rtx, trt, openvino"),
+     "the targets that take it: openvino, trt, trt-rtx"),
     (["--target", "openvino", "--precision", "fp8"],
-     "error: target 'openvino' does not take precision 'fp8'; the targets that take it: ort, trt-rtx"),
+     "error: target 'openvino' does not take precision 'fp8'; the targets that take it: ort, trt, trt-rtx"),
     (["--target", "openvino", "--ov-device", "NPU7"],
      "error: OpenVINO device 'NPU7' is not present on this machine; it has: CPU"),
     (["--target", "openvino", "--ov-sizes", "128x128"],

@@ -287,7 +287,7 @@ def test_gpu_and_openvino_artifacts_configs_and_engine_files():
     entry = {"file": "transformer.trt1.7.plan", "dims": {"batch": [1, 2, 8]},
              "inputs": [{"name": "x", "dtype": "float16", "shape": ["batch", 16]}],
              "outputs": [{"name": "y", "dtype": "float16", "shape": ["batch", 16]}]}
-    manifest = {"target": "trt-rtx", "submodules": {"transformer": entry}}
+    manifest = {"target": "trt-rtx", "backend": "trt-rtx", "submodules": {"transformer": entry}}
     assert "kind: KIND_GPU count: 2" in pipeline_config("m", manifest, 4, 2, 0, {})
     engine = engine_config("m_transformer", "trt-rtx", entry)
     assert 'platform: "tensorrt_plan"' in engine and "kind: KIND_GPU" in engine

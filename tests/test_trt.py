@@ -166,7 +166,8 @@ def test_static_requests_outside_the_export_are_refused(tiny_build):
 def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeypatch):
     import engines.targets.trt as trt
     from engines.api import build_artifact
-    from engines.targets import BuildOptions, SubmoduleBuildFailed, TargetError
+    from engines.targets import SubmoduleBuildFailed, TargetError
+    from engines.targets.trt import TrtOptions
 
     real = trt._build_engine
 
@@ -182,7 +183,7 @@ def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeyp
     # A bad setting is the user's error, not a submodule for ONNX Runtime to take over.
     with pytest.raises(TargetError, match="compute capability SM1 is not one TensorRT-RTX .* builds for; it knows: "):
         build_artifact(tiny_build, "trt-rtx", "fp32", force=True, fallback="ort",
-                       options=BuildOptions(compute_capabilities=("sm1",), cache_dir=tmp_path / "cache"))
+                       options=TrtOptions(compute_capabilities=("sm1",), cache_dir=tmp_path / "cache"))
     folder = build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=options, fallback="ort")
     subs = manifest(folder)["submodules"]
     assert subs["vae_encoder"]["target"] == "ort" and subs["vae_encoder"]["file"] == "vae_encoder.onnx"
@@ -262,14 +263,15 @@ def test_fallback_only_for_a_graph_the_builder_rejects(tiny_build, tiny_artifact
     memory and anything else stop the build with their own error, even with --fallback ort."""
     import engines.targets.trt as trt
     from engines.api import build_artifact
-    from engines.targets import BuildOptions, EngineBuildError, SubmoduleBuildFailed
+    from engines.targets import EngineBuildError, SubmoduleBuildFailed
+    from engines.targets.trt import TrtOptions
 
     rtx_module = trt.use_tensorrt(True)  # before polygraphy's TensorRT backend is imported
     import polygraphy.backend.trt
     shapes = {"input_ids": ([1, 77], [1, 77], [1, 77])}
 
     def build(onnx, capabilities):
-        trt._build_engine(rtx_module, True, onnx, shapes, capabilities, BuildOptions(), tmp_path, tmp_path / "e.plan",
+        trt._build_engine(rtx_module, True, onnx, shapes, capabilities, TrtOptions(), tmp_path, tmp_path / "e.plan",
                           "text_encoder")
 
     # Real rejections on this machine: an operator the parser does not know, and an fp32 GEMM, which

@@ -1,5 +1,5 @@
 """OpenVINO target: the prepared ONNX graph becomes OpenVINO IR (`.xml` + `.bin`), and optionally the
-model compiled for one device (`BuildOptions.device`, `--ov-device CPU`), exported beside it so that
+model compiled for one device (`OpenVinoOptions.device`, `--ov-device CPU`), exported beside it so that
 the runner imports it instead of compiling.
 
 Shapes: the IR keeps the export's dynamic dims. The denoiser's manifest entry says how the runner
@@ -8,21 +8,24 @@ caches the compiled model per size; "dynamic" compiles it once for every shape. 
 512x512` also compiles it static for listed sizes at build time for `--ov-device`, which alone
 compiles a per-size denoiser at the export's opt size (the model's default).
 
-OpenVINO takes its precision as a hint (INFERENCE_PRECISION_HINT), not from graph types: the
-precision recipe gives the hint (`engines.precisions`), the manifest records it per submodule as the
+OpenVINO takes its precision as a hint (INFERENCE_PRECISION_HINT), not from graph types: this target
+takes every precision its own way (`PRECISIONS`: no precision passes run), the manifest records it per submodule as the
 runtime's config, and the runner passes it to `compile_model`. fp32 keeps the IR's weights in fp32;
 bf16 and fp16 store them as fp16 (`save_model(compress_to_fp16=True)`), which the plugin turns into
 its inference precision when it compiles. int8 is NNCF's quantization of the IR, calibrated on
-the pipeline's recordings (`engines.targets.openvino_int8`), with what stays in float run in bf16.
+the pipeline's recordings (`engines.targets._openvino_int8`), with what stays in float run in bf16.
 """
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import ClassVar
 
-from engines.targets import BuildInput, BuildOptions, SubmoduleBuildFailed, Target, TargetError
-from engines.targets import openvino_int8
+from engines.precisions import TargetRecipe
+from engines.targets import BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument
+from engines.targets import _openvino_int8
 
 # What OpenVINO 2026.4's ONNX reader accepts, measured on every sd3-tiny submodule (convert_model,
 # then compile_model on the CPU, then outputs against ONNX Runtime at both export shapes): all of
@@ -41,6 +44,58 @@ HINT = "INFERENCE_PRECISION_HINT"
 # submodules run once per request, and the VAE's tiles come in several sizes: they stay dynamic.
 DENOISER_SHAPES = "per-size"
 SHAPES = ("dynamic", "per-size")
+
+
+
+def _hint(hint: str, quantize: bool = False) -> TargetRecipe:
+    return TargetRecipe({HINT: hint}, quantize)
+
+
+# Every precision it takes, its own way: a runtime hint, and for int8 NNCF's quantization of the IR
+# (what NNCF leaves in float runs in bf16, the CPU plugin's own choice where it has bf16). fp16 is for
+# GPU and NPU devices (the CPU plugin has no f16 hint on most CPUs).
+PRECISIONS = {"fp32": _hint("f32"), "bf16": _hint("bf16"), "fp16": _hint("f16"), "int8": _hint("bf16", quantize=True)}
+
+
+@dataclass(frozen=True)
+class OpenVinoOptions(TargetOptions):
+    """What the OpenVINO target takes: a device to compile for at build time, and how the denoiser is shaped."""
+
+    title: ClassVar[str] = "OpenVINO"
+
+    device: str | None = None  # the device to compile for at build time ("CPU"); None: IR only
+    # The denoiser only: "dynamic" (one model for every shape) or "per-size" (reshaped to each request's
+    # shapes at its first call, cached per size); None: the target's default (DENOISER_SHAPES).
+    shapes: str | None = None
+    sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
+
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        group.add_argument("--ov-device", default=None, metavar="CPU",
+                           help="also compile each model for this OpenVINO device at build time and ship the "
+                                "compiled blob, so that the runner's first call does not compile (default: IR only)")
+        group.add_argument("--ov-shapes", choices=SHAPES, default=None,
+                           help="how the runner shapes the denoiser: per-size (the default) compiles it for each "
+                                "request's shapes at their first call and keeps it; dynamic compiles one model for "
+                                "every shape")
+        group.add_argument("--ov-sizes", type=sizes_argument, default=(), metavar="512x512[,HxW...]",
+                           help="also compile the denoiser static for these image sizes (height x width) at build "
+                                "time, for --ov-device (alone, --ov-device does it for the model's default size)")
+
+    @classmethod
+    def from_args(cls, args) -> OpenVinoOptions:
+        return cls(args.ov_device, args.ov_shapes, args.ov_sizes)
+
+    def settings(self) -> dict:
+        settings = {"device": self.device, "ov_shapes": self.shapes, "ov_sizes": [list(s) for s in self.sizes]}
+        return {k: v for k, v in settings.items() if v}
+
+    def resolved(self, build_dir: Path, source: dict) -> OpenVinoOptions:
+        if self.sizes and not self.device:
+            raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
+        if self.shapes not in (None, *SHAPES):
+            raise TargetError(f"--ov-shapes {self.shapes}: the openvino target takes {' or '.join(SHAPES)}")
+        return self
 
 
 def compiled_name(name: str, device: str, size: tuple[int, int] | None = None) -> str:
@@ -77,23 +132,16 @@ def _export_compiled(core, model, device: str, config: dict, path: Path) -> None
     path.write_bytes(exported.getvalue() if hasattr(exported, "getvalue") else exported)
 
 
-def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tuple[list[str], dict]:
+def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) -> tuple[list[str], dict]:
     import onnx_ir as ir
     import openvino as ov
 
-    if options.static or options.compute_capabilities or options.workspace_mib:
-        raise TargetError("--static, --compute-capability and --workspace-mib are TensorRT settings; "
-                          "the openvino target takes --ov-device, --ov-shapes and --ov-sizes")
-    if options.ov_sizes and not options.device:
-        raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
-    if options.ov_shapes not in (None, *SHAPES):
-        raise TargetError(f"--ov-shapes {options.ov_shapes}: the openvino target takes {' or '.join(SHAPES)}")
     denoiser = bool(sub.entry.get("quantization", {}).get("denoiser"))
     shapes, sizes = "dynamic", ()
     if denoiser:
-        shapes = options.ov_shapes or DENOISER_SHAPES
+        shapes = options.shapes or DENOISER_SHAPES
         # Compiled for a device, a per-size denoiser ships its default size's static model.
-        sizes = options.ov_sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
+        sizes = options.sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
     config = {HINT: sub.precision.runtime[HINT]}
     core = ov.Core()
     if options.device:
@@ -108,7 +156,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
                                        f"{str(e).strip().splitlines()[-1]}") from e
         quantized = {}
         if sub.precision.quantize:
-            model, counts, details = openvino_int8.quantize(model, sub.model, sub.entry, sub.calibration)
+            model, counts, details = _openvino_int8.quantize(model, sub.model, sub.entry, sub.calibration)
             quantized = {"quantization": {"tool": f"nncf {metadata.version('nncf')}", "counts": counts, **details}}
         files = [f"{sub.name}.xml", f"{sub.name}.bin"]
         # Weights stored as fp16 only where the precision computes below fp32.
@@ -141,12 +189,13 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
 
 TARGETS = [Target(
     name="openvino",
+    backend="openvino",
     backend_module="openvino",
     backend_distributions=("openvino",),
     install_hint="pip install 'diffusion-aot[openvino]'",
-    # fp16 is for GPU and NPU devices (the CPU plugin has no f16 hint on most CPUs).
-    precisions=("fp32", "bf16", "fp16", "int8"),
+    precisions=tuple(PRECISIONS),
+    own_precisions=PRECISIONS,
     passes=PASSES,
     build_submodule=build_submodule,
-    build_options=True,
+    options=OpenVinoOptions,
 )]

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.targets import BuildInput, BuildOptions, MemoryProfile, Target
+from engines.targets import BuildInput, MemoryProfile, Target, TargetOptions
 
-def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tuple[list[str], dict]:
+
+def build_submodule(sub: BuildInput, out_dir: Path, options: TargetOptions) -> tuple[list[str], dict]:
     import json
 
     import onnxruntime as ort
@@ -39,6 +40,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tu
 
 TARGETS = [Target(
     name="ort",
+    backend="ort",
     backend_module="onnxruntime",
     backend_distributions=("onnxruntime", "onnxruntime-gpu"),
     install_hint="pip install 'diffusion-aot[cpu]' (or [gpu] for onnxruntime-gpu)",

@@ -14,17 +14,102 @@ TensorRT's demo/Diffusion.
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from engines.targets import BuildInput, BuildOptions, EngineBuildError, SubmoduleBuildFailed, Target, TargetError
+from engines.targets import (
+    BuildInput, EngineBuildError, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument,
+)
 from runners.backends.trt import gpu_capability, gpu_count, use_tensorrt
 from runners.manifest import digest, sha256_file
+from runners.static import StaticRequest
 
 # TensorRT fuses attention itself: ONNX Runtime's MultiHeadAttention fusion is left out.
 PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv")
+
+
+@dataclass(frozen=True)
+class TrtOptions(TargetOptions):
+    """What the TensorRT builders take (both targets: one builder)."""
+
+    title: ClassVar[str] = "TensorRT"
+
+    # One fixed shape per input, those the runner calls for this request (runners/static.py), instead
+    # of a min/opt/max profile; None: dynamic shapes.
+    static: StaticRequest | None = None
+    compute_capabilities: tuple[str, ...] = ()  # TensorRT-RTX: the GPUs to build for ("SM89", ...)
+    workspace_mib: int | None = None  # the builder's workspace memory pool limit
+    cache_dir: Path | None = None  # engines and the timing cache, reused across builds (not in the cache key)
+
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        group.add_argument("--static", action="store_true",
+                           help="build one fixed shape per input: those the runner calls for one request (the "
+                                "--static-* settings), which is then the only request the artifact runs; the "
+                                "fastest engines")
+        group.add_argument("--static-size", type=sizes_argument, default=None, metavar="HxW",
+                           help="the static request's image size (default: the model's default size)")
+        group.add_argument("--static-prompts", type=int, default=1, metavar="N",
+                           help="prompts per static request (default 1)")
+        group.add_argument("--static-images-per-prompt", type=int, default=1, metavar="N",
+                           help="images per prompt of the static request (default 1)")
+        group.add_argument("--static-no-guidance", action="store_true",
+                           help="the static request runs without classifier-free guidance (guidance_scale <= 1)")
+        group.add_argument("--compute-capability", action="append", default=[], metavar="SM89",
+                           help="trt-rtx: a GPU generation to build for (repeatable; default: this machine's GPU, "
+                                "or every generation TensorRT-RTX builds for on a machine without one)")
+        group.add_argument("--workspace-mib", type=int, default=None, help="the builder's workspace memory limit")
+        group.add_argument("--engine-cache", type=Path, default=None,
+                           help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
+
+    @classmethod
+    def from_args(cls, args) -> TrtOptions:
+        described = (args.static_size, args.static_prompts != 1, args.static_images_per_prompt != 1,
+                     args.static_no_guidance)
+        if any(described) and not args.static:
+            raise TargetError("--static-size, --static-prompts, --static-images-per-prompt and --static-no-guidance "
+                              "describe the request of a --static build: add --static")
+        if args.static_size and len(args.static_size) != 1:
+            raise TargetError("--static-size takes one size (HxW): a static build runs one request")
+        static = args.static and StaticRequest(*(args.static_size or [(None, None)])[0], args.static_prompts,
+                                               args.static_images_per_prompt, not args.static_no_guidance)
+        return cls(static or None, tuple(args.compute_capability), args.workspace_mib, args.engine_cache)
+
+    def settings(self) -> dict:
+        return {"static": self.static and self.static.record(), "compute_capabilities": list(self.compute_capabilities),
+                "workspace_mib": self.workspace_mib}
+
+    def resolved(self, build_dir: Path, source: dict) -> TrtOptions:
+        cache_dir = self.cache_dir or build_dir / "engine-cache"
+        if cache_dir.exists() and not cache_dir.is_dir():
+            raise TargetError(f"--engine-cache {cache_dir} is a file: give a folder (created if missing)")
+        try:
+            static = self.static and self.static.resolved(source["pipeline"], source["dims"])
+        except ValueError as e:
+            raise TargetError(str(e)) from None
+        return dataclasses.replace(self, static=static, cache_dir=cache_dir)
+
+    def variant(self) -> str:
+        return "-static" if self.static else ""
+
+    def entry(self, name: str, entry: dict, source: dict) -> dict:
+        """Static: the entry narrowed to one shape per input, the request's dims fixed and every other dim
+        at its opt value; `static_shapes` records the shapes, which the runner holds every call to."""
+        if not self.static:
+            return entry
+        dims = self.static.dims(name, source["pipeline"])
+        fixed = {d: dims.get(d, values[1]) for d, values in entry["dims"].items()}
+        entry = {**entry, "dims": {d: [v, v, v] for d, v in fixed.items()}}
+        shapes = BuildInput(None, "", entry, source["constants"]).input_shapes()
+        return {**entry, "static_shapes": {name: opt for name, (_, opt, _) in shapes.items()}}
+
+    def record(self) -> dict:
+        return {"static": self.static.record()} if self.static else {}
 
 
 def _log(msg: str) -> None:
@@ -58,7 +143,7 @@ def _capabilities(trt, rtx: bool, names) -> list[str]:
 
 
 def _builder(rtx: bool):
-    def build_submodule(sub: BuildInput, out_dir: Path, options: BuildOptions) -> tuple[list[str], dict]:
+    def build_submodule(sub: BuildInput, out_dir: Path, options: TrtOptions) -> tuple[list[str], dict]:
         import onnx_ir as ir
 
         trt = use_tensorrt(rtx)
@@ -194,11 +279,12 @@ def _no_gpu() -> str | None:
 
 
 TARGETS = [
-    Target(name="trt-rtx", backend_module="tensorrt_rtx", backend_distributions=("tensorrt-rtx",),
+    Target(name="trt-rtx", backend="trt-rtx", backend_module="tensorrt_rtx", backend_distributions=("tensorrt-rtx",),
            install_hint="pip install 'diffusion-aot[trt-rtx]'", precisions=("fp32", "fp16", "bf16", "fp8"), passes=PASSES,
-           build_submodule=_builder(rtx=True), build_options=True),
-    Target(name="trt", backend_module="tensorrt", backend_distributions=("tensorrt", "tensorrt-cu12", "tensorrt-cu13"),
+           build_submodule=_builder(rtx=True), options=TrtOptions),
+    Target(name="trt", backend="trt", backend_module="tensorrt",
+           backend_distributions=("tensorrt", "tensorrt-cu12", "tensorrt-cu13"),
            install_hint="pip install 'diffusion-aot[trt]' (needs NVIDIA's package index to be reachable)",
-           precisions=("fp32", "fp16", "bf16", "fp8"), passes=PASSES, build_submodule=_builder(rtx=False), unavailable=_no_gpu,
-           build_options=True),
+           precisions=("fp32", "fp16", "bf16", "fp8"), passes=PASSES, build_submodule=_builder(rtx=False),
+           options=TrtOptions, unavailable=_no_gpu),
 ]

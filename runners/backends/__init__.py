@@ -1,4 +1,4 @@
-"""Runtime backends by target name: each opens one engine file as a session whose
+"""Runtime backends by name: each opens one engine file as a session whose
 `run(feeds, release=False)` maps input names to numpy arrays and returns the outputs by name;
 `release` frees the call's working memory when a stage is done; `close()` frees everything the
 session holds (device buffers, streams, weights), after which it is not used again.
@@ -7,38 +7,73 @@ Who owns an output: the session, until its next `run`. A backend may return view
 reuses (polygraphy's TrtRunner resizes and refills one host buffer per output on every call), so a
 caller that keeps an output past the session's next call copies it. The pipeline does so exactly
 where it keeps one: the tiles of a tiled VAE, PLMS's past noise predictions, and what `vae_decode`
-and `vae_encode` hand back (tests/test_output_ownership.py drives every path with such a backend)."""
+and `vae_encode` hand back (tests/test_output_ownership.py drives every path with such a backend).
+
+The registry mirrors engines/targets: every module of this package lists its backends in `BACKENDS`,
+an engines target names the backend that opens its engines, and the artifact's manifest records it
+(`backend`, per submodule where one differs: `--fallback ort`, a native Triton repository's BLS calls).
+Adding a backend is one module here; nothing else names it."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Callable
 
-def open_session(target: str, path, device: int | None = None, **options):
-    """`device`: the GPU a TensorRT engine runs on (a device map's entry; default 0). `initializers`
-    ({name: array}, ONNX Runtime only) replace weights of the graph: adapters (runners/lora.py)."""
-    initializers = options.pop("initializers", None)
-    if initializers and target != "ort":
-        raise ValueError(f"{path}: adapters switch at run time on ONNX Runtime engines; this is a {target} engine "
-                         f"(apply them with `python -m engines lora` to an ONNX Runtime artifact)")
-    if target == "ort":
-        from runners.backends.ort import OrtSession
 
-        if device is not None:
-            raise ValueError(f"{path}: a device map places TensorRT engines; this is an ONNX Runtime engine "
-                             "(choose its GPU with ONNX Runtime's provider options)")
-        return OrtSession(path, initializers=initializers, **options)
-    if target in ("trt", "trt-rtx"):
-        from runners.backends.trt import TrtSession
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    title: str  # what its engines are called in errors ("ONNX Runtime")
+    # (path, device, **options) -> session. options: threads, providers, profile, session_config,
+    # session_options (the manifest's, per submodule) and initializers (adapters' weights).
+    open: Callable[..., Any]
+    gpu: bool = False  # its engines run on NVIDIA GPUs: a device map places them, Triton gives them GPU instances
+    threads: bool = False  # takes the pipeline's CPU `threads`
+    adapters: bool = False  # takes `initializers`, so that adapters switch at run time (runners/lora.py)
+    triton: str | None = None  # the config.pbtxt line of Triton's own backend for its engines (native layout)
+    device_hint: str = ""  # how its engines' device is chosen instead, said when a device map names one
 
-        return TrtSession(path, rtx=target == "trt-rtx", device=device or 0, providers=options.get("providers"))
-    if target == "openvino":
-        from runners.backends.openvino import OpenVinoSession
 
-        if device is not None:
-            raise ValueError(f"{path}: a device map places TensorRT engines; this is an OpenVINO model "
-                             "(its device was chosen at build time: --ov-device)")
-        return OpenVinoSession(path, **options)
-    if target == "triton":  # a native Triton repository's engine model, called through BLS
-        from runners.backends.triton_bls import BlsSession
+def registry() -> dict[str, Backend]:
+    """{name: backend} of every module of this package (a module whose name starts with '_' is a helper)."""
+    backends = {}
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            backends.update((b.name, b) for b in importlib.import_module(f"{__name__}.{module.name}").BACKENDS)
+    return backends
 
-        return BlsSession(**options["session_options"])
-    raise ValueError(f"this runner has no backend for target '{target}'; it runs: ort, trt, trt-rtx, openvino "
-                     "(and triton, inside a Triton repository's pipeline model)")
+
+def get_backend(name: str) -> Backend:
+    backends = registry()
+    if name not in backends:
+        raise ValueError(f"this runner has no backend '{name}'; it runs: {', '.join(backends)}")
+    return backends[name]
+
+
+def backend_of(manifest: dict, submodule: str) -> str:
+    """The backend that opens `submodule`'s engine: its own (a fallback's, BLS's), else the artifact's."""
+    return manifest["submodules"][submodule].get("backend", manifest["backend"])
+
+
+def _titles(keep: Callable[[Backend], bool]) -> str:
+    return " and ".join(sorted({b.title for b in registry().values() if keep(b)}))
+
+
+def open_session(backend: str, path, device: int | None = None, **options):
+    """`device`: the GPU an engine of a GPU backend runs on (a device map's entry; default 0).
+    `initializers` ({name: array}) replace weights of the graph, where the backend takes them: adapters."""
+    chosen = get_backend(backend)
+    if options.get("initializers") and not chosen.adapters:
+        raise ValueError(f"{path}: adapters switch at run time on {_titles(lambda b: b.adapters)} engines; this "
+                         f"engine runs on {chosen.title} (apply them with `python -m engines lora` to an "
+                         f"ONNX Runtime artifact)")
+    if device is not None and not chosen.gpu:
+        raise ValueError(f"{path}: a device map places {_titles(lambda b: b.gpu)} engines; this engine runs on "
+                         f"{chosen.title}{chosen.device_hint}")
+    return chosen.open(path, device=device, **options)
+
+
+def thread_backends() -> str:
+    """The backends `threads` sets, as a sentence names them."""
+    return _titles(lambda b: b.threads)

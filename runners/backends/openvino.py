@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runners.backends import Backend
+
 # Compiled per-size models kept at once: each can hold its own copy of the weights (a plugin may repack them).
 KEEP_SIZES = 2
 
@@ -118,3 +120,11 @@ class OpenVinoSession:
         if release:
             model.compiled.release_memory()
         return outputs
+
+
+def _open(path, device=None, initializers=None, **options) -> OpenVinoSession:
+    return OpenVinoSession(path, **options)
+
+
+BACKENDS = [Backend("openvino", "OpenVINO", _open, threads=True, triton='backend: "openvino"',
+                    device_hint=" (its device was chosen at build time: --ov-device)")]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runners.backends import Backend
+
 
 def session_settings(options, config: dict[str, str] | None, settings: dict | None) -> dict:
     """Apply an artifact's session config entries and session options (execution_order,
@@ -102,3 +104,11 @@ class OrtSession:
         """`release=True` on a stage's last call frees the working memory it leaves behind."""
         outputs = self.session.run(self.output_names, feeds, self._release if release else None)
         return dict(zip(self.output_names, outputs))
+
+
+def _open(path, device=None, **options) -> OrtSession:
+    return OrtSession(path, **options)
+
+
+BACKENDS = [Backend("ort", "ONNX Runtime", _open, threads=True, adapters=True, triton='backend: "onnxruntime"',
+                    device_hint=" (choose its GPU with ONNX Runtime's provider options)")]

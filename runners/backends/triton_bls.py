@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from runners.backends import Backend
+
 
 class BlsSession:
     def __init__(self, model: str, outputs: list[str]):
@@ -23,3 +25,7 @@ class BlsSession:
 
     def close(self) -> None:
         """Triton owns the engine's model: nothing to free here."""
+
+
+# A native Triton repository's engine model, called from its pipeline model (runners/serving/repository.py).
+BACKENDS = [Backend("triton", "Triton BLS", lambda path, device=None, **options: BlsSession(**options["session_options"]))]

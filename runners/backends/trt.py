@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from runners.backends import Backend
+
 EXTRAS = {True: "trt-rtx", False: "trt"}  # rtx -> the extra that installs its runtime
 
 
@@ -131,3 +133,15 @@ class TrtSession:
         if self.runner.is_active:
             self._set_device()
             self.runner.deactivate()
+
+
+def _opener(rtx: bool):
+    def open_engine(path, device=None, providers=None, **ignored) -> TrtSession:
+        return TrtSession(path, rtx=rtx, device=device or 0, providers=providers)
+
+    return open_engine
+
+
+# Both run their engines as Triton's tensorrt_plan models (TensorRT-RTX engines too).
+BACKENDS = [Backend(name, "TensorRT", _opener(rtx), gpu=True, triton='platform: "tensorrt_plan"')
+            for name, rtx in (("trt", False), ("trt-rtx", True))]

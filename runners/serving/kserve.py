@@ -8,17 +8,17 @@ import re
 from pathlib import Path
 
 from runners.manifest import read_manifest
-from runners.serving.repository import GPU_TARGETS
+from runners.serving.repository import runs_on_gpu
 
 FILE = "inferenceservice.json"
 
 
-def inference_service(name: str, storage_uri: str, target: str, artifact_bytes: int) -> dict:
+def inference_service(name: str, storage_uri: str, gpu: bool, artifact_bytes: int) -> dict:
     """The manifest; resources are a starting point to edit: 2 CPUs, and memory for the artifact's files
     twice over plus 2 GiB (weights in the engines' sessions, and the process itself)."""
     service = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63] or "diffusion"
     limits = {"cpu": "2", "memory": f"{int(2 * artifact_bytes / 2**30) + 2}Gi"}
-    if target in GPU_TARGETS:
+    if gpu:
         limits["nvidia.com/gpu"] = "1"
     return {
         "apiVersion": "serving.kserve.io/v1beta1",
@@ -42,6 +42,6 @@ def write_inference_service(repo, model_name: str, storage_uri: str, artifact) -
     manifest = read_manifest(Path(artifact), verify=False)
     size = sum((Path(artifact) / f).stat().st_size for f in manifest["files"])
     path = Path(repo) / FILE
-    service = inference_service(model_name, storage_uri, manifest["target"], size)
+    service = inference_service(model_name, storage_uri, runs_on_gpu(manifest), size)
     path.write_text(json.dumps(service, indent=2) + "\n")
     return path

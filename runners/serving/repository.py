@@ -14,18 +14,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from runners.backends import backend_of, get_backend
 from runners.manifest import atomic_folder, link_or_copy, read_manifest, write_manifest
 from runners.serving.requests import OUTPUT, Tensor, inputs_for
 
 LAYOUTS = ("python", "native")
 ARTIFACT_DIR = "artifact"  # inside the version folder
 RUNNERS = Path(__file__).resolve().parents[1]
-# Triton's model backend or platform of each target (the engine's file is named by default_model_filename).
-ENGINE_BACKENDS = {"ort": 'backend: "onnxruntime"', "trt": 'platform: "tensorrt_plan"',
-                   "trt-rtx": 'platform: "tensorrt_plan"', "openvino": 'backend: "openvino"'}
 DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
           "int32": "TYPE_INT32", "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL"}
-GPU_TARGETS = ("trt", "trt-rtx")
 
 MODEL_PY = '''"""Triton's Python backend loads this file. The model is runners.serving.triton_model's, from the
 runners package beside this file (only numpy, tokenizers, Pillow and the artifact's backend needed)."""
@@ -52,10 +49,19 @@ def _io(inputs, outputs) -> str:
                    for kind, tensors in (("input", inputs), ("output", outputs)))
 
 
+def runs_on_gpu(manifest: dict) -> bool:
+    """Whether one of the artifact's engines runs on a GPU (its backend says)."""
+    return any(get_backend(backend_of(manifest, name)).gpu for name in manifest["submodules"])
+
+
+def _kind(gpu: bool) -> str:
+    return "KIND_GPU" if gpu else "KIND_CPU"
+
+
 def pipeline_config(name: str, manifest: dict, max_batch_size: int, instances: int, queue_delay_us: int,
                     params: dict[str, str]) -> str:
     """The pipeline model's config.pbtxt: the request's fields as inputs, the images as output."""
-    kind = "KIND_GPU" if manifest["target"] in GPU_TARGETS else "KIND_CPU"
+    kind = _kind(runs_on_gpu(manifest))
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
             + _io(inputs_for(manifest), [OUTPUT])
             + f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
@@ -63,18 +69,22 @@ def pipeline_config(name: str, manifest: dict, max_batch_size: int, instances: i
             + _parameters(params))
 
 
-def engine_config(name: str, target: str, entry: dict) -> str:
-    """An engine as a model of Triton's own backend: no batching of its own (the pipeline batches),
-    a dimension the engine was built with a range for is -1."""
+def engine_config(name: str, backend: str, entry: dict) -> str:
+    """An engine as a model of Triton's own backend for the runner's `backend`: no batching of its own
+    (the pipeline batches), a dimension the engine was built with a range for is -1."""
+    runtime = get_backend(backend)
+    if runtime.triton is None:
+        raise ValueError(f"{name}: Triton has no backend of its own for {runtime.title} engines: "
+                         "use the python layout (--layout python)")
     def tensors(items):
         dims = entry.get("dims", {})
         return [Tensor(t["name"], DTYPES[t["dtype"]], tuple(
             d if isinstance(d, int) else (dims[d][0] if d in dims and dims[d][0] == dims[d][2] else -1)
             for d in t["shape"]), optional=False) for t in items]
 
-    return (f'name: "{name}"\n{ENGINE_BACKENDS[target]}\nmax_batch_size: 0\n'
+    return (f'name: "{name}"\n{runtime.triton}\nmax_batch_size: 0\n'
             f'default_model_filename: "{entry["file"]}"\n' + _io(tensors(entry["inputs"]), tensors(entry["outputs"]))
-            + f"instance_group [ {{ kind: {'KIND_GPU' if target in GPU_TARGETS else 'KIND_CPU'} count: 1 }} ]\n")
+            + f"instance_group [ {{ kind: {_kind(runtime.gpu)} count: 1 }} ]\n")
 
 
 def _engine_files(manifest: dict, entry: dict) -> list[str]:
@@ -136,14 +146,13 @@ def _write_native(artifact: Path, manifest: dict, repo: Path, name: str, pipelin
     engine_files = set()
     submodules = {}
     for sub, entry in manifest["submodules"].items():
-        target = entry.get("target", manifest["target"])
         engine = f"{name}_{sub}"
         (repo / engine / "1").mkdir(parents=True)
-        (repo / engine / "config.pbtxt").write_text(engine_config(engine, target, entry))
+        (repo / engine / "config.pbtxt").write_text(engine_config(engine, backend_of(manifest, sub), entry))
         for file in _engine_files(manifest, entry):
             link_or_copy(artifact / file, repo / engine / "1" / file)
             engine_files.add(file)
-        submodules[sub] = {**entry, "target": "triton", "file": engine,
+        submodules[sub] = {**entry, "target": "triton", "backend": "triton", "file": engine,
                            "session_options": {"model": engine, "outputs": [o["name"] for o in entry["outputs"]]}}
     for file in set(manifest["files"]) - engine_files:
         link_or_copy(artifact / file, pipeline_artifact / file)

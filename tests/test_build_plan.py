@@ -1,0 +1,83 @@
+"""A build is a plan, then its execution: `engines.plan.plan` says what will be built and writes
+nothing, `python -m engines BUILD --dry-run` prints it, and `engines.api.execute` carries it out,
+calibration included (the fp32 artifact from its own plan, not from a second build_artifact)."""
+from __future__ import annotations
+
+import inspect
+import shutil
+
+import pytest
+
+from conftest import manifest
+from engines.__main__ import main as engines_main
+from engines.api import build_artifact, execute
+from engines.calibration import CalibrationSettings
+from engines.plan import plan
+
+ORT_PASSES = ["fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"]
+
+
+def _files(folder) -> set:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+
+
+@pytest.fixture
+def fresh_build(tiny_build, tmp_path):
+    """The export alone: nothing built yet."""
+    shutil.copytree(tiny_build / "onnx", tmp_path / "onnx")
+    return tmp_path
+
+
+def test_plan_says_what_will_be_built_and_writes_nothing(fresh_build):
+    before = _files(fresh_build)
+    p = plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1))
+    assert _files(fresh_build) == before
+    assert (p.dest, p.up_to_date) == (fresh_build / "ort-int8", False)
+    assert set(p.passes) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder",
+                             "vae_encoder"}
+    assert all(names == [*ORT_PASSES, "quantize_int8"] for names in p.passes.values())
+    fp32 = p.calibration.artifact
+    assert (fp32.target.name, fp32.precision, fp32.dest, fp32.calibration) == ("ort", "fp32", fresh_build / "ort-fp32",
+                                                                              None)
+    assert p.calibration.folder.parent == fresh_build / "calibration"
+    assert plan(fresh_build, "ort", "fp32").calibration is None
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(fresh_build, capsys):
+    before = _files(fresh_build)
+    assert engines_main([str(fresh_build), "--precision", "int8", "--calibration-prompts", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert _files(fresh_build) == before
+    assert out[0] == f"target ort, precision int8 -> {fresh_build / 'ort-int8'} (to build)"
+    assert f"  transformer: {', '.join(ORT_PASSES)}, quantize_int8" in out
+    assert sum(line.startswith("  text_encoder") for line in out) == 3
+    assert out[-1].startswith(f"  calibration: 2 prompts x 8 steps on {fresh_build / 'ort-fp32'} (to build first), "
+                              f"recorded in {fresh_build / 'calibration'}/")
+
+
+def test_dry_run_of_a_built_artifact_says_it_is_up_to_date(tiny_artifact, capsys):
+    assert engines_main([str(tiny_artifact.parent), "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"target ort, precision fp32 -> {tiny_artifact} (up to date: reused as it is)"
+    assert out[-1] == "  calibration: none"
+    assert plan(tiny_artifact.parent).cache_key == manifest(tiny_artifact)["cache_key"]
+    assert plan(tiny_artifact.parent, force=True).up_to_date is False
+
+
+def test_execute_calibrates_on_the_fp32_artifact_its_plan_names(fresh_build):
+    """int8 from a bare export: the fp32 artifact is built from the plan's own plan of it, once, and the
+    recordings land where the plan said."""
+    p = plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1))
+    folder = execute(p)
+    m = manifest(folder)
+    assert m["cache_key"] == p.cache_key and m["precision"] == "int8"
+    assert manifest(fresh_build / "ort-fp32")["cache_key"] == p.calibration.artifact.cache_key
+    assert sorted(p.name for p in (fresh_build / "calibration").iterdir()) == [p.calibration.folder.name]
+    assert plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1)).up_to_date
+
+
+def test_the_entry_points_stay_short():
+    from engines.__main__ import main
+
+    for function in (build_artifact, main):
+        assert len(inspect.getsource(function).splitlines()) < 60, function.__name__
