@@ -15,6 +15,9 @@ from export.onnx_export import export_weightless, trace, wrapped
 from runners.provenance import WeightTable
 from export.shapes import dim_ranges, probe_dims
 
+# Every test here traces sd3-tiny submodules through the exporter itself: the export tier.
+pytestmark = pytest.mark.export
+
 SD3 = FAMILIES["sd3"]
 _GENERATED = re.compile(r"val_\d+")
 
