@@ -90,7 +90,7 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     family, entry = src.family, src.entry
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)
-    specs = [s for s in family.submodules if src.has(s.component)]
+    specs = [s for s in family.submodules if s.applies(src)]
     cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset, dtype,
                          [s.name for s in specs], package_versions()])
     dest = Path(out) / "onnx"

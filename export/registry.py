@@ -189,6 +189,61 @@ SD35_LARGE_TRANSFORMER = {
     "weights_for": ["transformer"],
 }
 
+# FLUX.1's scheduler configs: dev shifts by the image's token count; schnell does not shift.
+_FLUX_DEV_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                       "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+_FLUX_SCHNELL_SCHEDULER = {**_FLUX_DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+_FLUX_VAE = {**_SD3_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}  # SD3's structure, FLUX.1's factors
+
+
+def _flux(heads: int, head_dim: int, joint: int, pooled: int, double: int, single: int, rope: tuple[int, ...],
+          guidance: bool = True) -> dict:
+    """FluxTransformer2DModel: `double` double-stream blocks then `single` single-stream ones; the
+    rotary axes (`rope`: text, height, width) sum to the head dim. dev has a guidance embedding."""
+    return {"patch_size": 1, "in_channels": 64, "num_layers": double, "num_single_layers": single,
+            "attention_head_dim": head_dim, "num_attention_heads": heads, "joint_attention_dim": joint,
+            "pooled_projection_dim": pooled, "guidance_embeds": guidance, "axes_dims_rope": list(rope)}
+
+
+# FLUX.1-dev at tiny widths: head dim 64 (TensorRT's attention kernels want it), two heads, one
+# double-stream block and two single-stream ones; CLIP-L (32) and T5 (64) at tiny widths.
+FLUX_TINY = {
+    "transformer": _flux(heads=2, head_dim=64, joint=64, pooled=32, double=1, single=2, rope=(16, 24, 24)),
+    "vae": {**_FLUX_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
+            "sample_size": 128},
+    "text_encoder": _clip(32, 64, 4, "quick_gelu"),
+    "text_encoder_2": _t5(64, 16, 4, 128),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _FLUX_DEV_SCHEDULER,
+}
+# FLUX.1-schnell at the same widths: no guidance embedding, no resolution shift.
+FLUX_SCHNELL_TINY = {
+    **FLUX_TINY,
+    "transformer": {**FLUX_TINY["transformer"], "guidance_embeds": False},
+    "scheduler": _FLUX_SCHNELL_SCHEDULER,
+}
+# FLUX.1's real widths (3072 = 24 heads of 128, joint width 4096) with 2 double-stream and 4
+# single-stream blocks; the real CLIP-L and VAE; T5-XXL's width at 2 layers (benchmarks).
+FLUX_BENCH = {
+    "transformer": _flux(heads=24, head_dim=128, joint=4096, pooled=768, double=2, single=4, rope=(16, 56, 56)),
+    "vae": {**_FLUX_VAE, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "norm_num_groups": 32,
+            "sample_size": 1024},
+    "text_encoder": {**_clip(768, 3072, 12, "quick_gelu"), "num_hidden_layers": 12},
+    "text_encoder_2": _t5(4096, 64, 64, 10240),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _FLUX_DEV_SCHEDULER,
+}
+# FLUX.1-dev at its true shapes (19 double + 38 single blocks: 12 B parameters) and the other
+# components' true configs; only the transformer gets weights, streamed in fp16 (make scale-check).
+FLUX_FULLSIZE = {
+    **FLUX_BENCH,
+    "transformer": {**FLUX_BENCH["transformer"], "num_layers": 19, "num_single_layers": 38},
+    "text_encoder_2": {**FLUX_BENCH["text_encoder_2"], "num_layers": 24},
+    "t5_vocab_size": 32128,
+    "weights_dtype": "float16",
+    "weights_for": ["transformer"],
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -204,6 +259,10 @@ MODELS: dict[str, ModelEntry] = {
                    image_size=(256, 512, 768), description="Stable Diffusion 1.5 inpainting (9-channel UNet)"),
         ModelEntry("sdxl", "sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", image_size=(512, 1024, 1536),
                    description="Stable Diffusion XL base 1.0"),
+        ModelEntry("flux-dev", "flux", hub_id="black-forest-labs/FLUX.1-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.1 dev (guidance-distilled: 28 steps, guidance embedding 3.5)"),
+        ModelEntry("flux-schnell", "flux", hub_id="black-forest-labs/FLUX.1-schnell", image_size=(256, 1024, 1536),
+                   description="FLUX.1 schnell (timestep-distilled: 4 steps, no guidance)"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
                    description="SD3 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd3.5-tiny", "sd3", random_configs=SD35_TINY, image_size=(64, 128, 512),
@@ -216,6 +275,16 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("sd3.5-large-transformer", "sd3", random_configs=SD35_LARGE_TRANSFORMER,
                    image_size=(256, 1024, 1024), batch=(1, 2, 4), export_dtype="float16",
                    description="SD3.5-large's transformer alone at its true shapes, random fp16 weights (make scale-check)"),
+        ModelEntry("flux-tiny", "flux", random_configs=FLUX_TINY, image_size=(64, 128, 512), t5_length=(1, 64, 512),
+                   description="FLUX.1-dev architecture (guidance embedding) at tiny widths, built offline"),
+        ModelEntry("flux-schnell-tiny", "flux", random_configs=FLUX_SCHNELL_TINY, image_size=(64, 128, 512),
+                   t5_length=(1, 64, 512),
+                   description="FLUX.1-schnell architecture (no guidance embedding, no shift) at tiny widths, built offline"),
+        ModelEntry("flux-bench", "flux", random_configs=FLUX_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
+                   description="FLUX.1 widths, 2 double + 4 single blocks, 2 T5 layers, random weights (benchmarks)"),
+        ModelEntry("flux-fullsize", "flux", random_configs=FLUX_FULLSIZE, image_size=(256, 1024, 1024),
+                   batch=(1, 2, 4), export_dtype="float16",
+                   description="FLUX.1-dev's transformer at its true shapes, random fp16 weights (make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -17,7 +17,11 @@ def _resolve(value, constants: dict) -> int:
 
 def _derive(family: Family, base: dict[str, int], constants: dict) -> dict[str, int]:
     out = dict(base)
-    for dim, (source, factor, offset) in family.derived_dims.items():
+    for dim, rule in family.derived_dims.items():
+        if callable(rule):
+            out[dim] = rule(base)
+            continue
+        source, factor, offset = rule
         if source in base:
             out[dim] = base[source] * _resolve(factor, constants) + _resolve(offset, constants)
     return out

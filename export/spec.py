@@ -39,6 +39,12 @@ class SubmoduleSpec:
     # "activations": True quantizes activations too where a target's int8 quantizes whole
     # submodules (engines/targets/_openvino_int8.py), as it does the denoiser's.
     quantization: dict = field(default_factory=dict)
+    # ModelSource -> whether this description is the one the source's component needs, where a family
+    # describes a component in variants (Flux's transformer with or without a guidance input). None: always.
+    when: Callable[[Any], bool] | None = None
+
+    def applies(self, src) -> bool:
+        return src.has(self.component) and (self.when is None or self.when(src))
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,9 @@ class Family:
     constants: Callable[[Any], dict[str, int]]
     # ModelSource -> what the runner needs to chain the engines (scaling factors, text lengths...).
     runtime_constants: Callable[[Any], dict[str, Any]]
-    # dynamic dims that are pure functions of others (dim -> (source dim, factor, offset)).
-    derived_dims: dict[str, tuple[str, int, int]]
+    # dynamic dims that are pure functions of others: dim -> (source dim, factor, offset), or a function
+    # of all the base dims ({dim: size} -> size) where one source is not enough (Flux's image token count).
+    derived_dims: dict[str, tuple[str, int, int] | Callable[[dict[str, int]], int]]
     tokenizers: tuple[str, ...]  # pipeline components holding tokenizers
     # (component configs, output folder) -> writes a random-weight pipeline of this family.
     build_random: Callable[[dict, Any], None]

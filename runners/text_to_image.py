@@ -67,6 +67,10 @@ def _given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
 TEXT, IMAGE, INPAINT = "text to image", "image to image", "inpainting"
 
 
+def task_of(image, mask_image) -> str:
+    return INPAINT if mask_image is not None else IMAGE if image is not None else TEXT
+
+
 class Defaults(NamedTuple):
     """What a request leaves unset takes the default of the diffusers pipeline of its task."""
     num_inference_steps: int
@@ -90,7 +94,7 @@ class TextToImage(Pipeline):
         inpainting when `mask_image` is given too (diffusers' Inpaint pipelines: the mask's white part
         is repainted). `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
         c = self.constants
-        task = INPAINT if mask_image is not None else IMAGE if image is not None else TEXT
+        task = task_of(image, mask_image)
         self._check_task(task, image)
         defaults = self.defaults[task]
         num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
@@ -140,7 +144,7 @@ class TextToImage(Pipeline):
         scale = c["vae_scale_factor"]
         shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
         rng = np.random.default_rng(seed)
-        schedule = self.scheduler.start(num_inference_steps, self._mu(shape))
+        schedule = self._schedule(num_inference_steps, shape)
         inpainting = None
         if task == TEXT:
             latents = _given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
@@ -220,16 +224,24 @@ class TextToImage(Pipeline):
         channels = np.concatenate([small_mask, masked], axis=1)
         return start, Inpainting(small_mask, noise, None, np.concatenate([channels, channels]) if cfg else channels)
 
-    def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
+    def _schedule(self, num_inference_steps: int, latent_shape):
+        """The scheduler's run for a request (Flux gives it its own sigmas)."""
+        return self.scheduler.start(num_inference_steps, self._mu(latent_shape))
+
+    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
+        """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: its prediction, in x's layout."""
         denoiser = self.constants["denoiser"]
         latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
+        return self.run(denoiser, release=release, **{latent_input: x}, **conditions,
+                        timestep=np.full(x.shape[0], t, dtype=np.float32))["noise_pred"]
+
+    def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
         cfg, n = guidance_scale > 1, len(schedule.timesteps)
         for i, t in enumerate(schedule.timesteps):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self.run(denoiser, release=i == n - 1, **{latent_input: x}, **conditions,
-                             timestep=np.full(x.shape[0], t, dtype=np.float32))["noise_pred"]
+            noise = self._predict(x, t, conditions, release=i == n - 1)
             if cfg:
                 uncond, text = np.split(noise, 2)
                 noise = uncond + np.float32(guidance_scale) * (text - uncond)

@@ -10,9 +10,11 @@ import torch
 from export.spec import SubmoduleSpec, TensorSpec as T
 
 # Which CLIP output each name means. SD1.5 reads the last state (after the final norm); SD3 and
-# SDXL the penultimate one (before it) and CLIP-G's projected pooled embedding.
+# SDXL the penultimate one (before it) and CLIP-G's projected pooled embedding; Flux only CLIP-L's
+# pooled state (the end token's, unprojected).
 _CLIP_OUTPUTS = {
     "text_embeds": lambda out: out.text_embeds,
+    "pooler_output": lambda out: out.pooler_output,
     "last_hidden_state": lambda out: out.last_hidden_state,
     "penultimate_hidden_states": lambda out: out.hidden_states[-2],
 }
@@ -30,7 +32,7 @@ class _Clip(torch.nn.Module):
 
 def clip(name: str, prefix: str, outputs: tuple[str, ...]) -> SubmoduleSpec:
     """A CLIP text encoder; `prefix` names its constants ({prefix}_width, _proj, _vocab)."""
-    shapes = {"text_embeds": ("batch", f"{prefix}_proj"),
+    shapes = {"text_embeds": ("batch", f"{prefix}_proj"), "pooler_output": ("batch", f"{prefix}_width"),
               "last_hidden_state": ("batch", "clip_length", f"{prefix}_width"),
               "penultimate_hidden_states": ("batch", "clip_length", f"{prefix}_width")}
     return SubmoduleSpec(
@@ -45,6 +47,32 @@ def clip(name: str, prefix: str, outputs: tuple[str, ...]) -> SubmoduleSpec:
 def clip_constants(config: dict, prefix: str) -> dict[str, int]:
     return {f"{prefix}_width": config["hidden_size"], f"{prefix}_proj": config.get("projection_dim", 0),
             f"{prefix}_vocab": config["vocab_size"]}
+
+
+class _T5Encoder(torch.nn.Module):
+    def __init__(self, t5):
+        super().__init__()
+        self.t5 = t5
+
+    def forward(self, input_ids):
+        return (self.t5(input_ids).last_hidden_state,)
+
+
+def t5_encoder(name: str) -> SubmoduleSpec:
+    """A T5 encoder's last hidden states (SD3's third text encoder, Flux's second)."""
+    return SubmoduleSpec(
+        name=name,
+        component=name,
+        inputs=(T("input_ids", "int64", ("batch", "t5_length"), high="t5_vocab"),),
+        outputs=(T("last_hidden_state", "float32", ("batch", "t5_length", "t5_width")),),
+        wrap=_T5Encoder,
+        # T5's default (sdpa) attention does not export under dynamo; eager does.
+        load_kwargs={"attn_implementation": "eager"},
+    )
+
+
+def t5_constants(config: dict) -> dict[str, int]:
+    return {"t5_width": config["d_model"], "t5_vocab": config["vocab_size"]}
 
 
 class _VaeDecoder(torch.nn.Module):

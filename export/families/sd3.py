@@ -6,20 +6,12 @@ import types
 import torch
 
 from export.families.parts import (
-    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, vae_runtime_constants,
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, t5_constants, t5_encoder,
+    vae_runtime_constants,
 )
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 _CLIP_OUTPUTS = ("text_embeds", "penultimate_hidden_states")
-
-
-class _T5ForSD3(torch.nn.Module):
-    def __init__(self, t5):
-        super().__init__()
-        self.t5 = t5
-
-    def forward(self, input_ids):
-        return (self.t5(input_ids).last_hidden_state,)
 
 
 def _cropped_pos_embed(self, height, width):
@@ -75,8 +67,7 @@ def _constants(src) -> dict[str, int]:
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
     }
     if src.has("text_encoder_3"):
-        t5 = src.config("text_encoder_3")
-        c.update(t5_width=t5["d_model"], t5_vocab=t5["vocab_size"])
+        c.update(t5_constants(src.config("text_encoder_3")))
     return c
 
 
@@ -134,15 +125,7 @@ FAMILY = Family(
     submodules=(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
-        SubmoduleSpec(
-            name="text_encoder_3",
-            component="text_encoder_3",
-            inputs=(T("input_ids", "int64", ("batch", "t5_length"), high="t5_vocab"),),
-            outputs=(T("last_hidden_state", "float32", ("batch", "t5_length", "t5_width")),),
-            wrap=_T5ForSD3,
-            # T5's default (sdpa) attention does not export under dynamo; eager does.
-            load_kwargs={"attn_implementation": "eager"},
-        ),
+        t5_encoder("text_encoder_3"),
         SubmoduleSpec(
             name="transformer",
             component="transformer",

@@ -1,7 +1,7 @@
 """FlowMatchEulerDiscreteScheduler in numpy, driven by the artifact's scheduler_config.json.
 
-A port of diffusers' scheduler for the options SD3 and SD3.5 configs use (shift, dynamic
-shifting, shift_terminal).
+A port of diffusers' scheduler for the options SD3, SD3.5 and FLUX.1 configs use (shift, dynamic
+shifting, shift_terminal, a pipeline's own sigmas).
 """
 from __future__ import annotations
 
@@ -41,12 +41,19 @@ class FlowMatchEulerDiscrete:
         m = (max_shift - base_shift) / (max_len - base_len)
         return (latent_height // patch_size) * (latent_width // patch_size) * m + base_shift - m * base_len
 
-    def timesteps(self, num_inference_steps: int, mu: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(timesteps, sigmas): float32, sigmas one longer and ending in 0."""
+    def timesteps(self, num_inference_steps: int, mu: float | None = None,
+                  sigmas: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(timesteps, sigmas): float32, sigmas one longer and ending in 0. `sigmas`: a pipeline's own
+        unshifted ones (FluxPipeline's), in place of the training schedule's, taken in float32 as
+        diffusers takes them."""
         check_steps(num_inference_steps, self.num_train_timesteps)
         n = self.num_train_timesteps
-        t = np.linspace(self.sigma_max * n, self.sigma_min * n, num_inference_steps)
-        sigmas = t / n
+        if sigmas is None:
+            sigmas = np.linspace(self.sigma_max * n, self.sigma_min * n, num_inference_steps) / n
+        elif len(sigmas) != num_inference_steps:
+            raise ValueError(f"{len(sigmas)} sigmas for num_inference_steps={num_inference_steps}: give one a step")
+        else:
+            sigmas = np.asarray(sigmas, dtype=np.float32)
         if self.config.get("use_dynamic_shifting"):
             if mu is None:
                 raise ValueError("this scheduler uses dynamic shifting: pass mu")
@@ -64,8 +71,8 @@ class FlowMatchEulerDiscrete:
         timesteps = sigmas * np.float32(n)
         return timesteps, np.append(sigmas, np.float32(0.0))
 
-    def start(self, num_inference_steps: int, mu: float | None = None) -> Schedule:
-        return _FlowRun(*self.timesteps(num_inference_steps, mu))
+    def start(self, num_inference_steps: int, mu: float | None = None, sigmas: np.ndarray | None = None) -> Schedule:
+        return _FlowRun(*self.timesteps(num_inference_steps, mu, sigmas))
 
 
 class _FlowRun(Schedule):

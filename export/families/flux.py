@@ -1,0 +1,164 @@
+"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines): CLIP-L's pooled state, T5's states,
+the Flux transformer (double-stream blocks, then single-stream ones) and the 16-channel VAE, as data.
+
+The transformer reads the latents packed in 2x2 patches, (batch, image tokens, 4 x channels), and
+the text and image position ids, from which it builds its rotary embedding: one graph serves every
+image size and text length. FLUX.1-dev's transformer also takes the guidance scale (a guidance
+embedding); FLUX.1-schnell's does not, and its graph has no such input.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from export.families.parts import (
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, t5_constants, t5_encoder,
+    vae_runtime_constants,
+)
+from export.spec import Family, SubmoduleSpec, TensorSpec as T
+
+PACK = 2  # latents are packed in PACK x PACK patches: latent sides are multiples of it
+
+
+def _rope_in_float32(self, ids):
+    """diffusers' FluxPosEmbed.forward with the angles in float32 rather than float64 (as diffusers
+    itself computes them on MPS): TensorRT has no float64. The angle's error is about its size
+    (the position, under a few hundred) times 6e-8."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    pos = ids.float()
+    cos, sin = zip(*(get_1d_rotary_pos_embed(dim, pos[:, i], theta=self.theta, repeat_interleave_real=True,
+                                             use_real=True, freqs_dtype=torch.float32)
+                     for i, dim in enumerate(self.axes_dim)))
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+class _TransformerForFlux(torch.nn.Module):
+    """The transformer with its inputs as FluxPipeline feeds them (the timestep and the guidance
+    divided by 1000, the ids without a batch axis)."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+        transformer.pos_embed.forward = types.MethodType(_rope_in_float32, transformer.pos_embed)
+
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                guidance=None):
+        out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                               pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
+                               txt_ids=txt_ids, guidance=guidance, return_dict=False)
+        return (out[0],)
+
+
+def _has_guidance(src) -> bool:
+    return bool(src.config("transformer").get("guidance_embeds"))
+
+
+def _transformer(guidance: bool) -> SubmoduleSpec:
+    """The transformer's description with a guidance input (dev) or without (schnell)."""
+    # Example ids: positions of up to 64 patches a side (1024 pixels).
+    ids = (T("img_ids", "float32", ("image_tokens", 3), high=64), T("txt_ids", "float32", ("t5_length", 3), high=64))
+    return SubmoduleSpec(
+        name="transformer",
+        component="transformer",
+        inputs=(
+            T("hidden_states", "float32", ("batch", "image_tokens", "packed_channels")),
+            T("encoder_hidden_states", "float32", ("batch", "t5_length", "joint_dim")),
+            T("pooled_projections", "float32", ("batch", "pooled_dim")),
+            T("timestep", "float32", ("batch",), high=1),
+            *ids,
+            *((T("guidance", "float32", ("batch",), high=10),) if guidance else ()),
+        ),
+        outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "packed_out_channels")),),
+        wrap=_TransformerForFlux,
+        # The embedders and the final norm stay in higher precision, as for SD3. (The final proj_out
+        # is not named: scopes match path components, and every single-stream block has a proj_out.)
+        quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_text_embed", "context_embedder",
+                                                        "norm_out")},
+        when=lambda src: _has_guidance(src) == guidance,
+    )
+
+
+def _image_tokens(dims: dict[str, int]) -> int:
+    return (dims["latent_height"] // PACK) * (dims["latent_width"] // PACK)
+
+
+def _constants(src) -> dict[str, int]:
+    tr, vae = src.config("transformer"), src.config("vae")
+    return {
+        "clip_length": src.tokenizer_max_length("tokenizer"),
+        **clip_constants(src.config("text_encoder"), "clip"),
+        **t5_constants(src.config("text_encoder_2")),
+        "joint_dim": tr["joint_attention_dim"],
+        "pooled_dim": tr["pooled_projection_dim"],
+        # A token holds a PACK x PACK patch of latent pixels; in_channels and out_channels count a
+        # pixel's, as for the other families (more input than latent channels: an inpainting denoiser).
+        "packed_channels": tr["in_channels"],
+        "packed_out_channels": tr.get("out_channels") or tr["in_channels"],
+        "in_channels": tr["in_channels"] // PACK**2,
+        "out_channels": (tr.get("out_channels") or tr["in_channels"]) // PACK**2,
+        "latent_channels": vae["latent_channels"],
+        "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
+        "latent_multiple": PACK,
+        "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
+    }
+
+
+def _runtime_constants(src) -> dict:
+    return {
+        **vae_runtime_constants(src.config("vae")),
+        "denoiser": "transformer",
+        "latent_multiple": PACK,
+        "patch_size": PACK,  # the scheduler's resolution shift counts packed tokens
+        "clip_length": src.tokenizer_max_length("tokenizer"),
+    }
+
+
+def build_random(configs: dict, out_dir, seed: int = 0) -> None:
+    """Write a FluxPipeline folder with random seeded weights from component configs (see the
+    registry): CLIP's real vocabulary and an offline-trained T5 SentencePiece model."""
+    import tempfile
+    from pathlib import Path
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from export.offline_tokenizers import write_t5_tokenizer
+    from export.random_weights import build_modules, save_pipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = clip_tokenizers(tmp, {"tokenizer": "<|endoftext|>"})
+        t5_vocab = write_t5_tokenizer(Path(tmp, "tokenizer_2"), configs["t5_vocab_pieces"], seed)
+        tok["tokenizer_2"] = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer_2"))
+        t5 = T5Config(vocab_size=configs.get("t5_vocab_size", t5_vocab), **configs["text_encoder_2"])
+        dtype = configs.get("weights_dtype")  # set: too large to build in memory, streamed in this dtype
+        modules = build_modules({
+            "transformer": lambda: FluxTransformer2DModel(**configs["transformer"]),
+            "vae": lambda: AutoencoderKL(**configs["vae"]),
+            "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(**configs["text_encoder"])),
+            "text_encoder_2": lambda: T5EncoderModel(t5),
+        }, seed, streamed=dtype is not None)
+        save_pipeline("FluxPipeline", modules,
+                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), **tok},
+                      out_dir, dtype, seed, configs.get("weights_for"))
+
+
+FAMILY = Family(
+    name="flux",
+    # One transformer serves all three, as in diffusers (Fill, Kontext and Control are other models).
+    pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+    submodules=(
+        clip("text_encoder", "clip", ("pooler_output",)),
+        t5_encoder("text_encoder_2"),
+        _transformer(guidance=True),
+        _transformer(guidance=False),
+        VAE_DECODER,
+        VAE_ENCODER,
+    ),
+    constants=_constants,
+    runtime_constants=_runtime_constants,
+    derived_dims={**VAE_DIMS, "image_tokens": _image_tokens},
+    tokenizers=("tokenizer", "tokenizer_2"),
+    build_random=build_random,
+)

@@ -1,0 +1,144 @@
+"""FLUX.1 text to image, image to image and inpainting, with the semantics of diffusers' FluxPipeline,
+FluxImg2ImgPipeline and FluxInpaintPipeline: CLIP-L's pooled state and T5's states as the text
+conditions, the latents packed in 2x2 patches with their position ids, the flow-matching sigmas from
+1 to 1/steps (shifted by the image's token count where the scheduler says so), the guidance scale as
+an input of the transformer (dev) rather than a second pass, and classifier-free guidance only as
+diffusers' `true_cfg_scale` with a negative prompt.
+
+The loop works on unpacked latents (N, 16, h, w), as the other families do: packing is a
+permutation, so the Euler steps, the image latents and the inpainting blend are the same there; the
+transformer's input and output are packed and unpacked around each call. Not ported: `prompt_2` (T5
+reads `prompt`), custom `sigmas`, IP-Adapters and FluxInpaintPipeline's `padding_mask_crop`."""
+from __future__ import annotations
+
+import numpy as np
+
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
+
+PACK = 2  # latents are packed in PACK x PACK patches
+
+# diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline default to dev's settings
+# whatever the checkpoint; schnell's model card runs 4 steps at 256 T5 tokens, and its transformer
+# has no guidance input (the scale is unused: 0).
+DEV = {TEXT: Defaults(28, 3.5), IMAGE: Defaults(28, 7.0, 0.6), INPAINT: Defaults(28, 7.0, 0.6)}
+SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaults(4, 0.0, 0.6)}
+MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
+
+
+def pack(latents: np.ndarray) -> np.ndarray:
+    """(N, C, h, w) -> (N, h/2 * w/2, 4C): diffusers' _pack_latents."""
+    n, c, h, w = latents.shape
+    patches = latents.reshape(n, c, h // PACK, PACK, w // PACK, PACK).transpose(0, 2, 4, 1, 3, 5)
+    return patches.reshape(n, (h // PACK) * (w // PACK), c * PACK * PACK)
+
+
+def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
+    """(N, h/2 * w/2, 4C) -> (N, C, h, w): diffusers' _unpack_latents (h, w: the latent's sides)."""
+    n, _, d = tokens.shape
+    c = d // (PACK * PACK)
+    patches = tokens.reshape(n, h // PACK, w // PACK, c, PACK, PACK).transpose(0, 3, 1, 4, 2, 5)
+    return patches.reshape(n, c, h, w)
+
+
+def image_ids(h: int, w: int) -> np.ndarray:
+    """Each packed token's position (0, row, column): diffusers' _prepare_latent_image_ids."""
+    rows, cols = np.meshgrid(np.arange(h // PACK), np.arange(w // PACK), indexing="ij")
+    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
+
+
+def _check_scale(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not allowed: use a finite number")
+
+
+class FluxPipeline(TextToImage):
+    family = "flux"
+    image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
+    strength_whole_steps = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = [t["name"] for t in self.manifest["submodules"]["transformer"]["inputs"]]
+        # A guidance-distilled transformer (FLUX.1-dev) takes the scale as an input; a timestep-distilled
+        # one (schnell) has none.
+        self.variant = "dev" if "guidance" in inputs else "schnell"
+        self.defaults = DEV if self.variant == "dev" else SCHNELL
+
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
+                 guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
+                 output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
+                 strength=None, noise=None, encoder_noise=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
+        `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
+        guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
+        T5 tokens, schnell 256). `guidance_scale` is dev's guidance embedding (schnell has none);
+        classifier-free guidance runs only with a `negative_prompt` and `true_cfg_scale` > 1, as in
+        diffusers. `latents` are packed, as FluxPipeline takes them: (N, h/2 * w/2, 64) for latent
+        sides h, w; `noise` and `encoder_noise` (the image tasks') are not: (N, 16, h, w). `seed`
+        seeds numpy's generator, not torch's noise: pass the draws for exact comparison."""
+        defaults = self.defaults[task_of(image, mask_image)]
+        guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
+        _check_scale("guidance_scale", guidance_scale)
+        _check_scale("true_cfg_scale", true_cfg_scale)
+        if max_sequence_length is None:
+            max_sequence_length = min(MAX_SEQUENCE_LENGTH[self.variant], self.dims["t5_length"][2])
+        lo, _, hi = self.dims["t5_length"]
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) or \
+                not lo <= max_sequence_length <= hi:
+            raise ValueError(f"max_sequence_length={max_sequence_length!r} is not allowed: use an integer from {lo} "
+                             f"to {hi} (this artifact's T5 range)")
+        if latents is not None:
+            latents = self._unpacked(latents, height, width, output_type)
+        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
+                                     true_cfg_scale if negative_prompt is not None else 1.0,
+                                     num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                     image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                     encoder_noise=encoder_noise, t5_length=max_sequence_length,
+                                     guidance=guidance_scale)
+        return pack(result) if output_type == "latent" else result
+
+    def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
+        """Given packed latents, checked against the request's size, as the loop takes them."""
+        size = self.constants["default_image_size"]
+        height, width = size if height is None else height, size if width is None else width
+        self._check(height, width, 1, output_type)
+        h, w = (side // self.constants["vae_scale_factor"] for side in (height, width))
+        tokens, channels = (h // PACK) * (w // PACK), self.manifest["constants"]["packed_channels"]
+        latents = np.asarray(latents, dtype=np.float32)
+        if latents.ndim != 3 or latents.shape[1:] != (tokens, channels):
+            raise ValueError(f"latents have shape {latents.shape}; a {height}x{width} image takes packed latents "
+                             f"(images, {tokens}, {channels}), as diffusers' FluxPipeline does")
+        return unpack(latents, h, w)
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance):
+        embeds, pooled = self._encode(prompts, per_prompt, t5_length)
+        if cfg:  # the negative half first, as the loop splits it
+            neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
+            embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+        conditions = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
+                      "txt_ids": np.zeros((t5_length, 3), dtype=np.float32)}
+        if self.variant == "dev":
+            conditions["guidance"] = np.full(len(embeds), guidance, dtype=np.float32)
+        return conditions
+
+    def _encode(self, prompts: list[str], per_prompt: int, t5_length: int):
+        """diffusers' encode_prompt: T5's last states, and CLIP-L's pooled state."""
+        clip_ids = self.tokenizers["tokenizer"](prompts, self.constants["clip_length"])
+        pooled = self.run("text_encoder", input_ids=clip_ids)["pooler_output"]
+        embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, t5_length))
+        return np.repeat(embeds["last_hidden_state"], per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)
+
+    def _mu(self, latent_shape):
+        return self.scheduler.mu_for(latent_shape[2], latent_shape[3], PACK)
+
+    def _schedule(self, num_inference_steps: int, latent_shape):
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)  # FluxPipeline's
+        return self.scheduler.start(num_inference_steps, self._mu(latent_shape), sigmas=sigmas)
+
+    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
+        """The transformer on the packed latents, its timestep divided by 1000 (as the pipeline feeds it)."""
+        n, _, h, w = x.shape
+        timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
+        out = self.run("transformer", release=release, hidden_states=pack(x), timestep=timestep,
+                       img_ids=image_ids(h, w), **conditions)["noise_pred"]
+        return unpack(out, h, w)
