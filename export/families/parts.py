@@ -141,3 +141,33 @@ def clip_tokenizers(folder, pads: dict[str, str]) -> dict:
         write_clip_tokenizer(Path(folder, name), pad_token=pad)
         tokenizers[name] = AutoTokenizer.from_pretrained(Path(folder, name))
     return tokenizers
+
+
+def build_t5_pipeline(pipeline_class: str, configs: dict, out_dir, seed: int, clip_pads: dict[str, str], t5: str,
+                      builders) -> None:
+    """Write a random-weight pipeline folder of a family with a T5 encoder and flow matching (SD3,
+    Flux): CLIP's real vocabulary (`clip_pads`: {tokenizer: its pad token}); a T5 SentencePiece model
+    trained offline for the T5 encoder component `t5` (its tokenizer has the same number); the modules
+    `builders(t5_config)` gives ({component: constructor}, in the order that seeds them); and the
+    scheduler. configs["weights_dtype"] streams the weights in that dtype (too large to build in memory)."""
+    import tempfile
+    from pathlib import Path
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import AutoTokenizer, T5Config
+
+    from export.offline_tokenizers import write_t5_tokenizer
+    from export.random_weights import build_modules, save_pipeline
+
+    tokenizer = t5.replace("text_encoder", "tokenizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizers = clip_tokenizers(tmp, clip_pads)
+        t5_vocab = write_t5_tokenizer(Path(tmp, tokenizer), configs["t5_vocab_pieces"], seed)
+        tokenizers[tokenizer] = AutoTokenizer.from_pretrained(Path(tmp, tokenizer))
+        # T5's embedding can be larger than the tokenizer (the real one: 32128 rows)
+        t5_config = T5Config(vocab_size=configs.get("t5_vocab_size", t5_vocab), **configs[t5])
+        dtype = configs.get("weights_dtype")
+        modules = build_modules(builders(t5_config), seed, streamed=dtype is not None)
+        save_pipeline(pipeline_class, modules,
+                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), **tokenizers},
+                      out_dir, dtype, seed, configs.get("weights_for"))

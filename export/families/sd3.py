@@ -6,7 +6,7 @@ import types
 import torch
 
 from export.families.parts import (
-    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, t5_constants, t5_encoder,
+    VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
@@ -85,37 +85,20 @@ def _runtime_constants(src) -> dict:
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:
-    """Write a StableDiffusion3Pipeline folder with random seeded weights from component configs.
+    """Write a StableDiffusion3Pipeline folder with random seeded weights from component configs (see
+    the registry)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5EncoderModel
 
-    `configs` holds one config dict per component (see the registry); the tokenizers are the
-    real CLIP vocabulary and an offline-trained T5 SentencePiece model.
-    """
-    import tempfile
-    from pathlib import Path
-
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    from export.offline_tokenizers import write_t5_tokenizer
-    from export.random_weights import build_modules, save_pipeline
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tok = clip_tokenizers(tmp, {"tokenizer": "<|endoftext|>", "tokenizer_2": "!"})
-        t5_vocab = write_t5_tokenizer(Path(tmp, "tokenizer_3"), configs["t5_vocab_pieces"], seed)
-        tok["tokenizer_3"] = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer_3"))
-        # T5's embedding can be larger than the tokenizer (the real one: 32128 rows)
-        t5 = T5Config(vocab_size=configs.get("t5_vocab_size", t5_vocab), **configs["text_encoder_3"])
-        dtype = configs.get("weights_dtype")  # set: too large to build in memory, streamed in this dtype
-        modules = build_modules({
-            "transformer": lambda: SD3Transformer2DModel(**configs["transformer"]),
-            "vae": lambda: AutoencoderKL(**configs["vae"]),
-            "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder"])),
-            "text_encoder_2": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder_2"])),
-            "text_encoder_3": lambda: T5EncoderModel(t5),
-        }, seed, streamed=dtype is not None)
-        save_pipeline("StableDiffusion3Pipeline", modules,
-                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), **tok},
-                      out_dir, dtype, seed, configs.get("weights_for"))
+    build_t5_pipeline("StableDiffusion3Pipeline", configs, out_dir, seed,
+                      {"tokenizer": "<|endoftext|>", "tokenizer_2": "!"}, "text_encoder_3", lambda t5: {
+                          "transformer": lambda: SD3Transformer2DModel(**configs["transformer"]),
+                          "vae": lambda: AutoencoderKL(**configs["vae"]),
+                          "text_encoder": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**configs["text_encoder"])),
+                          "text_encoder_2": lambda: CLIPTextModelWithProjection(
+                              CLIPTextConfig(**configs["text_encoder_2"])),
+                          "text_encoder_3": lambda: T5EncoderModel(t5),
+                      })
 
 
 FAMILY = Family(
