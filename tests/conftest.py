@@ -17,7 +17,7 @@ logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 # The fixtures that export and build a tiny model (about a minute each): a test that needs one is in
 # the `export` tier, which `make test-fast` leaves out (`-m "not export"`).
 BUILD_FIXTURES = ("tiny_build", "tiny_artifact", "tiny_memory_artifact", "sd3_tiny_build", "sd15_tiny_build",
-                  "sd15_inpaint_tiny_build", "sdxl_tiny_build")
+                  "sd15_inpaint_tiny_build", "sdxl_tiny_build", "flux_tiny_build", "flux_schnell_tiny_build")
 # What a test's or its module fixture's code says when it exports by itself, or asks for a fixture by
 # name at run time (`request.getfixturevalue(...)`, which the fixture closure cannot show: in this
 # suite, always a build); `python -m bench` exports the model it measures.
@@ -132,6 +132,16 @@ def sd15_inpaint_tiny_build(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sdxl_tiny_build(tmp_path_factory):
     return _tiny_build(tmp_path_factory, "sdxl-tiny")
+
+
+@pytest.fixture(scope="session")
+def flux_tiny_build(tmp_path_factory):
+    return _tiny_build(tmp_path_factory, "flux-tiny")
+
+
+@pytest.fixture(scope="session")
+def flux_schnell_tiny_build(tmp_path_factory):
+    return _tiny_build(tmp_path_factory, "flux-schnell-tiny")
 
 
 def manifest(folder) -> dict:
