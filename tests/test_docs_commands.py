@@ -203,6 +203,24 @@ and inline, `python -m runners ... --vae-tiling --made-up-option`, `python -m ex
     assert "--vae-tiling not" not in said
 
 
+def quoted_paths(doc: Path) -> list[Path]:
+    """The repository paths a page quotes as inline code (`engines/passes/registry.py`, from the
+    repository's root) and the files its relative links point at (from the page's folder).
+    Placeholders (`runners/backends/<name>.py`) are not paths."""
+    text = doc.read_text()
+    tops = "|".join(sorted(PACKAGES | {"tests", "docs"}))
+    quoted = [ROOT / p for p in re.findall(rf"`((?:{tops})/[\w./-]*)`", text)]
+    linked = [doc.parent / t for t in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in t]
+    return quoted + linked
+
+
+def test_every_quoted_path_and_link_exists():
+    paths = [(doc, path) for doc in DOCS for path in quoted_paths(doc)]
+    assert len(paths) >= 100, paths  # far fewer: the extraction broke
+    missing = [f"{doc.relative_to(ROOT)}: {path.relative_to(ROOT)}" for doc, path in paths if not path.exists()]
+    assert not missing, "quoted paths and links that do not exist:\n" + "\n".join(missing)
+
+
 # --- the driver (this file as a script) -----------------------------------------------------------
 
 
