@@ -14,26 +14,22 @@ import pytest
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
-# The fixtures that export and build a tiny model (about a minute each): a test that needs one is in
-# the `export` tier, which `make test-fast` leaves out (`-m "not export"`).
-BUILD_FIXTURES = ("tiny_build", "tiny_artifact", "tiny_memory_artifact", "sd3_tiny_build", "sd15_tiny_build",
-                  "sd15_inpaint_tiny_build", "sdxl_tiny_build", "flux_tiny_build", "flux_schnell_tiny_build")
-# What a test's or its module fixture's code says when it exports by itself, or asks for a fixture by
-# name at run time (`request.getfixturevalue(...)`, which the fixture closure cannot show: in this
-# suite, always a build); `python -m bench` exports the model it measures.
-EXPORTING_CODE = ("getfixturevalue(", "export_model(", "build_artifact(", '"-m", "bench"')
+# What the code of a test, or of a fixture it uses, says when it exports and builds a tiny model (about
+# a minute each): such a test is in the `export` tier, which `make test-fast` leaves out (`-m "not
+# export"`). `request.getfixturevalue(...)` asks for a fixture at run time, where the fixture closure
+# cannot show it: in this suite, always a build. `python -m bench` exports the model it measures.
+EXPORTING_CODE = ("export_model(", "build_artifact(", "_tiny_build(", "getfixturevalue(", '"-m", "bench"')
 
 
 def needs_export(item: pytest.Item) -> bool:
-    """Whether a test needs an export: by its fixtures, or by what its own code or its module's fixtures call."""
-    if item.get_closest_marker("export") or set(BUILD_FIXTURES) & set(getattr(item, "fixturenames", ())):
+    """Whether a test needs an export: by its own code, or that of any fixture it uses, directly or not."""
+    if item.get_closest_marker("export"):
         return True
     functions = [getattr(item, "function", None)]
     fixture_info = getattr(item, "_fixtureinfo", None)
     for definitions in (fixture_info.name2fixturedefs.values() if fixture_info else ()):
         functions += [d.func for d in definitions if d.baseid]  # baseid "" holds pytest's own fixtures
-    return any(code in _source(f) for f in functions if f is not None and f.__module__ != __name__
-               for code in EXPORTING_CODE)
+    return any(code in _source(f) for f in functions if f is not None for code in EXPORTING_CODE)
 
 
 def _source(function) -> str:
