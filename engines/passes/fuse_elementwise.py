@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from engines.passes.base import GraphPass, Report
-from engines.passes.rewrite import MS_DOMAIN, is_op, only_use, scalar
+from engines.passes.rewrite import MS_DOMAIN, is_op, only_use, replace_uses, scalar
 
 
 def _silu(sigmoid: ir.Node) -> tuple[ir.Value, float, ir.Node] | None:
@@ -49,7 +49,7 @@ class FuseElementwise(GraphPass):
             out = node.outputs[0]
             out.name, out.shape, out.type = node.name, mul.outputs[0].shape, mul.outputs[0].type
             graph.insert_before(mul, node)
-            ir.convenience.replace_all_uses_with(mul.outputs[0], out, replace_graph_outputs=True)
+            replace_uses(mul.outputs[0], out)
             silus += 1
         if silus:
             model.opset_imports.setdefault(MS_DOMAIN, 1)

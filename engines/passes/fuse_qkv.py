@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from engines.passes.base import GraphPass, Report
+from engines.passes.rewrite import replace_uses
 from runners.provenance import WeightTable, dtype_name
 
 
@@ -157,7 +158,8 @@ def _fuse(graph: ir.Graph, group: list[_Member], index: int, table: WeightTable)
         if old_outputs[0].shape is not None:
             node.outputs[0].shape = ir.Shape(list(old_outputs[0].shape)[:-1] + [sum(m.width for m in group)])
     graph.insert_before(min((m.node for m in group), key=graph.index), new_nodes)
-    ir.convenience.replace_all_uses_with(old_outputs, list(split.outputs), replace_graph_outputs=True)
+    for old, new in zip(old_outputs, split.outputs):
+        replace_uses(old, new)
     old_nodes = [n for m in group for n in (m.node, m.bias_add) if n is not None]
     graph.remove(old_nodes, safe=True)
     for value in {id(v): v for m in group for v in (m.weight, m.bias) if v is not None}.values():

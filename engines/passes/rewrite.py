@@ -13,6 +13,15 @@ def only_use(value: ir.Value) -> ir.Node | None:
     return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
 
 
+def replace_uses(old: ir.Value, new: ir.Value) -> None:
+    """Every reader of `old` reads `new`; where `old` is a graph output, `new` takes its place and
+    its name (the runner reads outputs by name)."""
+    name = old.name if old.is_graph_output() else None
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    if name is not None:
+        old.name, new.name = f"{name}.replaced", name
+
+
 def is_op(node: ir.Node | None, op: str) -> bool:
     return node is not None and node.op_type == op and node.domain == ""
 
