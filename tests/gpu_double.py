@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import runners.pipeline
-from runners.backends import open_session
+from runners.backends import get_backend, open_session
 
 
 class SharedBufferSession:
@@ -54,15 +54,15 @@ class SharedBuffers:
         self.ort_artifact = Path(ort_artifact)
         self.opened: list[SharedBufferSession] = []
 
-    def open(self, target, path, device=None, **options):
+    def open(self, backend, path, device=None, **options):
         path = Path(path)
         profile = None
-        if target in ("trt", "trt-rtx"):
+        if get_backend(backend).gpu:
             name = path.name.split(".trt")[0]
             profile = json.loads((path.parent / "manifest.json").read_text())["submodules"][name]["engine"]["profile"]
-            target, path, device = "ort", self.ort_artifact / f"{name}.onnx", None
+            backend, path, device = "ort", self.ort_artifact / f"{name}.onnx", None
             options = {k: v for k, v in options.items() if k in ("threads", "profile")}
-        session = SharedBufferSession(open_session(target, path, device=device, **options), profile)
+        session = SharedBufferSession(open_session(backend, path, device=device, **options), profile)
         self.opened.append(session)
         return session
 

@@ -30,26 +30,27 @@ def fresh_build(tiny_build, tmp_path):
 
 def test_plan_says_what_will_be_built_and_writes_nothing(fresh_build):
     before = _files(fresh_build)
-    p = plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1))
+    p = plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1))
     assert _files(fresh_build) == before
-    assert (p.dest, p.up_to_date) == (fresh_build / "ort-int8", False)
-    assert set(p.passes) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder",
-                             "vae_encoder"}
-    assert all(names == [*ORT_PASSES, "quantize_int8"] for names in p.passes.values())
+    assert (p.dest, p.up_to_date) == (fresh_build / "ort-fp8", False)
+    assert p.passes.pop("transformer") == [*ORT_PASSES, "quantize_fp8"]  # fp8 quantizes the denoiser only
+    assert p.passes == {name: [*ORT_PASSES, "to_fp16"] for name in ("text_encoder", "text_encoder_2",
+                                                                    "text_encoder_3", "vae_decoder", "vae_encoder")}
     fp32 = p.calibration.artifact
     assert (fp32.target.name, fp32.precision, fp32.dest, fp32.calibration) == ("ort", "fp32", fresh_build / "ort-fp32",
                                                                               None)
     assert p.calibration.folder.parent == fresh_build / "calibration"
     assert plan(fresh_build, "ort", "fp32").calibration is None
+    assert plan(fresh_build, "ort", "int8").calibration is None  # ONNX Runtime's int8 is dynamic: nothing measured
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(fresh_build, capsys):
     before = _files(fresh_build)
-    assert engines_main([str(fresh_build), "--precision", "int8", "--calibration-prompts", "2", "--dry-run"]) == 0
+    assert engines_main([str(fresh_build), "--precision", "fp8", "--calibration-prompts", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert _files(fresh_build) == before
-    assert out[0] == f"target ort, precision int8 -> {fresh_build / 'ort-int8'} (to build)"
-    assert f"  transformer: {', '.join(ORT_PASSES)}, quantize_int8" in out
+    assert out[0] == f"target ort, precision fp8 -> {fresh_build / 'ort-fp8'} (to build)"
+    assert f"  transformer: {', '.join(ORT_PASSES)}, quantize_fp8" in out
     assert sum(line.startswith("  text_encoder") for line in out) == 3
     assert out[-1].startswith(f"  calibration: 2 prompts x 8 steps on {fresh_build / 'ort-fp32'} (to build first), "
                               f"recorded in {fresh_build / 'calibration'}/")
@@ -65,15 +66,15 @@ def test_dry_run_of_a_built_artifact_says_it_is_up_to_date(tiny_artifact, capsys
 
 
 def test_execute_calibrates_on_the_fp32_artifact_its_plan_names(fresh_build):
-    """int8 from a bare export: the fp32 artifact is built from the plan's own plan of it, once, and the
+    """fp8 from a bare export: the fp32 artifact is built from the plan's own plan of it, and the
     recordings land where the plan said."""
-    p = plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1))
+    p = plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1))
     folder = execute(p)
     m = manifest(folder)
-    assert m["cache_key"] == p.cache_key and m["precision"] == "int8"
+    assert m["cache_key"] == p.cache_key and m["precision"] == "fp8"
     assert manifest(fresh_build / "ort-fp32")["cache_key"] == p.calibration.artifact.cache_key
     assert sorted(p.name for p in (fresh_build / "calibration").iterdir()) == [p.calibration.folder.name]
-    assert plan(fresh_build, "ort", "int8", calibration=CalibrationSettings(1, 1)).up_to_date
+    assert plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1)).up_to_date
 
 
 def test_the_entry_points_stay_short():

@@ -187,6 +187,7 @@ def test_fallback_to_ort_is_asked_for_and_recorded(tiny_build, tmp_path, monkeyp
     folder = build_artifact(tiny_build, "trt-rtx", "fp32", force=True, options=options, fallback="ort")
     subs = manifest(folder)["submodules"]
     assert subs["vae_encoder"]["target"] == "ort" and subs["vae_encoder"]["file"] == "vae_encoder.onnx"
+    assert subs["vae_encoder"]["backend"] == "ort" and manifest(folder)["backend"] == "trt-rtx"
     assert "(test)" in subs["vae_encoder"]["fallback_because"]
     assert all("target" not in s for n, s in subs.items() if n != "vae_encoder")
 

@@ -47,7 +47,8 @@ def registry() -> dict[str, Backend]:
 def get_backend(name: str) -> Backend:
     backends = registry()
     if name not in backends:
-        raise ValueError(f"this runner has no backend '{name}'; it runs: {', '.join(backends)}")
+        raise ValueError(f"this runner has no backend '{name}'; it runs: {', '.join(backends)} (an older artifact's "
+                         "manifest holds its backend's version there: build it again with python -m engines)")
     return backends[name]
 
 
