@@ -32,10 +32,10 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
     """{artifact label: folder} (`only`: those labels); every build is cached like `python -m engines`."""
     from engines.api import build_artifact
     from engines.calibration import CalibrationSettings
-    from engines.targets import BuildOptions
+    from engines.targets.openvino import OpenVinoOptions
 
     settings = CalibrationSettings(**calibration)
-    dynamic = BuildOptions(ov_shapes="dynamic")
+    dynamic = OpenVinoOptions(shapes="dynamic")
     int8 = build_artifact(build, "openvino", "int8", calibration=settings)  # first: its recordings are shared
     builds = {"ort-int8": lambda: build_artifact(build, "ort", "int8"),
               "openvino-fp32": lambda: build_artifact(build, "openvino", "fp32"),
@@ -49,7 +49,7 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
               "openvino-int8": lambda: int8,
               f"openvino-int8, compiled for CPU at {size}x{size}": lambda: build_artifact(
                   _sibling(build, "compiled-cpu"), "openvino", "int8", calibration=settings,
-                  options=BuildOptions(device="CPU", ov_sizes=((size, size),)))}
+                  options=OpenVinoOptions(device="CPU", sizes=((size, size),)))}
     unknown = set(only or ()) - set(builds)
     if unknown:
         raise ValueError(f"openvino table: no variant {', '.join(sorted(unknown))}; they are: {', '.join(builds)}")

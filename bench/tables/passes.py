@@ -40,7 +40,7 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
 
     from engines.api import passes_fingerprint, submodule_entry
     from engines.passes import run_passes
-    from engines.targets import BuildInput, BuildOptions
+    from engines.targets import BuildInput
     from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
 
     export = read_manifest(onnx_dir, verify=False)
@@ -56,7 +56,7 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
             with atomic_folder(dest) as tmp:
                 model, reports = run_passes(ir.load(onnx_dir / f"{submodule}.onnx"), names, submodule)
                 built = BuildInput(model, submodule, submodule_entry(export, submodule), export["constants"])
-                files, _ = target.build_submodule(built, tmp, BuildOptions())
+                files, _ = target.build_submodule(built, tmp, target.options())
                 write_manifest(tmp, {"cache_key": key, "passes": reports, "file": files[0]})
         record = read_manifest(dest, verify=False)
         out[label] = (dest / record["file"], record["passes"])
