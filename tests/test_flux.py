@@ -1,0 +1,192 @@
+"""FLUX.1 against diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline on flux-tiny
+(dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift): the
+same weights, the same packed latents (or image noise), fp32. Images must agree within 1/255; the
+errors measured are printed (about 5e-6)."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import diffusers.models.autoencoders.vae as diffusers_vae
+from conftest import assert_real_image, manifest, smooth_image, soft_mask
+from runners import Pipeline
+from runners.flux import pack, unpack
+
+BOUND = 1 / 255  # of [0, 1] image values
+LONG_PROMPT = "a watercolor painting of a red fox sitting in a snowy forest at dawn, soft light, mist between the trees"
+
+# name: (build, request). Few steps, small images, short T5 texts: the cases differ in what they exercise.
+CASES = {
+    "guidance_embedding": ("dev", dict(height=128, width=128, guidance_scale=5.0, num_inference_steps=3,
+                                       max_sequence_length=32)),
+    # schnell's defaults (4 steps, 256 T5 tokens), passed to diffusers, whose defaults are dev's
+    "no_guidance_schnell_defaults": ("schnell", dict(height=64, width=64)),
+    "true_cfg_negative_prompt": ("dev", dict(height=64, width=64, negative_prompt="blurry, dark", true_cfg_scale=4.0,
+                                             num_inference_steps=3, max_sequence_length=32)),
+    "non_square": ("dev", dict(height=80, width=144, num_inference_steps=3, max_sequence_length=32)),
+    "two_per_prompt_two_prompts": ("schnell", dict(prompt=["a photo of a cat", "a red car"], num_images_per_prompt=2,
+                                                   height=64, width=64, num_inference_steps=2, max_sequence_length=16)),
+    "short_max_sequence_length": ("dev", dict(prompt=LONG_PROMPT, height=64, width=64, num_inference_steps=2,
+                                              max_sequence_length=8)),
+}
+SCHNELL_DEFAULTS = dict(num_inference_steps=4, max_sequence_length=256, guidance_scale=0.0)
+
+
+@pytest.fixture(scope="module")
+def builds(flux_tiny_build, flux_schnell_tiny_build):
+    return {"dev": flux_tiny_build, "schnell": flux_schnell_tiny_build}
+
+
+@pytest.fixture(scope="module")
+def references(builds):
+    """diffusers' pipelines of each build, loaded once: {(variant, class name): pipeline}."""
+    import diffusers
+
+    loaded = {}
+
+    def get(variant, name="FluxPipeline"):
+        if (variant, name) not in loaded:
+            pipe = getattr(diffusers, name).from_pretrained(builds[variant].source.folder)
+            pipe.set_progress_bar_config(disable=True)
+            loaded[variant, name] = pipe
+        return loaded[variant, name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pipes(builds):
+    return {variant: Pipeline.load(build.folder / "ort-fp32") for variant, build in builds.items()}
+
+
+def _packed_latents(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, (height // 16) * (width // 16), 64), dtype=np.float32)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_text_to_image_matches_diffusers(pipes, references, caplog, case):
+    variant, request = CASES[case]
+    request = {"prompt": "a photo of a cat", **request}
+    prompts = [request["prompt"]] if isinstance(request["prompt"], str) else request["prompt"]
+    n = len(prompts) * request.get("num_images_per_prompt", 1)
+    latents = _packed_latents(n, request["height"], request["width"], seed=len(case))
+    reference_request = {**SCHNELL_DEFAULTS, **request} if case == "no_guidance_schnell_defaults" else request
+    ref = references(variant)(latents=torch.from_numpy(latents), output_type="np", **reference_request).images
+    with caplog.at_level(logging.WARNING, logger="runners"):
+        ours = pipes[variant](latents=latents, output_type="np", **request)
+    assert ours.shape == ref.shape == (n, request["height"], request["width"], 3)
+    print(f"{case}: max abs error {np.abs(ours - ref).max():.1e}")
+    assert np.abs(ours - ref).max() <= BOUND
+    assert_real_image(ref)
+    if case == "short_max_sequence_length":  # T5 cut the prompt at 8 tokens, and said so
+        assert "tokenizer_2: the following part of the prompt was truncated to 8 tokens" in caplog.text
+
+
+def test_true_cfg_changes_the_image_and_needs_a_negative_prompt(pipes):
+    """Guidance runs only with a negative prompt (diffusers' do_true_cfg), and then changes the image."""
+    pipe = pipes["dev"]
+    latents = _packed_latents(1, 64, 64, seed=1)
+    run = lambda **kw: pipe("a photo of a cat", latents=latents, height=64, width=64, num_inference_steps=2,
+                            max_sequence_length=16, output_type="np", **kw)
+    plain = run()
+    assert np.array_equal(run(true_cfg_scale=4.0), plain)  # no negative prompt: no second pass
+    assert np.abs(run(true_cfg_scale=4.0, negative_prompt="blurry") - plain).max() > 0.01
+
+
+def test_latent_output_is_packed_as_diffusers(pipes, references):
+    latents = _packed_latents(1, 64, 96, seed=2)
+    request = dict(prompt="a photo of a cat", height=64, width=96, num_inference_steps=2, max_sequence_length=16)
+    ref = references("dev")(latents=torch.from_numpy(latents), output_type="latent", **request).images.numpy()
+    ours = pipes["dev"](latents=latents, output_type="latent", **request)
+    assert ours.shape == ref.shape == (1, 24, 64)
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_pack_is_diffusers_pack_and_unpack_inverts_it():
+    from diffusers import FluxPipeline
+
+    x = np.random.default_rng(0).standard_normal((2, 16, 6, 10), dtype=np.float32)
+    theirs = FluxPipeline._pack_latents(torch.from_numpy(x), 2, 16, 6, 10).numpy()
+    assert np.array_equal(pack(x), theirs)
+    assert np.array_equal(unpack(pack(x), 6, 10), x)
+
+
+def test_variant_and_defaults_come_from_the_transformer(pipes, builds):
+    """dev's transformer takes `guidance`, schnell's has no such input; the defaults follow."""
+    for variant, build in builds.items():
+        inputs = [t["name"] for t in manifest(build.folder / "onnx")["submodules"]["transformer"]["inputs"]]
+        assert inputs == ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids",
+                          "txt_ids", *(["guidance"] if variant == "dev" else [])]
+        assert pipes[variant].variant == variant
+    assert pipes["dev"].defaults["text to image"] == (28, 3.5, None)
+    assert pipes["schnell"].defaults["text to image"] == (4, 0.0, None)
+
+
+def test_export_checks_every_graph_at_two_shapes(builds):
+    m = manifest(builds["dev"].folder / "onnx")
+    assert sorted(m["submodules"]) == ["text_encoder", "text_encoder_2", "transformer", "vae_decoder", "vae_encoder"]
+    for name, sub in m["submodules"].items():
+        parity = sub["export"]["parity"]
+        assert len(parity) == 2 and parity[0]["dims"] != parity[1]["dims"], name
+        print(name, [f"{p['max_abs_err']:.1e}" for p in parity])
+    tokens = [p["dims"]["image_tokens"] for p in m["submodules"]["transformer"]["export"]["parity"]]
+    assert tokens == [64, 20]  # 128x128, then 64x80 (non-square)
+    assert m["dims"]["image_tokens"] == [16, 64, 1024]
+
+
+def test_packed_latents_of_the_wrong_shape_are_refused(pipes):
+    with pytest.raises(ValueError, match=r"a 64x64 image takes packed latents \(images, 16, 64\)"):
+        pipes["dev"]("a cat", latents=np.zeros((1, 16, 8, 8), np.float32), height=64, width=64)
+    with pytest.raises(ValueError, match="max_sequence_length=600 is not allowed: use an integer from 1 to 512"):
+        pipes["dev"]("a cat", max_sequence_length=600)
+
+
+IMAGE_CASES = {  # name: (build, diffusers pipeline, request)
+    "image_to_image": ("dev", "FluxImg2ImgPipeline", dict(strength=0.6, height=128, width=128)),
+    "image_to_image_schnell_non_square_two": ("schnell", "FluxImg2ImgPipeline",
+                                              dict(strength=0.7, height=64, width=96, num_images_per_prompt=2)),
+    "inpainting": ("dev", "FluxInpaintPipeline", dict(strength=0.8, height=128, width=128)),
+    "inpainting_strength_1_true_cfg": ("schnell", "FluxInpaintPipeline",
+                                       dict(strength=1.0, height=64, width=64, negative_prompt="blurry",
+                                            true_cfg_scale=3.0)),
+}
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES)
+def test_image_tasks_match_diffusers(monkeypatch, pipes, references, case):
+    """diffusers' randn_tensor patched: the pipeline's noise and the VAE's posterior samples are ours."""
+    import importlib
+
+    variant, name, request = IMAGE_CASES[case]
+    request = dict(request, prompt="a photo of a cat", num_inference_steps=4, max_sequence_length=16)
+    height, width, n = request["height"], request["width"], request.get("num_images_per_prompt", 1)
+    rng = np.random.default_rng(len(case))
+    encoder_noise, noise = (rng.standard_normal((k, 16, height // 8, width // 8), dtype=np.float32) for k in (1, n))
+    module = importlib.import_module(f"diffusers.pipelines.flux.pipeline_flux_{name[4:-8].lower()}")
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    images = dict(image=smooth_image(height + 13, width - 7, seed=len(case)))  # resized to the size asked for
+    if name == "FluxInpaintPipeline":
+        images["mask_image"] = soft_mask(height + 13, width - 7)
+    ref = references(variant, name)(output_type="np", **images, **request).images
+    ours = pipes[variant](noise=noise, encoder_noise=encoder_noise, output_type="np", **images, **request)
+    assert ours.shape == ref.shape == (n, height, width, 3)
+    print(f"{case}: max abs error {np.abs(ours - ref).max():.1e}")
+    assert np.abs(ours - ref).max() <= BOUND
+    assert_real_image(ref)
+
+
+def test_cli_writes_an_image(builds, tmp_path):
+    out = tmp_path / "flux.png"
+    run = subprocess.run([sys.executable, "-m", "runners", str(builds["schnell"].folder / "ort-fp32"), "--prompt",
+                          "a photo of a cat", "--height", "64", "--width", "64", "--out", str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    from PIL import Image
+
+    assert Image.open(out).size == (64, 64)
