@@ -19,6 +19,10 @@ def main(argv=None) -> int:
                    help="weights and computation of the graphs (default: the model's entry; float32 for most); "
                         "float16 halves the memory the export needs and builds fp16 engines only")
     p.add_argument("--force", action="store_true", help="re-export even if OUT/onnx is up to date")
+    p.add_argument("--tiny-vae", default=None, metavar="FOLDER_OR_HUB_ID",
+                   help="also export this AutoencoderTiny (madebyollin/taesd, taesdxl, taesd3, taef1; or a random "
+                        "test one: taesd-tiny, taesdxl-tiny, taesd3-tiny, taef1-tiny) as vae_decoder_tiny and "
+                        "vae_encoder_tiny: the runner's vae='tiny' and its live previews use it")
     args = p.parse_args(argv)
 
     from export.api import export_model
@@ -27,7 +31,7 @@ def main(argv=None) -> int:
 
     sizes = args.image_size.split(",") if args.image_size else None
     return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes,
-                                                 dtype=args.dtype),
+                                                 dtype=args.dtype, tiny_vae=args.tiny_vae),
                    (SourceError, ValueError), "nothing was written")
 
 

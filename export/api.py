@@ -17,6 +17,7 @@ from pathlib import Path
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
+from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
 from export.versions import package_versions
 from runners.manifest import atomic_folder, digest, is_current, write_manifest
@@ -72,12 +73,15 @@ def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
 
 
 def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
-                 image_size: tuple[int, int, int] | None = None, dtype: str | None = None) -> Path:
+                 image_size: tuple[int, int, int] | None = None, dtype: str | None = None,
+                 tiny_vae: str | None = None) -> Path:
     """Export `model` (registry name or folder) into `out`/onnx and return that folder.
 
     `image_size` (min, opt, max pixels) overrides the range the engines are built for. `dtype`
     (float32, float16; default: the registry entry's) is the weights' and the computation's: an
-    fp16 export never holds fp32 weights, and builds only fp16 engines."""
+    fp16 export never holds fp32 weights, and builds only fp16 engines. `tiny_vae` (an AutoencoderTiny
+    folder, hub id or random test name, export/families/tiny_vae.py) adds `vae_decoder_tiny` and
+    `vae_encoder_tiny`."""
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()
@@ -91,8 +95,13 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)
     specs = [s for s in family.submodules if s.applies(src)]
+    sources = {s.name: src for s in specs}
+    tiny = tiny_vae_source(tiny_vae, constants["latent_channels"]) if tiny_vae else None
+    if tiny:
+        specs += TINY_VAE_SPECS
+        sources.update({s.name: tiny for s in TINY_VAE_SPECS})
     cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset, dtype,
-                         [s.name for s in specs], package_versions()])
+                         [s.name for s in specs], package_versions(), tiny and tiny.fingerprint])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
@@ -102,10 +111,12 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     with atomic_folder(dest) as tmp:
         submodules = {}
         for spec in specs:
-            _log(f"{spec.name}: tracing without weights, then streaming them from {src.folder / spec.component}")
+            _log(f"{spec.name}: tracing without weights, then streaming them from "
+                 f"{sources[spec.name].folder / spec.component}")
             t0 = time.perf_counter()
             measured = reset_peak()
-            report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+            report = export_submodule(spec, sources[spec.name], dtype, constants, dynamic, probes,
+                                      tmp / f"{spec.name}.onnx", opset)
             report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
             worst = max(p["max_abs_err"] for p in report["parity"])
             report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
@@ -127,7 +138,8 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
             "model": {"name": entry.name, "family": family.name, "source": entry.hub_id or str(src.folder),
                       "fingerprint": src.fingerprint},
             "pipeline": {**family.runtime_constants(src), "default_image_size": entry.image_size[1],
-                         "t5_max_length": entry.t5_length[2] if src.has("text_encoder_3") else None},
+                         "t5_max_length": entry.t5_length[2] if src.has("text_encoder_3") else None,
+                         **({"tiny_vae": tiny_vae_constants(tiny, tiny_vae)} if tiny else {})},
             "dims": {k: list(v) for k, v in ranges.items()},
             "constants": constants,
             "tokenizers": tokenizers,

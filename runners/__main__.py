@@ -48,6 +48,11 @@ def _save_all(images, paths: list[Path]) -> None:
             temp.unlink(missing_ok=True)
 
 
+def _numbered(path: Path, count: int) -> list[Path]:
+    """`path` for one image; path_0, path_1 ... for several."""
+    return [path] if count == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("triton", "serve"):  # python -m runners triton|serve ARTIFACT ...
@@ -85,10 +90,20 @@ def main(argv=None) -> int:
     p.add_argument("--strength", type=float, default=None,
                    help="with --image: how much to change it, in (0, 1] (default: diffusers', SD3 0.6, SD1.5 0.8 and "
                         "inpainting 1, SDXL 0.3 and inpainting 0.9999)")
+    p.add_argument("--cache", default=None, metavar="KIND[:KEY=VALUE,...]",
+                   help="skip denoiser evaluations: taylorseer[:interval=5,before=3,after=None,order=1] (diffusers' "
+                        "TaylorSeer lite and its defaults; openvino.genai's: taylorseer:interval=3,before=6,after=-2)")
+    p.add_argument("--tiny-vae", action="store_true",
+                   help="decode (and encode) with the tiny autoencoder the artifact carries (export --tiny-vae)")
+    p.add_argument("--preview-dir", type=Path, default=None, metavar="DIR",
+                   help="write the current estimate as DIR/step_NNN[_i].png every --preview-every steps (the tiny "
+                        "decoder's, or a latent-to-RGB projection)")
+    p.add_argument("--preview-every", type=int, default=1, metavar="N")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
     from runners import Pipeline
+    from runners.caches import parse_cache
     from runners.cli import run_cli
     from runners.pipeline import parse_device_map
     from runners.manifest import ManifestError
@@ -100,22 +115,29 @@ def main(argv=None) -> int:
         image = _read_image(args.image, "--image") if args.image else None
         mask = _read_image(args.mask, "--mask") if args.mask else None
         t0 = time.perf_counter()
+        cache = parse_cache(args.cache) if args.cache else None
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
-                             device_map=parse_device_map(args.device_map))
+                             device_map=parse_device_map(args.device_map), vae="tiny" if args.tiny_vae else "full")
+        pipe.enable_cache(cache)
+        previews = {} if args.preview_dir is None else {
+            "preview_every": args.preview_every,
+            "on_preview": lambda step, images: _save_all(images, _numbered(args.preview_dir / f"step_{step:03d}.png",
+                                                                          len(images)))}
         timings = {"load": time.perf_counter() - t0}
         given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image,
                  "mask_image": mask, "strength": args.strength}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       seed=args.seed, num_images_per_prompt=args.num_images,
-                      vae_tiling=True if args.vae_tiling else None, profile=args.profile,
+                      vae_tiling=True if args.vae_tiling else None, profile=args.profile, **previews,
                       **{k: v for k, v in given.items() if v is not None})
         timings.update(pipe.timings)
-        out = Path(args.out)
-        paths = [out] if len(images) == 1 else [out.with_name(f"{out.stem}_{i}{out.suffix}") for i in range(len(images))]
+        paths = _numbered(Path(args.out), len(images))
         _save_all(images, paths)
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
-        print(f"{stages}; wrote {', '.join(map(str, paths))}")
+        stats = pipe.cache_stats
+        evaluated = f"; denoiser {stats['full']} full, {stats['cached']} cached" if stats.get("cached") else ""
+        print(f"{stages}{evaluated}; wrote {', '.join(map(str, paths))}")
 
     return run_cli(generate, (ManifestError, ValueError, RuntimeError), "no image was written")
 

@@ -8,9 +8,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
+from runners.caches import CacheConfig, StepCache, parse_cache
 from runners.backends import backend_of, get_backend, open_session, thread_backends
 from runners.lora import adapted_submodules
 from runners.manifest import ManifestError, read_manifest
+from runners.preview import Previews
 from runners.profile import Profiler
 from runners.schedulers import load_scheduler
 from runners.static import check_feeds
@@ -18,6 +22,9 @@ from runners.text import TextTokenizer
 
 
 FAMILIES: dict[str, type["Pipeline"]] = {}  # manifest's model.family -> its pipeline class
+# vae= of Pipeline.load -> the engines that decode and encode: the artifact's VAE, or the tiny
+# autoencoder exported beside it (`python -m export MODEL --tiny-vae ...`).
+VAE_ENGINES = {"full": ("vae_decoder", "vae_encoder"), "tiny": ("vae_decoder_tiny", "vae_encoder_tiny")}
 
 
 class Pipeline:
@@ -33,12 +40,14 @@ class Pipeline:
     @classmethod
     def load(cls, artifact_dir, *, threads: int | None = None, providers: list[str] | None = None,
              verify: bool = True, progress: bool = False, submodules: list[str] | None = None,
-             device_map: dict[str, int] | None = None, loras: dict | None = None) -> "Pipeline":
+             device_map: dict[str, int] | None = None, loras: dict | None = None, vae: str = "full") -> "Pipeline":
         """Open an artifact folder. `threads` sets each session's intra-op threads, `providers`
         the ONNX Runtime execution providers; `verify=False` skips the sha256 check of the files;
         `submodules` opens only those engines (e.g. ["vae_decoder"] to decode latents);
         `device_map` puts TensorRT engines on GPUs ({"text_encoder_3": 1}; the rest on GPU 0);
-        `loras` ({adapter path: scale}) opens the engines with those adapters (see `set_loras`)."""
+        `loras` ({adapter path: scale}) opens the engines with those adapters (see `set_loras`);
+        `vae="tiny"` decodes and encodes with the tiny autoencoder the artifact carries (and leaves the
+        full VAE's engines closed)."""
         families = FAMILIES
         folder = Path(artifact_dir)
         manifest = read_manifest(folder, verify=verify)
@@ -55,17 +64,24 @@ class Pipeline:
             raise ValueError(f"{folder} has no submodule {', '.join(sorted(unknown))}; "
                              f"it has: {', '.join(manifest['submodules'])}")
         check_device_map(device_map or {}, manifest["submodules"])
+        submodules = _vae_submodules(folder, manifest, vae, submodules)
         backends = {get_backend(backend_of(manifest, name)) for name in submodules or manifest["submodules"]}
         if threads and not any(b.threads for b in backends):
             titles = " and ".join(sorted({b.title for b in backends}))
             raise ValueError(f"threads={threads} sets the CPU threads of {thread_backends()} sessions; every "
                              f"engine {folder} opens is {titles}'s: leave threads unset")
         return families[family](folder, manifest, threads=threads, providers=providers, progress=progress,
-                                submodules=submodules, device_map=device_map, loras=loras)
+                                submodules=submodules, device_map=device_map, loras=loras, vae=vae)
 
     def __init__(self, folder: Path, manifest: dict, threads=None, providers=None, progress=False, submodules=None,
-                 device_map=None, loras=None):
+                 device_map=None, loras=None, vae="full"):
         self.folder, self.manifest = folder, manifest
+        self.vae_engines = VAE_ENGINES[vae]  # (decoder, encoder)
+        self.cache_config: CacheConfig | None = None  # enable_cache / disable_cache
+        self.cache_stats: dict = {}  # denoiser evaluations of the last call: full, cached and their seconds
+        self._cache_config_of_call: CacheConfig | None = None
+        self._step_cache: StepCache | None = None  # the running call's cache state
+        self._previews: Previews | None = None  # the running call's previews
         self.device_map = dict(device_map or {})
         self.opened = list(submodules or manifest["submodules"])
         self.constants = manifest["pipeline"]
@@ -135,15 +151,57 @@ class Pipeline:
         if getattr(self, "sessions", None):
             self.close()
 
-    def __call__(self, *args, profile=None, **kwargs):
+    def __call__(self, *args, profile=None, cache=False, preview_every=None, on_preview=None, **kwargs):
         """Run the family's `generate`. `profile=DIR` writes a trace of every engine call, one of
-        the whole run and a summary into DIR (see runners/profile.py), and prints the summary."""
+        the whole run and a summary into DIR (see runners/profile.py), and prints the summary.
+        `cache` (a config, its text "taylorseer:interval=3", or None for none) replaces the cache of
+        `enable_cache` for this call. `on_preview(step, images)` receives the current estimate of
+        the images every `preview_every` steps (runners/preview.py); `cache_stats` and
+        `timings["previews"]` say what the call evaluated and what the previews cost."""
         if self.closed:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again to run it")
-        if profile is None:
-            return self.generate(*args, **kwargs)
-        with self._profiling(profile):
-            return self.generate(*args, **kwargs)
+        config = self.cache_config if cache is False else self._checked_cache(cache)
+        self._previews = Previews.for_call(self, preview_every, on_preview)
+        self._step_cache, self._cache_config_of_call = None, config
+        try:
+            if profile is None:
+                return self.generate(*args, **kwargs)
+            with self._profiling(profile):
+                return self.generate(*args, **kwargs)
+        finally:
+            self.cache_stats = dict(self._step_cache.stats) if self._step_cache else {}
+            self._step_cache = self._previews = None
+
+    def enable_cache(self, config) -> None:
+        """Cache denoiser evaluations in every later call (diffusers' `enable_cache`): a config such as
+        `TaylorSeerCacheConfig(...)` or its text ("taylorseer:interval=3,before=6"). Each call starts
+        the cache afresh."""
+        self.cache_config = self._checked_cache(config)
+
+    def disable_cache(self) -> None:
+        """Every evaluation in full again: the next call gives exactly the uncached image."""
+        self.cache_config = None
+
+    def _checked_cache(self, config) -> CacheConfig | None:
+        config = parse_cache(config) if isinstance(config, str) else config
+        if config is not None and not isinstance(config, CacheConfig):
+            raise ValueError(f"cache={config!r:.60} is not a cache config: pass TaylorSeerCacheConfig(...), its text "
+                             "(\"taylorseer:interval=3\") or None")
+        if config is not None:
+            config.check(self.manifest)
+        return config
+
+    def _evaluate(self, step: int, num_steps: int, x, t, conditions: dict, context: str = "batch") -> np.ndarray:
+        """The denoiser's prediction at `step` of `num_steps` for latents `x` at timestep `t`: the family's
+        `_predict` in full, or the running call's cache's answer. Every denoising loop calls the
+        denoiser through this (`context` as diffusers' cache_context: one name per stream of
+        evaluations a step makes, "cond" and "uncond" when guidance runs them apart)."""
+        if self._step_cache is None:
+            config = self._cache_config_of_call
+            self._step_cache = config.start(self, num_steps) if config else StepCache(self, num_steps)
+        last = step == num_steps - 1  # the engine's working memory is released after the last step
+        return self._step_cache(step, context, (x, t, conditions),
+                                lambda: self._predict(x, t, conditions, release=last))
 
     @contextmanager
     def _profiling(self, out_dir):
@@ -189,6 +247,18 @@ class Pipeline:
             bar = "#" * (30 * i // n)
             end = "\n" if i == n else ""
             print(f"\rdenoising [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
+
+
+def _vae_submodules(folder, manifest: dict, vae: str, submodules: list[str] | None) -> list[str] | None:
+    """The engines to open for `vae`: "tiny" needs the tiny autoencoder and leaves the full VAE's closed."""
+    if vae not in VAE_ENGINES:
+        raise ValueError(f"vae={vae!r} is not allowed: use one of {', '.join(VAE_ENGINES)}")
+    if vae == "full":
+        return submodules
+    if VAE_ENGINES["tiny"][0] not in manifest["submodules"]:
+        raise ValueError(f"vae='tiny': {folder} has no tiny autoencoder; export the model with "
+                         "`python -m export MODEL --tiny-vae FOLDER_OR_HUB_ID` and build it again")
+    return [s for s in submodules or manifest["submodules"] if s not in VAE_ENGINES["full"]]
 
 
 def _close_all(sessions: dict) -> None:

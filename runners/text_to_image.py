@@ -10,7 +10,7 @@ import numpy as np
 
 from runners.images import check_mask_size, to_model_input, to_output
 from runners.inpainting import Inpainting, latent_mask
-from runners.pipeline import Pipeline
+from runners.pipeline import VAE_ENGINES, Pipeline
 from runners.schedulers.schedule import check_steps, strength_start
 from runners.static import check_static_request
 from runners.tiling import tiled
@@ -163,16 +163,18 @@ class TextToImage(Pipeline):
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
-            shift = c["vae_shift_factor"] if task != INPAINT or self.inpaint_decode_adds_shift else 0
-            z = latents / np.float32(c["vae_scaling_factor"]) + np.float32(shift)
+            scaling, shift = self.vae_factors()
+            shift = shift if task != INPAINT or self.inpaint_decode_adds_shift else 0
+            z = latents / np.float32(scaling) + np.float32(shift)
             image = self.vae_decode(z, tiling=vae_tiling)
         return to_output(image, output_type)
 
     def _check_task(self, task: str, image) -> None:
         """The engines and inputs a task needs: the VAE encoder for an image; an image for a mask; and a
         mask for an inpainting denoiser (one that takes the mask and the masked image as channels)."""
-        missing = [n for n in self.manifest["submodules"] if n not in self.sessions
-                   and (n != "vae_encoder" or task != TEXT)]
+        unused = {name for kind in VAE_ENGINES.values() if kind != self.vae_engines for name in kind}
+        missing = [n for n in self.manifest["submodules"] if n not in self.sessions and n not in unused
+                   and (n != self.vae_engines[1] or task != TEXT)]
         if missing:
             raise ValueError(f"{task} needs {', '.join(missing)}, which this pipeline was loaded without "
                              "(Pipeline.load(..., submodules=...))")
@@ -199,10 +201,14 @@ class TextToImage(Pipeline):
     def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
         """diffusers' _encode_vae_image: a sample of the image's latent posterior (`encoder_noise`),
         scaled as the denoiser's latents, repeated for the images to generate."""
-        c = self.constants
-        mean, logvar = self.vae_encode(pixels, tiling=vae_tiling)
-        z = mean + np.exp(np.float32(0.5) * logvar) * encoder_noise
-        z = (z - np.float32(c["vae_shift_factor"])) * np.float32(c["vae_scaling_factor"])
+        posterior = self.vae_encode(pixels, tiling=vae_tiling)
+        if len(posterior) == 1:  # the tiny encoder's latents: diffusers takes them as they are (no sampling)
+            z = posterior[0]
+        else:
+            mean, logvar = posterior
+            z = mean + np.exp(np.float32(0.5) * logvar) * encoder_noise
+        scaling, shift = self.vae_factors()
+        z = (z - np.float32(shift)) * np.float32(scaling)
         return np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
 
     def _inpainting(self, pixels, mask, n_images, strength, schedule, noise, encoder_noise, cfg, vae_tiling):
@@ -241,10 +247,12 @@ class TextToImage(Pipeline):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._predict(x, t, conditions, release=i == n - 1)
+            noise = self._evaluate(i, n, x, t, conditions)
             if cfg:
                 uncond, text = np.split(noise, 2)
                 noise = uncond + np.float32(guidance_scale) * (text - uncond)
+            if self._previews is not None:
+                self._previews(i, schedule.predicted_original(noise, i, latents))
             latents = schedule.step(noise, i, latents)
             if inpainting is not None:
                 latents = inpainting.blend(latents, schedule, i)
@@ -281,12 +289,21 @@ class TextToImage(Pipeline):
         """Unscaled latents -> images in [-1, 1]. Latents larger than the decoder engine's range are
         decoded in overlapping tiles (`runners.tiling`); `tiling=True` forces it, `False` forbids
         it. `tile_size` is the tile's side in latent pixels (default: the engine's largest)."""
-        return self._vae("vae_decoder", "latent", z, self.constants["vae_scale_factor"], tiling, tile_size)[0]
+        return self._vae(self.vae_engines[0], "latent", z, self.constants["vae_scale_factor"], tiling, tile_size)[0]
 
     def vae_encode(self, image: np.ndarray, tiling: bool | None = None, tile_size: int | None = None):
-        """Images in [-1, 1] -> (mean, log-variance) of the latent posterior, tiled past the encoder
-        engine's range as `vae_decode` is; `tile_size` in image pixels."""
-        return self._vae("vae_encoder", "image", image, 1 / self.constants["vae_scale_factor"], tiling, tile_size)
+        """Images in [-1, 1] -> (mean, log-variance) of the latent posterior (the tiny encoder: its
+        latents alone), tiled past the encoder engine's range as `vae_decode` is; `tile_size` in image pixels."""
+        return self._vae(self.vae_engines[1], "image", image, 1 / self.constants["vae_scale_factor"], tiling, tile_size)
+
+    def vae_factors(self, vae: str | None = None) -> tuple[float, float]:
+        """(scaling, shift) between the denoiser's latents and the VAE's: the artifact's VAE's, or with
+        "tiny" (default: the one this pipeline decodes with) its tiny autoencoder's, as diffusers reads
+        them from `pipe.vae.config`."""
+        if (vae or ("tiny" if self.vae_engines == VAE_ENGINES["tiny"] else "full")) == "tiny":
+            tiny = self.constants["tiny_vae"]
+            return tiny["scaling_factor"], tiny["shift_factor"]
+        return self.constants["vae_scaling_factor"], self.constants["vae_shift_factor"]
 
     def _vae(self, name, input_name, x, scale, tiling, tile_size) -> list[np.ndarray]:
         if name not in self.sessions:

@@ -139,6 +139,16 @@ def test_export_checks_every_graph_at_two_shapes(builds):
     assert m["dims"]["image_tokens"] == [16, 64, 1024]
 
 
+@pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"])
+def test_a_local_folder_of_a_flux_pipeline_is_flux(tmp_path, pipeline_class):
+    import json
+
+    from export.source import resolve
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline_class}))
+    assert resolve(str(tmp_path)).entry.family == "flux"
+
+
 def test_packed_latents_of_the_wrong_shape_are_refused(pipes):
     with pytest.raises(ValueError, match=r"a 64x64 image takes packed latents \(images, 16, 64\)"):
         pipes["dev"]("a cat", latents=np.zeros((1, 16, 8, 8), np.float32), height=64, width=64)

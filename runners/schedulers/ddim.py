@@ -19,12 +19,8 @@ class _DDIMRun(AlphaNoised):
         a = self.noise.alphas_cumprod[t]
         a_prev = self.noise.alpha_prev(t - self.stride)
         b = np.float32(1) - a
-        if self.noise.prediction_type == "v_prediction":
-            x0 = a**0.5 * sample - b**0.5 * model_output
-            eps = a**0.5 * model_output + b**0.5 * sample
-        else:
-            x0 = (sample - b**0.5 * model_output) / a**0.5
-            eps = model_output
+        x0 = self.predicted_original(model_output, i, sample)
+        eps = a**0.5 * model_output + b**0.5 * sample if self.noise.prediction_type == "v_prediction" else model_output
         return (a_prev**0.5 * x0 + (np.float32(1) - a_prev) ** 0.5 * eps).astype(np.float32)
 
 

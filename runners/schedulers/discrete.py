@@ -60,6 +60,13 @@ class AlphaNoised(Schedule):
     ints: np.ndarray
     per_step = ("timesteps", "ints")
 
+    def predicted_original(self, model_output, i, sample):
+        a = self.noise.alphas_cumprod[int(self.ints[i])]
+        b = np.float32(1) - a
+        if self.noise.prediction_type == "v_prediction":
+            return a**0.5 * sample - b**0.5 * model_output
+        return (sample - b**0.5 * model_output) / a**0.5
+
     def noised(self, sample, noise, i=0):
         a = self.noise.alphas_cumprod[int(self.ints[i])]
         return (a**0.5 * sample + (np.float32(1) - a) ** 0.5 * noise).astype(np.float32)

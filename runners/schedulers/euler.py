@@ -39,13 +39,15 @@ class _EulerRun(Schedule):
     def noised(self, sample, noise, i=0):
         return (sample + noise * self.sigmas[i]).astype(np.float32)
 
-    def step(self, model_output, i, sample):
+    def predicted_original(self, model_output, i, sample):
         sigma = self.sigmas[i]
         if self.noise.prediction_type == "v_prediction":
-            x0 = model_output * (-sigma / (sigma**2 + 1) ** 0.5) + sample / (sigma**2 + 1)
-        else:
-            x0 = sample - sigma * model_output
-        derivative = (sample - x0) / sigma
+            return model_output * (-sigma / (sigma**2 + 1) ** 0.5) + sample / (sigma**2 + 1)
+        return sample - sigma * model_output
+
+    def step(self, model_output, i, sample):
+        sigma = self.sigmas[i]
+        derivative = (sample - self.predicted_original(model_output, i, sample)) / sigma
         return (sample + derivative * (self.sigmas[i + 1] - sigma)).astype(np.float32)
 
 

@@ -86,6 +86,9 @@ class _FlowRun(Schedule):
         sigma = self.sigmas[i]
         return (sigma * noise + (np.float32(1) - sigma) * sample).astype(np.float32)
 
+    def predicted_original(self, model_output, i, sample):
+        return (sample - self.sigmas[i] * model_output).astype(np.float32)
+
     def step(self, model_output, i, sample):
         """One Euler step of the flow ODE (sample + (sigma_next - sigma) * velocity), in float32."""
         return (sample + np.float32(self.sigmas[i + 1] - self.sigmas[i]) * model_output).astype(sample.dtype)

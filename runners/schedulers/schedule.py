@@ -18,6 +18,10 @@ class Schedule:
     def step(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def predicted_original(self, model_output: np.ndarray, i: int, sample: np.ndarray) -> np.ndarray:
+        """The clean latents the denoiser's output at step `i` predicts (x0; live previews show it)."""
+        raise NotImplementedError
+
     def noised(self, sample: np.ndarray, noise: np.ndarray, i: int = 0) -> np.ndarray:
         """`sample` with `noise` mixed in at the noise level of step `i`, by the scheduler's own rule
         (flow matching's `scale_noise`, the others' `add_noise`): image-to-image's starting latents

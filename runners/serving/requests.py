@@ -27,6 +27,8 @@ TEXT_INPUTS = (
     Tensor("guidance_scale", "TYPE_FP32"),
     Tensor("seed", "TYPE_INT64"),
     Tensor("num_images_per_prompt", "TYPE_INT32"),
+    # A step cache for this request, spelled as the CLI's --cache: "taylorseer:interval=3,before=6,after=-2".
+    Tensor("cache", "TYPE_STRING"),
 )
 # With a VAE encoder in the artifact: image to image, and inpainting with a mask (white: repaint).
 IMAGE_INPUTS = (
@@ -37,7 +39,7 @@ IMAGE_INPUTS = (
 # Per prompt: its images, (num_images_per_prompt, height, width, RGB).
 OUTPUT = Tensor("images", "TYPE_UINT8", (-1, -1, -1, 3), optional=False)
 
-_STRINGS = ("prompt", "negative_prompt")
+_STRINGS = ("prompt", "negative_prompt", "cache")
 _IMAGES = ("image", "mask_image")
 _FLOATS = ("guidance_scale", "strength")
 

@@ -1,0 +1,118 @@
+"""The tiny autoencoder (export --tiny-vae): decode and encode parity with diffusers' AutoencoderTiny,
+the pipeline with vae="tiny" against diffusers' with `pipe.vae = AutoencoderTiny(...)`, and live
+previews through the tiny decoder."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TinyBuild, assert_real_image, smooth_image
+from runners import Pipeline
+
+ONE_LEVEL = 1 / 255
+TINY = "taesd3-tiny"
+
+
+@pytest.fixture(scope="module")
+def sd3_tiny_vae_build(tmp_path_factory, tiny_source) -> TinyBuild:
+    """sd3-tiny exported with the random taesd3-tiny beside its VAE, and built for ort-fp32."""
+    from engines.api import build_artifact
+    from export.api import export_model
+
+    folder = tmp_path_factory.mktemp("sd3-tiny-taesd3")
+    export_model(tiny_source, folder, tiny_vae=TINY)
+    build_artifact(folder, "ort", "fp32")
+    return TinyBuild(tiny_source, folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_autoencoder():
+    from diffusers import AutoencoderTiny
+
+    from export.families.tiny_vae import COMPONENT, tiny_vae_source
+
+    return AutoencoderTiny.from_pretrained(tiny_vae_source(TINY, 16).folder / COMPONENT).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(sd3_tiny_vae_build):
+    with Pipeline.load(sd3_tiny_vae_build.folder / "ort-fp32", vae="tiny") as pipe:
+        yield pipe
+
+
+def test_manifest_and_engines(sd3_tiny_vae_build, tiny_pipe):
+    manifest = tiny_pipe.manifest
+    assert {"vae_decoder_tiny", "vae_encoder_tiny"} <= set(manifest["submodules"])
+    assert manifest["pipeline"]["tiny_vae"] == {"scaling_factor": 1.5305, "shift_factor": 0.0609, "source": TINY}
+    assert "vae_decoder" not in tiny_pipe.sessions and "vae_decoder_tiny" in tiny_pipe.sessions
+
+
+def test_decode_and_encode_match_diffusers(tiny_pipe, tiny_autoencoder):
+    z = np.random.default_rng(0).standard_normal((2, 16, 10, 12), dtype=np.float32)
+    with torch.no_grad():
+        ref = tiny_autoencoder.decode(torch.from_numpy(z)).sample.numpy()
+    ours = tiny_pipe.vae_decode(z)
+    assert np.abs(ours - ref).max() / 2 <= ONE_LEVEL  # images in [-1, 1]: half the range is one unit
+    image = np.clip(ref, -1, 1)
+    with torch.no_grad():
+        ref_latents = tiny_autoencoder.encode(torch.from_numpy(image)).latents.numpy()
+    (latents,) = tiny_pipe.vae_encode(image)
+    assert np.abs(latents - ref_latents).max() <= 1e-4 * max(1.0, np.abs(ref_latents).max())
+
+
+def test_pipeline_with_tiny_vae_matches_diffusers(tiny_pipe, reference_pipeline, tiny_autoencoder):
+    kwargs = dict(prompt="a photo of a cat", height=64, width=96, num_inference_steps=4, max_sequence_length=32,
+                  output_type="np")
+    latents = np.random.default_rng(1).standard_normal((1, 16, 8, 12), dtype=np.float32)
+    full_vae = reference_pipeline.vae
+    reference_pipeline.vae = tiny_autoencoder  # diffusers' recipe; its scaling and shift come with it
+    try:
+        ref = reference_pipeline(latents=torch.from_numpy(latents), **kwargs).images
+    finally:
+        reference_pipeline.vae = full_vae
+    ours = tiny_pipe(latents=latents, **kwargs)
+    print(f"text to image with the tiny VAE: |ours - diffusers| {np.abs(ours - ref).max():.2e}")
+    assert np.abs(ours - ref).max() <= ONE_LEVEL
+    assert_real_image(ref)
+
+
+def test_image_to_image_encodes_with_the_tiny_encoder(tiny_pipe, tiny_autoencoder):
+    """The tiny encoder's latents are taken as they are (no posterior sample), scaled with its factors."""
+    image = smooth_image(64, 64)
+    pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)[None] / 127.5 - 1
+    with torch.no_grad():
+        expected = tiny_autoencoder.encode(torch.from_numpy(pixels)).latents.numpy()
+    expected = (expected - np.float32(0.0609)) * np.float32(1.5305)
+    got = tiny_pipe._image_latents(pixels, 1, encoder_noise=None, vae_tiling=None)
+    assert np.abs(got - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+def test_previews_through_the_tiny_decoder(sd3_tiny_vae_build):
+    """The full VAE decodes the image; the previews come from the tiny decoder, and cost their time."""
+    with Pipeline.load(sd3_tiny_vae_build.folder / "ort-fp32") as pipe:
+        call = dict(prompt="a cat", height=64, width=64, num_inference_steps=4, seed=0, output_type="np")
+        plain = pipe(**call)
+        seen = []
+        previewed = pipe(**call, preview_every=2, on_preview=lambda step, images: seen.append((step, images)))
+        assert [step for step, _ in seen] == [2, 4]
+        assert all(len(images) == 1 and images[0].size == (64, 64) for _, images in seen)
+        assert np.array_equal(plain, previewed) and pipe.timings["previews"] > 0
+        # the last preview is the tiny decoder's image of the final latents (flow matching's x0 at the last
+        # step is the last Euler step's result)
+        final = pipe(**{**call, "output_type": "latent"})
+        expected = pipe.run("vae_decoder_tiny", latent=final / np.float32(1.5305) + np.float32(0.0609))["image"]
+        last = np.asarray(seen[-1][1][0], dtype=np.float32) / 255
+        assert np.abs(last - np.clip(expected[0].transpose(1, 2, 0) / 2 + 0.5, 0, 1)).max() <= 1.5 * ONE_LEVEL
+
+
+def test_tiny_vae_refusals(tiny_artifact):
+    from export.families.tiny_vae import tiny_vae_source
+    from export.source import SourceError
+
+    with pytest.raises(ValueError, match="has no tiny autoencoder"):
+        Pipeline.load(tiny_artifact, vae="tiny")
+    with pytest.raises(ValueError, match="vae='small' is not allowed"):
+        Pipeline.load(tiny_artifact, vae="small")
+    with pytest.raises(SourceError, match="4 latent channels; this model's latents have 16"):
+        tiny_vae_source("taesd-tiny", 16)
