@@ -116,6 +116,28 @@ def test_pack_is_diffusers_pack_and_unpack_inverts_it():
     assert np.array_equal(unpack(pack(x), 6, 10), x)
 
 
+@pytest.mark.parametrize("config", ["dev", "schnell"])
+@pytest.mark.parametrize("steps", [1, 4, 28])
+@pytest.mark.parametrize("tokens", [16, 1024, 4096])
+def test_flux_sigmas_are_diffusers(config, steps, tokens):
+    """FluxPipeline's schedule: sigmas 1 to 1/steps, shifted by mu from the token count (dev), exactly."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from export.registry import FLUX_SCHNELL_TINY, FLUX_TINY
+    from runners.schedulers.flow_match import FlowMatchEulerDiscrete
+
+    config = (FLUX_TINY if config == "dev" else FLUX_SCHNELL_TINY)["scheduler"]
+    sigmas = np.linspace(1.0, 1 / steps, steps)
+    reference = FlowMatchEulerDiscreteScheduler(**config)
+    reference.set_timesteps(sigmas=sigmas, mu=calculate_shift(tokens, *(config[k] for k in (
+        "base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"))))
+    side = int(np.sqrt(tokens)) * 2  # latent side: tokens are 2x2 patches
+    timesteps, ours = FlowMatchEulerDiscrete(config).timesteps(steps, FlowMatchEulerDiscrete(config).mu_for(
+        side, side, 2), sigmas=sigmas)
+    assert np.array_equal(ours, reference.sigmas.numpy()) and np.array_equal(timesteps, reference.timesteps.numpy())
+
+
 def test_variant_and_defaults_come_from_the_transformer(pipes, builds):
     """dev's transformer takes `guidance`, schnell's has no such input; the defaults follow."""
     for variant, build in builds.items():
