@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.caches import CacheConfig, StepCache, register
+from runners.caches.base import CacheConfig, StepCache, register
 
 
 @register("taylorseer", {"interval": "cache_interval", "before": "disable_cache_before_step",

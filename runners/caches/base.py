@@ -1,0 +1,116 @@
+"""What every step cache shares: the config base, the per-call state that counts evaluations, and
+the registry and parser of the spelled configs (the CLI's --cache, serving's cache field)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+CONFIGS: dict[str, type] = {}  # spelled name ("taylorseer") -> its config class, filled by register
+# Spelled names of caches to come, and why they are not here yet (the entry goes when its file lands).
+PLANNED = {"first-block": "First-Block Cache needs the denoiser split after its first block, which no export "
+                          "writes yet: use taylorseer"}
+
+
+def register(name: str, aliases: dict[str, str]):
+    """Class decorator: a config spelled `name[:key=value,...]`, `aliases` mapping the short keys
+    to the config's fields ({"interval": "cache_interval", ...})."""
+    def add(cls):
+        cls.spelled, cls.aliases = name, aliases
+        CONFIGS[name] = cls
+        return cls
+    return add
+
+
+class CacheConfig:
+    """What every cache config answers (subclasses are dataclasses with diffusers' field names)."""
+
+    spelled: str = ""
+    aliases: dict[str, str] = {}
+    positional: str | None = None  # the option a bare value sets ("first-block:0.08")
+
+    def check(self, manifest: dict) -> None:
+        """Refuse, in one line, an artifact this cache cannot run on (e.g. a denoiser without its split)."""
+
+    def start(self, pipe, num_steps: int) -> "StepCache":
+        """The state of one call of `pipe` with `num_steps` denoiser evaluations per context."""
+        raise NotImplementedError
+
+    def _check_int(self, field: str, least: int, allow_none: bool = False, meaning: str = "") -> None:
+        value = getattr(self, field)
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{type(self).__name__}: {field}={value!r} is not allowed: use an integer >= {least}"
+                             f"{' or None' if allow_none else ''}{meaning}")
+
+
+class StepCache:
+    """One call's cache state. This base class caches nothing: every evaluation runs in full. It counts
+    evaluations and their seconds, full and cached (what `Pipeline.cache_stats` reports)."""
+
+    def __init__(self, pipe, num_steps: int):
+        self.pipe, self.num_steps = pipe, num_steps  # a cache that runs parts of the denoiser calls the pipe
+        self.stats = {"full": 0, "cached": 0, "full_seconds": 0.0, "cached_seconds": 0.0}
+
+    def __call__(self, step: int, context: str, inputs: tuple, run_full: Callable[[], np.ndarray]) -> np.ndarray:
+        """The denoiser's output at `step` for `context` (a name for one stream of evaluations, as
+        diffusers' `cache_context`: "batch" for guidance batched in one call, "cond"/"uncond" when a
+        loop calls them apart). `inputs` are the evaluation's (latents, timestep, conditions);
+        `run_full()` runs the whole denoiser on them."""
+        t0 = time.perf_counter()
+        output, kind = self.evaluate(step, context, inputs, run_full)
+        self.stats[kind] += 1
+        self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
+        return output
+
+    def evaluate(self, step: int, context: str, inputs: tuple, run_full) -> tuple[np.ndarray, str]:
+        """(output, "full" or "cached")."""
+        return run_full(), "full"
+
+
+def _value(cls, key: str, text: str):
+    """One `key=value` of a spelled config, as its field's type."""
+    field = cls.aliases.get(key, key)
+    allowed = ", ".join(f"{alias} ({f})" for alias, f in cls.aliases.items())
+    if field not in cls.aliases.values():
+        raise ValueError(f"cache {cls.spelled}: unknown option {key!r}; allowed: {allowed}")
+    if text.lower() in ("none", ""):
+        return field, None
+    if text.lower() in ("true", "false"):
+        return field, text.lower() == "true"
+    try:
+        return field, int(text)
+    except ValueError:
+        pass
+    try:
+        return field, float(text)
+    except ValueError:
+        raise ValueError(f"cache {cls.spelled}: {key}={text!r} is not a number") from None
+
+
+def parse_cache(text: str):
+    """"taylorseer:interval=3,before=6,after=-2,order=1" -> TaylorSeerCacheConfig(...); "none" -> None.
+    Options left out take the config's defaults."""
+    name, _, options = text.strip().partition(":")
+    name = name.strip().lower()
+    if name in ("", "none", "off"):
+        return None
+    if name in PLANNED:
+        raise ValueError(f"cache {name!r} is not available on any artifact yet: {PLANNED[name]}")
+    if name not in CONFIGS:
+        raise ValueError(f"cache {name!r} is not known; known: {', '.join(CONFIGS)} (or none)")
+    cls = CONFIGS[name]
+    fields = {}
+    for item in filter(None, (part.strip() for part in options.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep and getattr(cls, "positional", None):  # "first-block:0.08" names its one main option
+            key, value = cls.positional, item
+        elif not sep:
+            raise ValueError(f"cache {name}: option {item!r} is not KEY=VALUE (e.g. {name}:"
+                             f"{next(iter(cls.aliases))}=3)")
+        field, parsed = _value(cls, key.strip().lower(), value.strip())
+        fields[field] = parsed
+    return cls(**fields)
+
