@@ -112,17 +112,18 @@ def _python_problems(commands: list[Command]) -> list[str]:
     requests = []
     for c in commands:
         module, *args = c.argv
-        # A name, or an elided command: the parser of the part before "...", asked for its options.
+        # A name, or an elided command: the parser its leading words pick (a subcommand's), asked for
+        # its options.
         if c.names_only or ELIDED in args:
-            args = args[:args.index(ELIDED)] if ELIDED in args else args
-            args = args + ["--help"]
+            leading = next((i for i, w in enumerate(args) if w.startswith("-") or w == ELIDED), len(args))
+            args = args[:leading] + ["--help"]
         requests.append((module, args))
     problems = []
     for c, result in zip(commands, _parse_requests(requests)):
         if result["outcome"] != "ok":
             problems.append(f"{c}\n    {result['outcome']}")
         elif ELIDED in c.argv:
-            flags = [w.split("=")[0] for w in c.argv[c.argv.index(ELIDED):] if w.startswith("--")]
+            flags = [w.split("=")[0] for w in c.argv if w.startswith("--")]
             unknown = [f for f in flags if f not in result["options"]]
             if unknown:
                 problems.append(f"{c}\n    {', '.join(unknown)} not among the parser's options")
@@ -182,7 +183,7 @@ make engines NO_SUCH_VARIABLE=1
 make no-such-target
 make engines ENGINES_ARGS="--memory --also-no-such-flag"
 ```
-and inline, `python -m runners ... --vae-tiling --made-up-option`, `python -m export sd3-tiny --dtype float16`
+and inline, `python -m runners ... --vae-tiling --made-up-option`, `python -m runners ARTIFACT --prompt ... --steps 2`, `python -m export sd3-tiny --dtype float16`
 (no --out) and `python -m engines inspect` (a name).
 """
     commands = quoted_commands(doc, "doc.md")
@@ -192,6 +193,7 @@ and inline, `python -m runners ... --vae-tiling --made-up-option`, `python -m ex
         "doc.md:5: make engines NO_SUCH_VARIABLE=1", "doc.md:6: make no-such-target",
         "doc.md:7: make engines 'ENGINES_ARGS=--memory --also-no-such-flag'",
         "doc.md:9: python -m runners ... --vae-tiling --made-up-option",
+        "doc.md:9: python -m runners ARTIFACT --prompt ... --steps 2",
         "doc.md:9: python -m export sd3-tiny --dtype float16", "doc.md:10: python -m engines inspect"]
     problems = problems_of(commands)
     assert len(problems) == 6, "\n".join(problems)
