@@ -201,3 +201,42 @@ def test_previews_projection_count_size_and_final_image(sd3_pipe):
     assert sd3_pipe.timings["previews"] > 0
     with pytest.raises(ValueError, match="preview_every=0"):
         sd3_pipe(**call, preview_every=0, on_preview=print)
+
+
+FLUX_CASES = {  # name: (our config, request); true CFG runs diffusers' "cond" and "uncond" contexts apart
+    "interval 2, order 1": (TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, max_order=1), {}),
+    "interval 3, order 2, true CFG": (
+        TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2, disable_cache_after_step=7, max_order=2),
+        dict(negative_prompt="blurry", true_cfg_scale=4.0)),
+}
+
+
+@pytest.mark.parametrize("case", FLUX_CASES)
+def test_taylorseer_matches_diffusers_lite_mode_on_flux(flux_tiny_build, case):
+    """diffusers' own lite mode, as FluxPipeline runs it: `pipe.transformer.enable_cache(config)`."""
+    from diffusers import FluxPipeline
+    from diffusers.hooks import TaylorSeerCacheConfig as Reference
+
+    config, extra = FLUX_CASES[case]
+    call = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=9, max_sequence_length=16,
+                output_type="np", **extra)
+    latents = np.random.default_rng(len(case)).standard_normal((1, 16, 64), dtype=np.float32)
+    reference = FluxPipeline.from_pretrained(flux_tiny_build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.transformer.enable_cache(Reference(
+        cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
+        disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
+        taylor_factors_dtype=torch.float32, use_lite_mode=True))
+    ref = reference(latents=torch.from_numpy(latents), **call).images
+    with Pipeline.load(flux_tiny_build.folder / "ort-fp32") as pipe:
+        uncached = pipe(latents=latents, **call)
+        ours = pipe(latents=latents, cache=config, **call)
+        stats = pipe.cache_stats
+    schedule = diffusers_schedule(config, 9)
+    assert (stats["full"], stats["cached"]) == (sum(schedule), schedule.count(False))
+    error, changed = float(np.abs(ours - ref).max()), float(np.abs(ours - uncached).max())
+    print(f"flux-tiny {case}: {sum(schedule)} full, {schedule.count(False)} cached; |ours - diffusers| {error:.2e}, "
+          f"cache changed the image by {changed:.3f}")
+    assert error <= ONE_LEVEL
+    assert changed > 3 * ONE_LEVEL
+    assert_real_image(ref)
