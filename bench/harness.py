@@ -17,6 +17,10 @@ from bench.worker import MARK
 REPO = Path(__file__).resolve().parent.parent
 
 
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
 class WorkerDied(RuntimeError):
     """A variant's process ended mid-job (e.g. killed out of memory): recorded, not fatal."""
 
@@ -157,3 +161,14 @@ def stats(times: list[float], reference: list[float] | None) -> Stat:
         ratios = [r / t for r, t in zip(reference, times)]
         s.ratio, s.ratio_lo, s.ratio_hi = statistics.median(ratios), min(ratios), max(ratios)
     return s
+
+
+def against_first(variants: list[Variant], samples: dict, key) -> list[tuple[Variant, Stat, str]]:
+    """(variant, Stat, ratio text) for each variant, the first one being the reference."""
+    ref = [key(s) for s in samples[variants[0].label]]
+    out = []
+    for v in variants:
+        first = v is variants[0]
+        st = stats([key(s) for s in samples[v.label]], None if first else ref)
+        out.append((v, st, "1 (reference)" if first else st.ratio_text()))
+    return out

@@ -8,37 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.workload import T5_LENGTH
+
 PROMPT = "a photo of an astronaut riding a horse on the moon, detailed, golden light"
 NEGATIVE = "blurry, low quality"
-T5_LENGTH = 256  # diffusers' default max_sequence_length
-
-
-def submodule_inputs(constants: dict, height: int, width: int) -> dict[str, dict[str, np.ndarray]]:
-    """One representative call per submodule: text encoders at batch 1 (one per prompt), the
-    transformer at batch 2 (guidance), the VAE decoder at batch 1."""
-    rng = np.random.default_rng(0)
-    scale = constants["vae_scale_factor"]
-    h, w = height // scale, width // scale
-    clip_len = constants["clip_length"]
-    return {
-        "text_encoder": {"input_ids": rng.integers(0, constants["clip_vocab"], (1, clip_len))},
-        "text_encoder_2": {"input_ids": rng.integers(0, constants["clip2_vocab"], (1, clip_len))},
-        "text_encoder_3": {"input_ids": rng.integers(0, constants["t5_vocab"], (1, T5_LENGTH))},
-        "transformer": {
-            "hidden_states": rng.standard_normal((2, constants["in_channels"], h, w), dtype=np.float32),
-            "encoder_hidden_states": rng.standard_normal((2, clip_len + T5_LENGTH, constants["joint_dim"]),
-                                                         dtype=np.float32),
-            "pooled_projections": rng.standard_normal((2, constants["pooled_dim"]), dtype=np.float32),
-            "timestep": np.full(2, 500.0, dtype=np.float32),
-        },
-        "vae_decoder": {"latent": rng.standard_normal((1, constants["latent_channels"], h, w), dtype=np.float32)},
-    }
-
-
-def start_latents(constants: dict, height: int, width: int) -> np.ndarray:
-    scale = constants["vae_scale_factor"]
-    shape = (1, constants["latent_channels"], height // scale, width // scale)
-    return np.random.default_rng(42).standard_normal(shape, dtype=np.float32)
 
 
 def _save(images, out: str) -> list[str]:

@@ -27,7 +27,8 @@ def peak_rss_mib() -> float:
 
 
 def main() -> None:
-    from bench.variants import make_variant, start_latents, submodule_inputs
+    from bench.variants import make_variant
+    from bench.workload import make_inputs, start_latents
 
     kind, path, constants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     t0 = time.perf_counter()
@@ -37,10 +38,9 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         h, w = job["height"], job["width"]
-        if job["job"] == "submodules":
-            feeds = submodule_inputs(constants, h, w)
-            names, calls = job.get("names", list(feeds)), job.get("calls", 1)
-            _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in names})
+        if job["job"] == "submodules":  # one call of each submodule whose inputs the job specifies
+            feeds, calls = make_inputs(job["inputs"]), job.get("calls", 1)
+            _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in feeds})
         elif job["job"] == "e2e":
             _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
         elif job["job"] == "vae_decode":

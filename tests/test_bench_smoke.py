@@ -1,35 +1,70 @@
-"""`python -m bench` runs at HEAD: every table, on sd3-tiny, one repetition at tiny sizes, into a
-temporary file. API drift in the harness fails here, not on the next benchmark run. (The
-Optimum-ONNX variant needs its own venv, `make optimum-venv`, and is not part of this run.)"""
+"""`python -m bench` runs at HEAD: every table of the registry (bench/tables/), on the tiny model of
+each family it applies to, one repetition at tiny sizes, into a temporary file. API drift in the
+harness fails here, not on the next benchmark run. (The Optimum-ONNX and optimum-intel peers need
+venvs of their own, `make optimum-venv`, and are not part of this run.)
+
+The bench's build folder links the session's export and ort-fp32 artifact of the tiny model
+(conftest), which the bench then finds up to date: the export is not made twice in a suite run."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from bench.__main__ import TABLES
+import pytest
 
-TITLES = {  # table -> the start of its section title
-    "submodules": "One call per submodule", "e2e": "End to end", "passes": "Transformer step by graph pass",
-    "profile": "Transformer step at 128x128, batch 2, by op type", "precision": "Precision at 128x128",
-    "openvino": "CPU runtimes at 128x128",
-    "profiling": "Profiling cost", "tiling": "VAE decode, whole and tiled", "copies": "Output copies", "memory": "Activation memory",
-    "export": "Export and build", "serving": "Serving with Triton at 64x64", "lora": "LoRA on a built artifact",
-}
+from bench.tables import TABLES, for_family
+
+FAMILIES = sorted({family for table in TABLES.values() for family in table.families})
+COMMON = ["--reps", "1", "--size", "128", "--steps", "2"]
 
 
-def test_every_table_runs(tmp_path):
-    assert set(TITLES) == set(TABLES)
+def _smoke_options(names: list[str]) -> list[str]:
+    """The tables' tiny options, each once (the precision and openvino tables share some)."""
+    options = {}
+    for name in names:
+        smoke = TABLES[name].smoke
+        options.update(zip(smoke[::2], smoke[1::2]))
+    return [part for pair in options.items() for part in pair]
+
+
+def test_every_table_applies_to_a_family_with_a_tiny_model():
+    from export.registry import MODELS
+
+    assert {"sd3", "sd15", "sdxl"} <= set(FAMILIES)
+    missing = [f for f in FAMILIES if f"{f}-tiny" not in MODELS or MODELS[f"{f}-tiny"].family != f]
+    assert not missing, f"no <family>-tiny model in export/registry.py for {missing}"
+
+
+def _linked_build(root, model: str, tiny_build) -> None:
+    """root/<model> holding links to the session's export and default artifact of that model."""
+    build = root / model
+    build.mkdir(parents=True)
+    for shared in ("onnx", "ort-fp32"):
+        os.symlink(tiny_build.folder / shared, build / shared)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_table_runs(family, tmp_path, request):
+    model, names = f"{family}-tiny", for_family(family)
+    _linked_build(tmp_path / "build", model, request.getfixturevalue(f"{family}_tiny_build"))
     out = tmp_path / "BENCHMARKS.md"
-    args = ["--model", "sd3-tiny", "--reps", "1", "--size", "128", "--steps", "2", "--large-size", "256",
-            "--large-steps", "1", "--profiling-steps", "1", "--tiling-sizes", "128,1024", "--memory-size", "128",
-            "--precision-steps", "1", "--calibration-size", "64", "--calibration-steps", "1",
-            "--openvino-reps", "1", "--openvino-variants", "openvino-int8", "--serving-size", "64", "--serving-steps", "1", "--serving-requests", "4",
-            "--serving-clients", "2", "--lora-steps", "1", "--out", str(out), "--build-dir", str(tmp_path / "build")]
+    args = ["--model", model, *COMMON, *_smoke_options(names),
+            "--out", str(out), "--build-dir", str(tmp_path / "build")]
     run = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()
-    sections = {line[3:] for line in text.splitlines() if line.startswith("## ")}
-    for table, title in TITLES.items():
-        assert any(s.startswith(title) for s in sections), f"table {table!r} missing from {sorted(sections)}"
+    sections = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    for name in names:
+        assert any(s.startswith(TABLES[name].title) for s in sections), f"table {name!r} missing from {sections}"
+    assert len(sections) == len(names), sections  # one section each (e2e: both sizes in one)
     assert "| failed |" not in text
-    assert "python -m bench --model sd3-tiny --reps 1" in text  # each table under its command
+    assert text.count(f"`python -m bench --model {model} --reps 1") == len(names)  # each table under its command
+
+
+def test_a_table_of_another_family_is_refused(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "bench", "--model", "sd15-tiny", "--tables", "lora", "--build-dir",
+                          str(tmp_path / "missing"), "--out", str(tmp_path / "B.md")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "table lora does not apply to sd15-tiny (family sd15)" in run.stderr
+    assert not (tmp_path / "B.md").exists()

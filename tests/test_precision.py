@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from bench.accuracy import psnr as _psnr
 from conftest import assert_real_image, image_task_outputs, manifest
 from engines.calibration import CalibrationFeeds, _FeedStore
 from engines.passes import PassContext, PassFailed, run_passes
@@ -38,10 +39,6 @@ def fp32_images(artifacts):
     pipe = Pipeline.load(artifacts["fp32"])
     latents = np.random.default_rng(1).standard_normal((1, 16, 16, 16), dtype=np.float32)
     return latents, [pipe(p, latents=latents, num_inference_steps=6, output_type="np") for p in PROMPTS]
-
-
-def _psnr(a, b) -> float:
-    return float(10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2)))
 
 
 @pytest.mark.parametrize("precision", ["fp16", "int8", "fp8"])

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import image_task_outputs, manifest, rtx_options
 from runners import Pipeline
-from test_precision import _psnr
+from bench.accuracy import psnr as _psnr
 
 FAMILIES = ["sd15", "sdxl"]
 # Image PSNR against fp32 per prompt ("a photo of a cat", ""), measured by this test with

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness import in_child, log, stats
+from bench.tables import Table
+
 ATTENTION = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight", "attn.to_out.0.weight")
 
 
@@ -134,10 +137,10 @@ def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> 
             "call": times}
 
 
-def lora_table(build: Path, checkpoint: Path, size: int, steps: int, reps: int, log) -> dict:
-    from bench.harness import in_child, stats
+def measure(run) -> list[dict]:
     from runners.manifest import read_manifest
 
+    build, checkpoint, size, steps, reps = run.build, run.src.folder, run.args.size, run.args.lora_steps, run.args.reps
     artifact = build / "ort-fp32"
     export = read_manifest(build / "onnx", verify=False)["submodules"]
     built = read_manifest(artifact, verify=False)["submodules"]
@@ -168,7 +171,7 @@ def lora_table(build: Path, checkpoint: Path, size: int, steps: int, reps: int, 
                      "reference" if switch is None else
                      f"speed vs no adapter {st.ratio_text()}; a switch {switch:.2f} s "
                      f"({designs['compute']:.2f} s of it computing the adapted weights)"])
-    return {"title": f"LoRA on a built artifact (ort-fp32; steps at {size}x{size})",
+    return [{"title": f"LoRA on a built artifact (ort-fp32; steps at {size}x{size})",
             "columns": ["what", "seconds (median)", "against"],
             "rows": rows,
             "notes": ["The adapter: rank 16 on every attention projection of the transformer (q, k, v, out; "
@@ -181,4 +184,13 @@ def lora_table(build: Path, checkpoint: Path, size: int, steps: int, reps: int, 
                       f"on, {steps} steps), median of {reps} interleaved runs; the speed ratio's range is over the "
                       "runs. The last rows time one transformer call (the pipeline's first, batch 2) in three sessions "
                       "of one process: `set_loras` is design 1; design 2 would keep one session and rebind the "
-                      "weights, at the cost of feeding them as inputs on every call."]}
+                      "weights, at the cost of feeding them as inputs on every call."]}]
+
+
+def _arguments(group) -> None:
+    group.add_argument("--lora-steps", type=int, default=4, help="steps of the LoRA table's runs (at --size)")
+
+
+# Its adapter is made on the attention projections of SD3's transformer (`make_adapter`).
+TABLE = Table("lora", "LoRA on a built artifact", "the default artifact with a random adapter applied", ("sd3",),
+              measure, _arguments, smoke=("--lora-steps", "1"))

@@ -1,12 +1,14 @@
-"""The transformer graphs the pass table compares: our export through different pass lists, ONNX
-Runtime's own transformer optimizer (`mmdit`) on our export, and Optimum's export.
+"""The pass table: the denoiser's step through different pass lists of ours, against ONNX Runtime's
+own transformer optimizer (`mmdit`) on our export and against Optimum's export.
 
-Each of ours is built by the ORT target itself (passes, then `build_submodule`), cached by the
-input graph and the passes' code, and written complete or not at all."""
+Each of our graphs is built by the ORT target itself (passes, then `build_submodule`), cached by
+the input graph and the passes' code, and written complete or not at all."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.tables import Table
 from engines.targets import get_target
 
 CLEANUP = ["fold_constants", "infer_shapes", "remove_dead_nodes"]
@@ -26,10 +28,6 @@ def pass_lists() -> dict[str, list[str]]:
 
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label).strip("-")
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
 
 
 def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
@@ -52,7 +50,7 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
         dest = out_root / _slug(label)
         key = digest([export["files"][f"{submodule}.onnx"], passes_fingerprint({submodule: names})])
         if not is_current(dest, key):
-            _log(f"{submodule} with passes [{', '.join(names)}]")
+            log(f"{submodule} with passes [{', '.join(names)}]")
             with atomic_folder(dest) as tmp:
                 model, reports = run_passes(ir.load(onnx_dir / f"{submodule}.onnx"), names, submodule)
                 built = BuildInput(model, submodule, submodule_entry(export, submodule), export["constants"])
@@ -75,7 +73,7 @@ def ort_optimizer(onnx_dir: Path, out_root: Path, submodule: str, model_type: st
     dest = out_root / f"ort-optimizer-{model_type}"
     key = digest([source, model_type])
     if not is_current(dest, key):
-        _log(f"{submodule} through onnxruntime.transformers.optimizer (model_type={model_type})")
+        log(f"{submodule} through onnxruntime.transformers.optimizer (model_type={model_type})")
         logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.ERROR)
         with atomic_folder(dest) as tmp:
             model = optimize_model(str(onnx_dir / f"{submodule}.onnx"), model_type=model_type)
@@ -86,14 +84,14 @@ def ort_optimizer(onnx_dir: Path, out_root: Path, submodule: str, model_type: st
     return dest / f"{submodule}.onnx", read_manifest(dest, verify=False)["fused"]
 
 
-def op_profile(graph: Path, constants: dict, size: int) -> dict[str, float]:
-    """Seconds per op type of one transformer step in steady state: the runner's profiling session
-    (`runners.backends.ort`), two calls, the second one read."""
-    from bench.variants import submodule_inputs
+def op_profile(graph: Path, inputs: dict) -> dict[str, float]:
+    """Seconds per op type of one step of the graph in steady state, on `inputs` (bench.workload's
+    specs): the runner's profiling session (`runners.backends.ort`), two calls, the second one read."""
+    from bench.workload import make_inputs
     from runners.backends.ort import OrtSession
     from runners.profile import ort_runs
 
-    feeds = submodule_inputs(constants, size, size)[graph.stem]
+    feeds = make_inputs(inputs)[graph.stem]
     session = OrtSession(graph, profile=True)
     session.run(feeds)
     session.run(feeds)
@@ -102,3 +100,45 @@ def op_profile(graph: Path, constants: dict, size: int) -> dict[str, float]:
     for e in kernels:
         per_op[e["args"]["op_name"]] = per_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e6
     return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
+
+
+def what_changed(reports: list[dict]) -> str:
+    """The counts of the passes that modified a graph, from their reports."""
+    done = [f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["counts"].items() if v)
+            for r in reports if r["modified"]]
+    return "; ".join(done) or "nothing (no passes)"
+
+
+def measure(run) -> list[dict]:
+    a, root, name = run.args, run.build / "passes", run.denoiser
+    graphs = in_child(build_with_passes, run.onnx_dir, root, name)
+    variants = [Variant(f"ours, {label}", "graph", str(path)) for label, (path, _) in graphs.items()]
+    changed = {f"ours, {label}": what_changed(reports) for label, (_, reports) in graphs.items()}
+    path, fused = in_child(ort_optimizer, run.onnx_dir, root, name, "mmdit")
+    variants.append(Variant("ONNX Runtime optimizer (mmdit) on our export", "graph", str(path)))
+    changed[variants[-1].label] = ", ".join(f"{k} {v}" for k, v in fused.items()) or "fused nothing"
+    if run.optimum_folder is not None:
+        variants.append(Variant("Optimum-ONNX export", "graph", str(run.optimum_folder / name / "model.onnx")))
+        changed[variants[-1].label] = "legacy exporter, no ORT optimizer"
+    job = {"job": "submodules", "inputs": run.inputs(a.size, [name]), "calls": 3, "height": a.size, "width": a.size}
+    # One graph in memory at a time (seven of them and their arenas do not fit side by side), each
+    # timed in steady state after a warm-up call, as in the denoising loop.
+    samples, peaks, failed = interleaved_fresh(variants, run.constants, job, a.reps, log, warmup=True)
+    if failed:
+        raise RuntimeError(f"pass table: {'; '.join(failed.values())}")
+    flops = run.flops(a.size)[name]
+    rows = [[v.label, changed[v.label], f"{st.median * 1e3:.0f}", ratio, f"{st.median / (flops / run.rate):.2f}",
+             f"{peaks[v.label]:.0f}"]
+            for v, st, ratio in against_first(variants, samples, lambda s: s[name])]
+    return [{
+        "title": f"{name.capitalize()} step by graph pass at {a.size}x{a.size}, batch 2 ({flops / 1e9:.1f} GFLOP)",
+        "columns": ["graph", "what the passes did", "median ms", "speed-up vs no passes", "x bound", "peak RSS MiB"],
+        "rows": rows,
+        "notes": ["Each graph runs in the runner's ONNX Runtime session (CPU, memory pattern off), so only the "
+                  "graph differs. Every repetition starts a fresh process, makes one untimed warm-up call and "
+                  "takes the median of the next three; the graphs take turns (A B C ... A B C ...)."]}]
+
+
+# ONNX Runtime's optimizer is run with its MMDiT model type: SD3 only.
+TABLE = Table("passes", "Transformer step by graph pass", "the denoiser through 5 pass lists and ONNX Runtime's "
+              "optimizer", ("sd3",), measure)

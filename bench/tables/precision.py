@@ -1,16 +1,16 @@
-"""The precision table's two halves that are not timing: building the artifacts of each precision
-(calibrated on the fp32 pipeline), and their error against the fp32 artifact on the same prompts
-and starting latents. Both run in a child process of `python -m bench` (functions sent to a
-child must live in an importable module)."""
+"""Each precision ONNX Runtime's CPU runs (fp16, int8, fp8, calibrated on the fp32 pipeline):
+the denoiser step and a whole run against diffusers eager fp32, and the error of its images and
+denoiser output against the fp32 artifact. The builds run in a child process of `python -m bench`
+(functions sent to a child must live in an importable module)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
+from bench import accuracy
+from bench.harness import Variant, against_first, interleaved_fresh, log
+from bench.tables import Table
 
 PRECISIONS = ("fp16", "int8", "fp8")
-PROMPTS = ("a photo of an astronaut riding a horse on the moon, detailed, golden light",
-           "a red fox in fresh snow, telephoto", "a bowl of ramen with a soft-boiled egg", "")
 
 
 def build_precisions(build: Path, calibration: dict) -> dict[str, str]:
@@ -21,48 +21,42 @@ def build_precisions(build: Path, calibration: dict) -> dict[str, str]:
     return {p: str(build_artifact(build, "ort", p, calibration=settings)) for p in PRECISIONS}
 
 
-def accuracy(reference: str, artifacts: dict[str, str], constants: dict, size: int, steps: int) -> dict[str, dict]:
-    """Per artifact ({label: folder}): image PSNR (worst prompt) and max abs error against the
-    `reference` artifact (fp32), the transformer output's relative error at the first, middle and
-    last step, and whether all stayed finite (for the reference itself, under "reference", only the last)."""
-    from bench.variants import start_latents
-    from runners import Pipeline
-
-    latents = start_latents(constants, size, size)
-    checked = sorted({0, steps // 2, steps - 1})
-    feeds = []  # the fp32 transformer's inputs at the checked steps of the first prompt
-
-    def record(submodule, call):
-        if submodule == "transformer" and len(feeds) < steps:
-            feeds.append(dict(call))
-
-    def images(pipe):
-        return [pipe(p, height=size, width=size, num_inference_steps=steps, latents=latents, output_type="np")
-                for p in PROMPTS]
-
-    ref = Pipeline.load(reference, verify=False)
-    ref.recorder = record
-    ref_images = images(ref)
-    ref.recorder = None
-    steps_feeds = [feeds[i] for i in checked]
-    ref_noise = [ref.run("transformer", **f)["noise_pred"] for f in steps_feeds]
-    del ref
-    results = {"reference": {"finite": bool(all(np.isfinite(x).all() for x in ref_images + ref_noise))}}
-    for label, folder in artifacts.items():
-        pipe = Pipeline.load(folder, verify=False)
-        got = images(pipe)
-        noise = [pipe.run("transformer", **f)["noise_pred"] for f in steps_feeds]
-        del pipe
-        results[label] = {
-            "psnr_min": min(psnr(a, b) for a, b in zip(ref_images, got)),
-            "max_abs": max(float(np.abs(a - b).max()) for a, b in zip(ref_images, got)),
-            "transformer_rel_err": {f"{f['timestep'][0]:.0f}": float(np.linalg.norm(n - r) / np.linalg.norm(r))
-                                    for f, n, r in zip(steps_feeds, noise, ref_noise)},
-            "finite": bool(all(np.isfinite(x).all() for x in got + noise)),
-        }
-    return results
+def measure(run) -> list[dict]:
+    a, name = run.args, run.denoiser
+    built, errors = accuracy.built_and_checked(run, build_precisions)
+    artifacts = {"reference": str(run.default_artifact), **built}
+    variants = [run.variants[0]] + [Variant(f"ours {Path(path).name}", "ours", path) for path in artifacts.values()]
+    precision_of = {v.label: p for v, p in zip(variants[1:], artifacts)}
+    step = {"job": "submodules", "inputs": run.inputs(a.size, [name]), "calls": 3, "height": a.size, "width": a.size}
+    e2e = {"job": "e2e", "steps": a.precision_steps, "height": a.size, "width": a.size}
+    samples, peaks, failed = interleaved_fresh(variants, run.constants, [step, e2e], a.reps, log, warmup=True)
+    if failed:
+        raise RuntimeError(f"precision table: {'; '.join(failed.values())}")
+    steps = against_first(variants, samples, lambda s: s[0][name])
+    runs = against_first(variants, samples, lambda s: s[1]["seconds"])
+    rows = []
+    for (v, st, ratio), (_, e2e_st, e2e_ratio) in zip(steps, runs):
+        rows.append([v.label, f"{st.median * 1e3:.0f}", ratio, f"{e2e_st.median:.1f}", e2e_ratio,
+                     *accuracy.accuracy_cells(errors.get(precision_of.get(v.label), {})), f"{peaks[v.label]:.0f}"])
+    timesteps = ", ".join(errors[PRECISIONS[0]]["denoiser_rel_err"])
+    return [{
+        "title": f"Precision at {a.size}x{a.size}: {name} step (batch 2) and end to end ({a.precision_steps} "
+                 "steps), error against ort-fp32",
+        "columns": ["variant", "step ms", "step speed-up vs (a)", "end to end s", "speed-up vs (a)",
+                    "image PSNR dB (worst of 4)", "image max abs", f"{name} rel. err at t = {timesteps}",
+                    "all finite", "peak RSS MiB"],
+        "rows": rows,
+        "notes": [f"Each repetition runs every variant in a fresh process: one untimed warm-up of both jobs, then "
+                  f"the median of three {name} calls and one end-to-end run. Errors: {len(accuracy.PROMPTS)} "
+                  f"prompts (one empty), the same starting latents, images in [0, 1] against the ort-fp32 artifact's; "
+                  f"the {name}'s relative error is on the fp32 pipeline's own inputs at the first, middle and last "
+                  f"step. fp16 and fp8 are calibrated on {accuracy.CALIBRATION_PROMPTS} prompts x "
+                  f"{a.calibration_steps} steps at {a.calibration_size}x{a.calibration_size} (`python -m engines "
+                  f"--precision P --calibration-size {a.calibration_size} --calibration-steps "
+                  f"{a.calibration_steps}`). ONNX Runtime's CPU kernels run fp16 and fp8 as a simulation of the GPU "
+                  "numerics, mostly by casting to fp32, so their speed here says nothing about a GPU's."]}]
 
 
-def psnr(reference: np.ndarray, image: np.ndarray) -> float:
-    """Of images in [0, 1]."""
-    return float(10 * np.log10(1 / np.mean((reference.astype(np.float64) - image) ** 2)))
+# Its speed reference is diffusers' StableDiffusion3Pipeline (bench.variants.Diffusers).
+TABLE = Table("precision", "Precision at", "ort fp16, int8 and fp8 (calibrated)", ("sd3",), measure,
+              smoke=accuracy.SMOKE)

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness import in_child, log
+from bench.tables import Table
+
+
 def _direct_seconds(artifact: str, size: int, steps: int, requests: int) -> list[float]:
     """Latencies of `requests` Pipeline calls in this (fresh) process, after one warm-up call."""
     from runners import Pipeline
@@ -70,11 +74,13 @@ def _load(server, model: str, clients: int, requests: int, size: int, steps: int
     return {"wall": wall, "latencies": latencies, "errors": errors}
 
 
-def serving_table(artifact: Path, size: int, steps: int, requests: int, concurrency: list[int], log) -> dict:
-    from bench.harness import in_child
+def measure(run) -> list[dict]:
     from runners.serving.repository import write_repository
     from runners.serving.server import Server, free_ports
 
+    a, artifact = run.args, run.default_artifact
+    size, steps, requests = a.serving_size, a.serving_steps, a.serving_requests
+    concurrency = [int(c) for c in a.serving_clients.split(",")]
     log(f"serving: {requests} direct Pipeline calls at {size}x{size}, {steps} steps")
     direct = statistics.median(in_child(_direct_seconds, str(artifact), size, steps, requests))
     rows = [["Pipeline, direct", "-", "1", f"{60 / direct:.2f}", f"{direct:.2f}", "-", "0", "-", "-"]]
@@ -96,7 +102,7 @@ def serving_table(artifact: Path, size: int, steps: int, requests: int, concurre
                 rows.append(["Triton, python layout", "on" if batched else "off", str(clients),
                              f"{60 * len(run['latencies']) / run['wall']:.2f}", f"{p50:.2f}", f"{p95:.2f}",
                              str(len(run["errors"])), f"{peak:.0f}", overhead])
-    return {"title": f"Serving with Triton at {size}x{size}, {steps} steps (ort-fp32, HTTP on 127.0.0.1)",
+    return [{"title": f"Serving with Triton at {size}x{size}, {steps} steps (ort-fp32, HTTP on 127.0.0.1)",
             "columns": ["runner", "batching", "clients", "images / min", "p50 s", "p95 s", "errors",
                         "peak RSS MiB", "overhead vs direct (p50)"],
             "rows": rows,
@@ -107,4 +113,16 @@ def serving_table(artifact: Path, size: int, steps: int, requests: int, concurre
                       "request. The direct row is the median of as many `Pipeline` calls in a fresh process, after "
                       "one warm-up. p95 is the nearest rank. Peak RSS: the server and its model process, each one's "
                       "VmHWM, summed. Batching on: queued requests with equal settings run as one Pipeline call "
-                      "(`--batch-requests`), at most what one denoiser call of the artifact takes."]}
+                      "(`--batch-requests`), at most what one denoiser call of the artifact takes."]}]
+
+
+def _arguments(group) -> None:
+    group.add_argument("--serving-size", type=int, default=512, help="image side of the serving table's requests")
+    group.add_argument("--serving-steps", type=int, default=4, help="steps of the serving table's requests")
+    group.add_argument("--serving-requests", type=int, default=8, help="requests per row of the serving table")
+    group.add_argument("--serving-clients", default="1,4,8", help="the serving table's numbers of concurrent clients")
+
+
+TABLE = Table("serving", "Serving with Triton", "a Triton model repository of the default artifact", ("sd3",),
+              measure, _arguments, smoke=("--serving-size", "64", "--serving-steps", "1", "--serving-requests", "4",
+                                          "--serving-clients", "2"))
