@@ -21,7 +21,7 @@ from export.onnx_export import example_inputs  # noqa: E402
 from runners import Pipeline  # noqa: E402
 from runners.backends.openvino import OpenVinoSession  # noqa: E402
 from runners.backends.ort import OrtSession  # noqa: E402
-from test_precision import _psnr  # noqa: E402
+from bench.accuracy import psnr as _psnr  # noqa: E402
 
 # OpenVINO fp32 against ONNX Runtime fp32, every sd3-tiny submodule at both export shapes. Measured
 # (OpenVINO 2026.4.1, onnxruntime 1.32): at most 2.0e-6 of the output's scale (the VAE decoder; the
