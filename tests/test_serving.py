@@ -241,7 +241,7 @@ def test_python_layout_config_and_files(tiny_artifact, tmp_path):
     config = _model_config(model / "config.pbtxt")
     assert (config.name, config.backend, config.max_batch_size) == (model.name, "python", 3)
     assert [i.name for i in config.input] == ["prompt", "negative_prompt", "height", "width", "num_inference_steps",
-                                              "guidance_scale", "seed", "num_images_per_prompt", "image",
+                                              "guidance_scale", "seed", "num_images_per_prompt", "cache", "image",
                                               "mask_image", "strength"]
     assert [i.name for i in config.input if not i.optional] == ["prompt"]
     (output,) = config.output
