@@ -53,8 +53,9 @@ class Previews:
         if not callable(on_preview):
             raise ValueError(f"on_preview={on_preview!r:.40} is not callable: pass a function (step, images)")
         if "vae_decoder_tiny" not in pipe.sessions and pipe.manifest["model"]["family"] not in LATENT_RGB:
-            raise ValueError(f"previews need a tiny decoder or a latent-to-RGB map; this {pipe.manifest['model']['family']}"
-                             " artifact has neither: export it with --tiny-vae")
+            family = pipe.manifest["model"]["family"]
+            raise ValueError(f"previews need a tiny decoder or a latent-to-RGB map; this {family} artifact has "
+                             "neither: export it with --tiny-vae")
         return cls(pipe, every, on_preview)
 
     def __call__(self, step: int, x0: np.ndarray) -> None:

@@ -113,7 +113,8 @@ def tiny_vae_source(given: str, latent_channels: int):
     channels = config.get("latent_channels", 4)
     if channels != latent_channels:
         raise SourceError(f"--tiny-vae {given} has {channels} latent channels; this model's latents have "
-                          f"{latent_channels}: pick the tiny autoencoder of its family (taesd/taesdxl 4, taesd3/taef1 16)")
+                          f"{latent_channels}: pick the tiny autoencoder of its family (taesd/taesdxl 4, "
+                          "taesd3/taef1 16)")
     fingerprint = _folder_fingerprint(folder)
     staged = cache_root() / "tiny-vae" / f"{folder.name}-{fingerprint}"  # the folder as a one-component pipeline
     if not (staged / "model_index.json").exists():

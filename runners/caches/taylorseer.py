@@ -37,8 +37,8 @@ class TaylorSeerCacheConfig(CacheConfig):
         self._check_int("max_order", 0)
         after = self.disable_cache_after_step
         if after is not None and (isinstance(after, bool) or not isinstance(after, (int, np.integer))):
-            raise ValueError(f"TaylorSeerCacheConfig: disable_cache_after_step={after!r} is not allowed: use an integer "
-                             "(negative counts from the last step: -2 runs the last two in full) or None")
+            raise ValueError(f"TaylorSeerCacheConfig: disable_cache_after_step={after!r} is not allowed: use an "
+                             "integer (negative counts from the last step: -2 runs the last two in full) or None")
         if self.use_lite_mode is not True:
             raise ValueError("TaylorSeerCacheConfig: use_lite_mode=False caches each attention block's output, which a "
                              "compiled graph does not expose: only use_lite_mode=True (the whole output) is supported")
