@@ -62,6 +62,16 @@ def submodule_entry(export: dict, name: str) -> dict:
             "quantization": sub.get("quantization", {})}
 
 
+def export_read(source: dict) -> dict:
+    """What of the export's manifest a build reads or copies, the cache key's part: all of it (the
+    files' checksums, the constants, dims, pipeline settings, tokenizers, each submodule's tensors and
+    quantization hints...) but the export's own cache key and each submodule's record of how its
+    export went (seconds, peak memory, parity errors), which a re-export of the same model changes."""
+    return {**{k: v for k, v in source.items() if k != "cache_key"},
+            "submodules": {name: {k: v for k, v in sub.items() if k != "export"}
+                           for name, sub in source["submodules"].items()}}
+
+
 def passes_fingerprint(names: dict[str, list[str]]) -> str:
     """The pass lists and the code they run: the modules of the passes used, every module of
     engines/passes that holds no pass (the infrastructure they share) and, for the passes that
@@ -145,7 +155,7 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
                 **({"fallback": fallback} if fallback else {}),
                 **({"memory": {"passes": list(memory_passes), "budget": memory_budget}} if memory else {}),
                 **({"runtime": own.runtime} if own else {})}
-    cache_key = digest([ARTIFACT_FORMAT, source["files"], settings, calibrated and calibrated.folder.name,
+    cache_key = digest([ARTIFACT_FORMAT, export_read(source), settings, calibrated and calibrated.folder.name,
                         passes_fingerprint(lists)])
     dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{options.variant()}"
     return BuildPlan(build_dir, tgt, precision, options, source, lists, base, own, memory_passes, memory_budget,

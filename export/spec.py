@@ -35,7 +35,8 @@ class SubmoduleSpec:
     load_kwargs: dict = field(default_factory=dict)  # e.g. T5 needs eager attention to export
     # How the precision passes treat it (engines/precisions.py): "denoiser": True marks the
     # submodule run at every step (fp8 quantizes only it); "keep_scopes" names the modules (path
-    # components of the exporter's name scopes) whose linear layers stay in float when quantized;
+    # components of the exporter's name scopes, or whole paths where they hold a dot) whose linear
+    # layers stay in float when quantized;
     # "activations": True quantizes activations too where a target's int8 quantizes whole
     # submodules (engines/targets/_openvino_int8.py), as it does the denoiser's.
     quantization: dict = field(default_factory=dict)

@@ -41,6 +41,10 @@ class StaticRequest:
 
     def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
         """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
+        if "image_tokens" in dims:  # Flux: dims of each request that the static request does not fix
+            raise ValueError("--static is not supported for Flux: its transformer's image token count and T5 length "
+                             "follow each request, and a static request fixes only the batch and image size; build "
+                             "without --static")
         size = pipeline["default_image_size"]
         request = replace(self, height=self.height or size, width=self.width or size)
         multiple = pipeline["vae_scale_factor"] * pipeline["latent_multiple"]

@@ -82,3 +82,29 @@ def test_the_entry_points_stay_short():
 
     for function in (build_artifact, main):
         assert len(inspect.getsource(function).splitlines()) < 60, function.__name__
+
+
+def test_a_changed_export_manifest_makes_the_artifact_out_of_date(tiny_build, tmp_path):
+    """The cache key holds what a build reads of the export's manifest, its files' checksums and more: a
+    re-export that changes only a constant, a quantization hint or the pipeline settings rebuilds; one
+    that changes only its own record (seconds, parity errors) does not."""
+    import json
+
+    for folder in ("onnx", "ort-fp32"):
+        shutil.copytree(tiny_build / folder, tmp_path / folder)
+    path = tmp_path / "onnx" / "manifest.json"
+    original = json.loads(path.read_text())
+    assert plan(tmp_path).up_to_date
+
+    def changed(edit) -> bool:
+        data = json.loads(json.dumps(original))
+        edit(data)
+        path.write_text(json.dumps(data))
+        return not plan(tmp_path).up_to_date
+
+    assert changed(lambda m: m["constants"].update(latent_channels=m["constants"]["latent_channels"] + 1))
+    assert changed(lambda m: m["pipeline"].update(vae_scaling_factor=0.5))
+    assert changed(lambda m: m["submodules"]["transformer"]["quantization"].update(keep_scopes=["proj_out"]))
+    assert changed(lambda m: m["dims"]["batch"].__setitem__(2, 3))
+    assert not changed(lambda m: m["submodules"]["transformer"]["export"].update(export_seconds=1e6))
+    assert not changed(lambda m: m.update(cache_key="0" * 16))

@@ -33,7 +33,7 @@ def _check(onnx_dir, source, names, tmp_path, atol: float | None = None) -> dict
     (`atol`, else 1e-5 of the output scale); return {submodule: {pass: counts}}."""
     manifest = json.loads((onnx_dir / "manifest.json").read_text())
     counts = {}
-    for spec in FAMILIES[manifest["model"]["family"]].submodules:
+    for spec in (s for s in FAMILIES[manifest["model"]["family"]].submodules if s.applies(source)):
         sub = manifest["submodules"][spec.name]
         for probe in sub["export"]["parity"]:
             arrays = example_inputs(spec, probe["dims"], manifest["constants"], seed=1)

@@ -79,11 +79,14 @@ NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # the exporter's module path of 
 
 def in_scopes(metadata, scopes) -> bool:
     """Whether a node with this metadata was exported from a module whose dotted path has one of
-    `scopes` as a component ("norm_out" matches transformer.norm_out.linear)."""
+    `scopes` as a component ("norm_out" matches transformer.norm_out.linear), or, for a scope with a
+    dot, whose path is that scope ("transformer.proj_out" is Flux's final projection, and not
+    transformer.single_transformer_blocks.0.proj_out, which the component "proj_out" would match)."""
     import ast
 
     paths = ast.literal_eval(metadata.get(NAME_SCOPES_KEY, "[]"))
-    return any(set(scopes) & set(path.split(".")) for path in paths)
+    components = {s for s in scopes if "." not in s}
+    return any(path in scopes or components & set(path.split(".")) for path in paths)
 
 
 def nodes_in_scopes(proto, scopes, op_types) -> list[str]:

@@ -9,7 +9,11 @@ keep their fp32 types, so the runner feeds and reads the same arrays.
 """
 from __future__ import annotations
 
-from engines.passes.base import LibraryPass, Transformed
+import onnx_ir as ir
+from onnx_ir.passes import PreconditionError
+
+from engines.passes.base import LibraryPass, Report, Transformed
+from engines.passes.infer_shapes import InferShapes
 
 FP16_MAX = 65504.0
 # Calibration sees a few dozen prompts: keep 4x headroom for activations larger than those.
@@ -23,15 +27,24 @@ class ToFp16(LibraryPass):
     READS_WEIGHTS = True
     needs_calibration = True
 
+    def call(self, model: ir.Model) -> Report:
+        """The converter casts only tensors whose type it knows: every tensor gets one first. ONNX's
+        inference types what the fusions added (fuse_attention's reshapes); the contrib ops they made
+        (MultiHeadAttention) carry their types already. (ONNX Runtime's symbolic inference, used
+        before, raises on a Split whose sizes are symbolic: Flux's text/image split at t5_length.)"""
+        InferShapes(self.context)(model)
+        untyped = [v.name for node in model.graph for v in node.outputs if v.dtype is None]
+        if untyped:
+            raise PreconditionError(f"to_fp16: {len(untyped)} tensors of {self.context.submodule} have no type after "
+                                    f"shape inference (e.g. {', '.join(untyped[:3])}): the pass that made them must type them")
+        return super().call(model)
+
     def transform(self, proto) -> Transformed:
         from onnx import TensorProto
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        from engines.passes.ort_tools import activation_ranges, infer_symbolic_shapes
+        from engines.passes.ort_tools import activation_ranges
 
-        # The converter casts only tensors whose type it knows, and ONNX's inference stops at
-        # contrib ops (MultiHeadAttention): ONNX Runtime's symbolic inference types them all.
-        proto = infer_symbolic_shapes(proto, auto_merge=True, guess_output_rank=True)
         ranges = activation_ranges(proto, self.context.calibration)
         islands = fp32_islands(proto, ranges, RANGE_LIMIT)
         nodes_before = len(proto.graph.node)

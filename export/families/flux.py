@@ -16,6 +16,7 @@ from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
+from export.families.first_block import inner_dim, transformer_specs
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 PACK = 2  # latents are packed in PACK x PACK patches: latent sides are multiples of it
@@ -72,10 +73,10 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
         ),
         outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "packed_out_channels")),),
         wrap=_TransformerForFlux,
-        # The embedders and the final norm stay in higher precision, as for SD3. (The final proj_out
-        # is not named: scopes match path components, and every single-stream block has a proj_out.)
+        # The embedders and the final norm and projection stay in higher precision, as for SD3. The
+        # final projection by its path: every single-stream block has a proj_out too.
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_text_embed", "context_embedder",
-                                                        "norm_out")},
+                                                        "norm_out", "transformer.proj_out")},
         when=lambda src: _has_guidance(src) == guidance,
     )
 
@@ -101,6 +102,7 @@ def _constants(src) -> dict[str, int]:
         "latent_channels": vae["latent_channels"],
         "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
         "latent_multiple": PACK,
+        "inner_dim": inner_dim(tr),
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
     }
 
@@ -136,8 +138,8 @@ FAMILY = Family(
     submodules=(
         clip("text_encoder", "clip", ("pooler_output",)),
         t5_encoder("text_encoder_2"),
-        _transformer(guidance=True),
-        _transformer(guidance=False),
+        *transformer_specs(_transformer(guidance=True)),
+        *transformer_specs(_transformer(guidance=False)),
         VAE_DECODER,
         VAE_ENCODER,
     ),
