@@ -5,6 +5,7 @@ python -m runners triton ARTIFACT --out REPO and python -m runners serve ARTIFAC
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -67,12 +68,18 @@ def main(argv=None) -> int:
                    help="default: the artifact's opt size (SD1.5's and SDXL's image to image: the image's own)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--steps", type=int, default=None,
-                   help="default: diffusers' for the family and task (SD3 28, with an image 50; SD1.5 and SDXL 50)")
+                   help="default: diffusers' for the family and task (SD3 28, with an image 50; SD1.5 and SDXL 50; "
+                        "Flux dev 28, schnell 4)")
     p.add_argument("--guidance", type=float, default=None,
-                   help="default: diffusers' for the family and task (SD3 7, SD1.5 7.5, SDXL 5 and 7.5 inpainting)")
+                   help="default: diffusers' for the family and task (SD3 7, SD1.5 7.5, SDXL 5 and 7.5 inpainting; "
+                        "Flux dev 3.5, its guidance embedding, and with an image 7; schnell has none)")
+    p.add_argument("--true-cfg-scale", type=float, default=None,
+                   help="Flux: classifier-free guidance with --negative-prompt, as diffusers' true_cfg_scale "
+                        "(default 1: none; the negative prompt does nothing without a scale over 1)")
     p.add_argument("--seed", type=int, default=0, help="numpy's generator (not torch's noise)")
     p.add_argument("--num-images", type=int, default=1)
-    p.add_argument("--max-sequence-length", type=int, default=None, help="SD3's T5 tokens (default 256)")
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="T5 tokens (default: SD3 256, Flux dev 512, Flux schnell 256)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--vae-tiling", action="store_true",
                    help="decode in overlapping tiles even when the image fits the VAE engine (it is automatic "
@@ -89,7 +96,7 @@ def main(argv=None) -> int:
                    help="with --image: inpainting, repaint the mask's white part (a mask of the image's size)")
     p.add_argument("--strength", type=float, default=None,
                    help="with --image: how much to change it, in (0, 1] (default: diffusers', SD3 0.6, SD1.5 0.8 and "
-                        "inpainting 1, SDXL 0.3 and inpainting 0.9999)")
+                        "inpainting 1, SDXL 0.3 and inpainting 0.9999, Flux 0.6)")
     p.add_argument("--cache", default=None, metavar="KIND[:KEY=VALUE,...]",
                    help="skip denoiser evaluations: taylorseer[:interval=5,before=3,after=None,order=1] (diffusers' "
                         "TaylorSeer lite and its defaults; openvino.genai's: taylorseer:interval=3,before=6,after=-2)")
@@ -99,12 +106,16 @@ def main(argv=None) -> int:
                    help="write the current estimate as DIR/step_NNN[_i].png every --preview-every steps (the tiny "
                         "decoder's, or a latent-to-RGB projection)")
     p.add_argument("--preview-every", type=int, default=1, metavar="N")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="apply a LoRA adapter .safetensors (diffusers/PEFT or kohya) at SCALE (default 1) for this "
+                        "run; repeatable (docs/lora.md)")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 
     from runners import Pipeline
     from runners.caches import parse_cache
     from runners.cli import run_cli
+    from runners.lora import parse_lora_spec
     from runners.pipeline import parse_device_map
     from runners.manifest import ManifestError
 
@@ -116,17 +127,22 @@ def main(argv=None) -> int:
         mask = _read_image(args.mask, "--mask") if args.mask else None
         t0 = time.perf_counter()
         cache = parse_cache(args.cache) if args.cache else None
+        loras = dict(parse_lora_spec(spec) for spec in args.lora)
         pipe = Pipeline.load(args.artifact, threads=args.threads, progress=True,
-                             device_map=parse_device_map(args.device_map), vae="tiny" if args.tiny_vae else "full")
+                             device_map=parse_device_map(args.device_map), vae="tiny" if args.tiny_vae else "full",
+                             loras=loras)
         pipe.enable_cache(cache)
         previews = {} if args.preview_dir is None else {
             "preview_every": args.preview_every,
             "on_preview": lambda step, images: _save_all(images, _numbered(args.preview_dir / f"step_{step:03d}.png",
                                                                           len(images)))}
         timings = {"load": time.perf_counter() - t0}
+        if args.true_cfg_scale is not None and "true_cfg_scale" not in inspect.signature(pipe.generate).parameters:
+            raise ValueError(f"--true-cfg-scale is Flux's (classifier-free guidance with a negative prompt); this "
+                             f"artifact is {pipe.family}'s, whose guidance is --guidance")
         given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
-                 "max_sequence_length": args.max_sequence_length, "image": image,
-                 "mask_image": mask, "strength": args.strength}  # unset: the family's defaults
+                 "max_sequence_length": args.max_sequence_length, "image": image, "mask_image": mask,
+                 "strength": args.strength, "true_cfg_scale": args.true_cfg_scale}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                       seed=args.seed, num_images_per_prompt=args.num_images,
                       vae_tiling=True if args.vae_tiling else None, profile=args.profile, **previews,

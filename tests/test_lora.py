@@ -199,7 +199,9 @@ def test_offline_artifact_shares_unchanged_files_and_records_the_adapters(tiny_a
     Pipeline.load(sd3_lora_artifact)  # its manifest's checksums hold (the linked files' are the source's)
 
 
-def test_lora_command_line(tiny_artifact, sd3_adapters, tmp_path):
+def test_lora_command_lines(tiny_artifact, sd3_adapters, tmp_path):
+    from PIL import Image
+
     out = tmp_path / "cli"
     done = subprocess.run([sys.executable, "-m", "engines", "lora", str(tiny_artifact), "--lora",
                            f"{sd3_adapters['b']}:0.5", "--out", str(out)], capture_output=True, text=True)
@@ -210,6 +212,19 @@ def test_lora_command_line(tiny_artifact, sd3_adapters, tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.safetensors does not exist" in bad.stderr
     assert not (tmp_path / "x").exists()
+    # The runner's --lora applies the same adapter for one run: the offline artifact's image exactly.
+    image = tmp_path / "lora.png"
+    run = [sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "2", "--height", "64",
+           "--width", "64"]
+    done = subprocess.run(run + ["--lora", f"{sd3_adapters['b']}:0.5", "--out", str(image)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    offline = Pipeline.load(out)("a cat", num_inference_steps=2, height=64, width=64, seed=0, output_type="np")[0]
+    assert np.array_equal(np.asarray(Image.open(image)), (offline * 255).round().astype(np.uint8))
+    bad = subprocess.run(run + ["--lora", f"{tmp_path / 'missing.safetensors'}:0.5", "--out", str(tmp_path / "no.png")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "missing.safetensors does not exist" in bad.stderr
+    assert not (tmp_path / "no.png").exists()
 
 
 def test_keys_that_match_nothing_are_an_error_listing_them(tiny_artifact, sd3_adapters, tmp_path):
