@@ -46,7 +46,7 @@ def input_specs(src, manifest: dict, size: int, names: list[str]) -> dict[str, d
     batch 2, the others at batch 1."""
     from export.shapes import concrete
 
-    specs, constants = {s.name: s for s in src.family.submodules}, manifest["constants"]
+    specs, constants = {s.name: s for s in src.family.submodules if s.applies(src)}, manifest["constants"]
     out = {}
     for name in names:
         dims = call_dims(src, constants, size, DENOISER_BATCH if name == denoiser(manifest) else 1)

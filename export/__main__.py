@@ -23,6 +23,10 @@ def main(argv=None) -> int:
                    help="also export this AutoencoderTiny (madebyollin/taesd, taesdxl, taesd3, taef1; or a random "
                         "test one: taesd-tiny, taesdxl-tiny, taesd3-tiny, taef1-tiny) as vae_decoder_tiny and "
                         "vae_encoder_tiny: the runner's vae='tiny' and its live previews use it")
+    p.add_argument("--controlnet", action="append", default=[], metavar="FOLDER_OR_HUB_ID",
+                   help="also export this ControlNetModel (a folder, a hub id such as lllyasviel/sd-controlnet-canny, "
+                        "or a random test one: sd15-controlnet-tiny, sdxl-controlnet-tiny) as engine controlnet, "
+                        "controlnet_1, ... (repeat for several); the submodules already exported are kept as they are")
     args = p.parse_args(argv)
 
     from export.api import export_model
@@ -31,7 +35,8 @@ def main(argv=None) -> int:
 
     sizes = args.image_size.split(",") if args.image_size else None
     return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes,
-                                                 dtype=args.dtype, tiny_vae=args.tiny_vae),
+                                                 dtype=args.dtype, tiny_vae=args.tiny_vae,
+                                                 controlnets=args.controlnet),
                    (SourceError, ValueError), "nothing was written")
 
 

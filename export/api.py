@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import time
 import warnings
@@ -17,12 +18,13 @@ from pathlib import Path
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
+from export.families.controlnet import controlnet_sources, specs_and_constants as controlnet_specs
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
 from export.versions import package_versions
-from runners.manifest import atomic_folder, digest, is_current, write_manifest
+from runners.manifest import ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest
 
-EXPORT_FORMAT = 4  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 5  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:
@@ -74,14 +76,17 @@ def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
 
 def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
                  image_size: tuple[int, int, int] | None = None, dtype: str | None = None,
-                 tiny_vae: str | None = None) -> Path:
+                 tiny_vae: str | None = None, controlnets: list[str] | tuple[str, ...] = ()) -> Path:
     """Export `model` (registry name or folder) into `out`/onnx and return that folder.
 
     `image_size` (min, opt, max pixels) overrides the range the engines are built for. `dtype`
     (float32, float16; default: the registry entry's) is the weights' and the computation's: an
     fp16 export never holds fp32 weights, and builds only fp16 engines. `tiny_vae` (an AutoencoderTiny
     folder, hub id or random test name, export/families/tiny_vae.py) adds `vae_decoder_tiny` and
-    `vae_encoder_tiny`."""
+    `vae_encoder_tiny`. `controlnets` (ControlNetModel folders, hub ids or random test names,
+    export/families/controlnet.py) add engines `controlnet`, `controlnet_1`, ... after those a ControlNet
+    pipeline folder holds. A submodule exported before from the same inputs (an export that only adds
+    ControlNets) is taken from the existing folder, not exported again."""
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()
@@ -100,17 +105,31 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     if tiny:
         specs += TINY_VAE_SPECS
         sources.update({s.name: tiny for s in TINY_VAE_SPECS})
-    cache_key = digest([EXPORT_FORMAT, src.fingerprint, family.name, ranges, probes, opset, dtype,
-                         [s.name for s in specs], package_versions(), tiny and tiny.fingerprint])
+    controls = controlnet_sources(src, list(controlnets))
+    control_specs, control_constants = controlnet_specs(family.name, controls)
+    constants.update(control_constants)
+    specs += control_specs
+    sources.update({s.name: c for s, c in zip(control_specs, controls)})
+    settings = [EXPORT_FORMAT, family.name, ranges, probes, opset, dtype, package_versions()]
+    keys = {s.name: digest([settings, s.name, s.component, sources[s.name].fingerprint]) for s in specs}
+    cache_key = digest([settings, src.fingerprint, keys])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
         return dest
+    earlier = {} if force else _reusable(dest, keys)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
     with atomic_folder(dest) as tmp:
-        submodules = {}
+        submodules, known = {}, {}
         for spec in specs:
+            if spec.name in earlier:
+                submodules[spec.name], files = earlier[spec.name]
+                for name, sha in files.items():
+                    os.link(dest / name, tmp / name)
+                    known[name] = sha
+                _log(f"{spec.name}: exported before from the same inputs: taken from {dest}")
+                continue
             _log(f"{spec.name}: tracing without weights, then streaming them from "
                  f"{sources[spec.name].folder / spec.component}")
             t0 = time.perf_counter()
@@ -129,6 +148,8 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
                 "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.outputs],
                 "quantization": spec.quantization,
                 "export": report,
+                "key": keys[spec.name],
+                **({"source": sources[spec.name].entry.name} if spec in control_specs else {}),
             }
         tokenizers, scheduler = _copy_tokenizers_and_scheduler(src, tmp)
         write_manifest(tmp, {
@@ -146,8 +167,24 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
             "scheduler": scheduler,
             "submodules": submodules,
             "versions": package_versions(),
-        })
+        }, known)
     _log(f"wrote {dest}")
     return dest
+
+
+def _reusable(dest: Path, keys: dict[str, str]) -> dict[str, tuple[dict, dict[str, str]]]:
+    """{submodule: (its manifest entry, {file: sha256})} of the submodules of the export in `dest` whose
+    key is the one they would be exported with now: the same graph, taken as it is."""
+    try:
+        old = read_manifest(dest)
+    except ManifestError:
+        return {}
+    reusable = {}
+    for name, entry in old.get("submodules", {}).items():
+        if entry.get("key") == keys.get(name):
+            stem = entry["file"].split(".")[0]
+            files = {f: sha for f, sha in old["files"].items() if f.split(".")[0] == stem}
+            reusable[name] = (entry, files)
+    return reusable
 
 

@@ -8,6 +8,7 @@ ONNX Runtime opens the graph: at no point are two copies of the weights in memor
 from __future__ import annotations
 
 import gc
+import inspect
 import re
 import time
 from dataclasses import dataclass
@@ -88,6 +89,16 @@ def _dynamic_shapes(spec: SubmoduleSpec, dynamic: set[str]) -> tuple:
     return tuple({i: torch.export.Dim.AUTO for i, d in enumerate(t.shape) if d in dynamic} for t in spec.inputs)
 
 
+def _grouped(module: torch.nn.Module, shapes: tuple) -> tuple:
+    """The shapes as torch.export matches them to forward's parameters: those a `*args` takes (TypedIO's
+    inputs, a UNet's ControlNet residuals) as one tuple."""
+    params = inspect.signature(module.forward).parameters.values()
+    named = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    if not any(p.kind == p.VAR_POSITIONAL for p in params) or len(shapes) == named:
+        return shapes
+    return (*shapes[:named], tuple(shapes[named:]))
+
+
 def _name_axes(model, spec: SubmoduleSpec, dynamic: set[str]) -> None:
     """Give graph inputs/outputs our dimension names, and rename the exporter's symbols
     (s0, s12, 2*((s12//2)) ...) everywhere else, so every stage sees 'batch', 'latent_height'."""
@@ -119,9 +130,7 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
           opset: int = DEFAULT_OPSET, optimize: bool = True):
     """torch.onnx.export (dynamo) of `module` at the `probe` shape, axes named; the ONNXProgram."""
     example = [torch.from_numpy(a) for a in example_inputs(spec, probe, constants, seed=0)]
-    shapes = _dynamic_shapes(spec, dynamic)
-    if isinstance(module, TypedIO):
-        shapes = (shapes,)  # its forward(*inputs) takes them as one argument
+    shapes = _grouped(module, _dynamic_shapes(spec, dynamic))
     with torch.no_grad():
         program = torch.onnx.export(
             module, tuple(example), dynamo=True, opset_version=opset, optimize=optimize,

@@ -125,6 +125,17 @@ def _hub_snapshot(entry: ModelEntry) -> Path:
     )
 
 
+def local_or_hub(given: str, option: str, names) -> Path:
+    """What an option that takes one model component holds (`--tiny-vae`, `--controlnet`), when it is not
+    one of its random test `names`: a local folder, or a hub id (from the cache, or downloaded)."""
+    path = Path(given).expanduser()
+    if path.exists():
+        return path.resolve()
+    if given.count("/") != 1:
+        raise SourceError(f"{option} {given}: not a folder, a hub id (owner/name) or one of {', '.join(names)}")
+    return _hub_snapshot(ModelEntry(name=given, family=option.lstrip("-"), hub_id=given))
+
+
 def _detect_family(folder: Path) -> str:
     index = folder / "model_index.json"
     if not index.is_file():

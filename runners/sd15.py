@@ -8,31 +8,39 @@ from __future__ import annotations
 
 import numpy as np
 
+from runners.controlnet import ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
-class SD15Pipeline(TextToImage):
+class SD15Pipeline(ControlNets, TextToImage):
     family = "sd15"
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 7.5), IMAGE: Defaults(50, 7.5, 0.8), INPAINT: Defaults(50, 7.5, 1.0)}
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 vae_tiling=None, image=None, mask_image=None, strength=None, noise=None, encoder_noise=None):
+                 vae_tiling=None, image=None, mask_image=None, strength=None, noise=None, encoder_noise=None,
+                 control_image=None, controlnet_conditioning_scale=1.0, control_guidance_start=0.0,
+                 control_guidance_end=1.0, guess_mode=False):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
         and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `seed` seeds numpy's generator; pass `latents` (standard normal, before the scheduler's
-        initial noise scale) for exact comparison with diffusers. `vae_tiling`: see `vae_decode`."""
-        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                   num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                   encoder_noise=encoder_noise)
+        initial noise scale) for exact comparison with diffusers. `vae_tiling`: see `vae_decode`.
+        `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
+        diffusers' StableDiffusionControlNet pipelines (runners/controlnet.py)."""
+        return self._controlled_text_to_image(
+            prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
+            latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,
+            encoder_noise=encoder_noise, control_image=control_image,
+            controlnet_conditioning_scale=controlnet_conditioning_scale, control_guidance_start=control_guidance_start,
+            control_guidance_end=control_guidance_end, guess_mode=guess_mode)
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width):
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, control=None):
         embeds = self._encode(prompts, per_prompt)
         if cfg:
             embeds = np.concatenate([self._encode(self._negatives(prompts, negative_prompt), per_prompt), embeds])
+        self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds}
 
     def _encode(self, prompts: list[str], per_prompt: int) -> np.ndarray:

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from runners.controlnet import ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
-class SDXLPipeline(TextToImage):
+class SDXLPipeline(ControlNets, TextToImage):
     family = "sdxl"
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
+    control_defaults = {IMAGE: Defaults(50, 5.0, 0.8), INPAINT: Defaults(50, 5.0, 0.9999)}
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None, image=None,
                  mask_image=None, strength=None, noise=None, encoder_noise=None, aesthetic_score=6.0,
-                 negative_aesthetic_score=2.5):
+                 negative_aesthetic_score=2.5, control_image=None, controlnet_conditioning_scale=1.0,
+                 control_guidance_start=0.0, control_guidance_end=1.0, guess_mode=False):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
         and strength left None take `defaults`, those of diffusers' pipeline for the task.
@@ -31,16 +34,20 @@ class SDXLPipeline(TextToImage):
         first and last default to the image's size) are SDXL's micro-conditions; a UNet trained with
         aesthetic scores (the refiner's structure) takes `aesthetic_score` and `negative_aesthetic_score`
         in place of the target size. `seed` seeds numpy's generator; pass `latents` for exact
-        comparison with diffusers."""
-        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                   num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                   encoder_noise=encoder_noise,
-                                   original_size=original_size, crops=crops_coords_top_left, target_size=target_size,
-                                   aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score)
+        comparison with diffusers. `control_image` (one per ControlNet of the artifact) and the other
+        ControlNet settings are those of diffusers' StableDiffusionXLControlNet pipelines (runners/controlnet.py),
+        whose defaults differ for image to image (strength 0.8) and inpainting (guidance 5)."""
+        return self._controlled_text_to_image(
+            prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
+            latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,
+            encoder_noise=encoder_noise, original_size=original_size, crops=crops_coords_top_left,
+            target_size=target_size, aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score,
+            control_image=control_image, controlnet_conditioning_scale=controlnet_conditioning_scale,
+            control_guidance_start=control_guidance_start, control_guidance_end=control_guidance_end,
+            guess_mode=guess_mode)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, original_size, crops,
-                    target_size, aesthetic_score, negative_aesthetic_score):
+                    target_size, aesthetic_score, negative_aesthetic_score, control=None):
         embeds, pooled = self._encode(prompts, per_prompt)
         if cfg:
             if negative_prompt is None and self.constants["force_zeros_for_empty_prompt"]:
@@ -62,6 +69,7 @@ class SDXLPipeline(TextToImage):
             negative_sizes = sizes
         n = len(embeds) // 2 if cfg else len(embeds)
         rows = ([negative_sizes] * n if cfg else []) + [sizes] * n
+        self._start_control(control, height, width, n, per_prompt, cfg)
         return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": np.array(rows, dtype=np.float32)}
 
     def _encode(self, prompts: list[str], per_prompt: int):

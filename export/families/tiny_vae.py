@@ -87,16 +87,9 @@ def _spread_output(vae) -> None:
 
 def _folder_of(given: str) -> Path:
     """A TINY_VAES name, a local folder, or a hub id -> the AutoencoderTiny's folder."""
-    from export.source import SourceError, _hub_snapshot
+    from export.source import local_or_hub
 
-    if given in TINY_VAES:
-        return _random_folder(given)
-    path = Path(given).expanduser()
-    if path.exists():
-        return path.resolve()
-    if given.count("/") != 1:
-        raise SourceError(f"--tiny-vae {given}: not a folder, a hub id (owner/name) or one of {', '.join(TINY_VAES)}")
-    return _hub_snapshot(ModelEntry(name=given, family="tiny_vae", hub_id=given))
+    return _random_folder(given) if given in TINY_VAES else local_or_hub(given, "--tiny-vae", TINY_VAES)
 
 
 def tiny_vae_source(given: str, latent_channels: int):

@@ -4,8 +4,15 @@ and skip connections, and the 4-channel VAE, as data.
 
 The UNet halves the latent at every down block but the last, so latent sides are multiples of
 2 ** (down blocks - 1): the pipeline's `latent_multiple`.
+
+The UNet takes a ControlNet's residuals as inputs (`down_residual_0`... and `mid_residual`, added
+after each down-block layer and to the mid block's output): zeros when no ControlNet runs, so one
+graph serves both paths and a ControlNet added later needs no new UNet (export/families/controlnet.py).
+A UNet of another layout than its family's real ones exports without them (and takes no ControlNet).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -20,38 +27,94 @@ _LATENT = ("batch", "in_channels", "latent_height", "latent_width")
 _KEEP_SCOPES = ("conv_in", "time_proj", "time_embedding", "add_time_proj", "add_embedding", "conv_norm_out", "conv_out")
 
 
+# The layouts of the real UNets of each family: (down blocks, resnets per block). ControlNet residual
+# inputs are declared for these.
+LAYOUTS = {"sd15": (4, 2), "sdxl": (3, 2)}
+
+
+def residual_specs(blocks: int, layers: int) -> tuple[T, ...]:
+    """A ControlNet's residuals for a UNet of `blocks` down blocks of `layers` resnets, in diffusers'
+    order: conv_in's output, each resnet's and each downsampler's (all blocks but the last), then the
+    mid block's. Block b works at 1/2**b of the latent size, with its own width (unet_block_b)."""
+
+    def at(block: int, scale: int) -> tuple:
+        sides = ("latent_height", "latent_width") if scale == 1 else (f"latent_height_{scale}", f"latent_width_{scale}")
+        return ("batch", f"unet_block_{block}", *sides)
+
+    shapes = [at(0, 1)]
+    for b in range(blocks):
+        shapes += [at(b, 2 ** b)] * layers
+        if b < blocks - 1:
+            shapes.append(at(b, 2 ** (b + 1)))
+    return tuple(T(f"down_residual_{i}", "float32", s) for i, s in enumerate(shapes)) + (
+        T("mid_residual", "float32", at(blocks - 1, 2 ** (blocks - 1))),)
+
+
+def _residual_dims(blocks: int) -> dict:
+    """latent_height_S, latent_width_S: the latent sides at 1/S, S = 2 .. 2**(blocks-1)."""
+    return {f"latent_{axis}_{2 ** b}": (lambda base, axis=axis, s=2 ** b: base[f"latent_{axis}"] // s)
+            for b in range(1, blocks) for axis in ("height", "width")}
+
+
+def split_residuals(inputs) -> tuple[list, object]:
+    """(down residuals, mid residual) of a wrapper's trailing inputs."""
+    return list(inputs[:-1]), inputs[-1]
+
+
 class _UNet(torch.nn.Module):
     def __init__(self, unet):
         super().__init__()
         self.unet = unet
 
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return (self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0],)
+    def forward(self, sample, timestep, encoder_hidden_states, *residuals):
+        return (self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False,
+                          **_residual_kwargs(residuals))[0],)
 
 
 class _UNetXL(_UNet):
     """SDXL's added conditions, CLIP-G's pooled embedding and the six size conditions, as two more inputs."""
 
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids, *residuals):
         added = {"text_embeds": text_embeds, "time_ids": time_ids}
         return (self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, added_cond_kwargs=added,
-                          return_dict=False)[0],)
+                          return_dict=False, **_residual_kwargs(residuals))[0],)
 
 
-def _unet(wrap, *added: T) -> SubmoduleSpec:
-    return SubmoduleSpec(
+def _residual_kwargs(residuals) -> dict:
+    if not residuals:
+        return {}
+    down, mid = split_residuals(residuals)
+    return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+
+
+def has_layout(src, family: str) -> bool:
+    """Whether the source's UNet has its family's real layout (the one ControlNet residuals are declared for)."""
+    unet = src.config("unet")
+    return (len(unet["block_out_channels"]), unet["layers_per_block"]) == LAYOUTS[family]
+
+
+def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, SubmoduleSpec]:
+    """The UNet with ControlNet residual inputs (its family's layout), and without (any other)."""
+    inputs = (
+        T("sample", "float32", _LATENT),
+        T("timestep", "float32", ("batch",), high="num_train_timesteps"),
+        T("encoder_hidden_states", "float32", ("batch", "clip_length", "cross_dim")),
+        *added,
+    )
+    plain = SubmoduleSpec(
         name="unet",
         component="unet",
-        inputs=(
-            T("sample", "float32", _LATENT),
-            T("timestep", "float32", ("batch",), high="num_train_timesteps"),
-            T("encoder_hidden_states", "float32", ("batch", "clip_length", "cross_dim")),
-            *added,
-        ),
+        inputs=inputs,
         outputs=(T("noise_pred", "float32", ("batch", "out_channels", "latent_height", "latent_width")),),
         wrap=wrap,
         quantization={"denoiser": True, "keep_scopes": _KEEP_SCOPES},
+        when=lambda src: not has_layout(src, family),
     )
+    return (dataclasses.replace(plain, inputs=inputs + residual_specs(*LAYOUTS[family]),
+                                when=lambda src: has_layout(src, family)), plain)
+
+
+SDXL_ADDED = (T("text_embeds", "float32", ("batch", "clip2_proj")), T("time_ids", "float32", ("batch", "time_ids")))
 
 
 def _constants(src) -> dict[str, int]:
@@ -66,6 +129,7 @@ def _constants(src) -> dict[str, int]:
         "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
         "latent_multiple": 2 ** (len(unet["block_out_channels"]) - 1),
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
+        **{f"unet_block_{b}": width for b, width in enumerate(unet["block_out_channels"])},
     }
     if src.has("text_encoder_2"):
         c.update(clip_constants(src.config("text_encoder_2"), "clip2"))
@@ -129,33 +193,37 @@ def build_sdxl(configs: dict, out_dir, seed: int = 0) -> None:
 
 SD15 = Family(
     name="sd15",
-    pipeline_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline"),
+    pipeline_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline",
+                      "StableDiffusionControlNetPipeline", "StableDiffusionControlNetImg2ImgPipeline",
+                      "StableDiffusionControlNetInpaintPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("last_hidden_state",)),
-        _unet(_UNet),
+        *_unet("sd15", _UNet),
         VAE_DECODER,
         VAE_ENCODER,
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
-    derived_dims=VAE_DIMS,
+    derived_dims={**VAE_DIMS, **_residual_dims(LAYOUTS["sd15"][0])},
     tokenizers=("tokenizer",),
     build_random=build_sd15,
 )
 
 SDXL = Family(
     name="sdxl",
-    pipeline_classes=("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
+    pipeline_classes=("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline",
+                      "StableDiffusionXLControlNetPipeline", "StableDiffusionXLControlNetImg2ImgPipeline",
+                      "StableDiffusionXLControlNetInpaintPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("penultimate_hidden_states",)),
         clip("text_encoder_2", "clip2", ("text_embeds", "penultimate_hidden_states")),
-        _unet(_UNetXL, T("text_embeds", "float32", ("batch", "clip2_proj")), T("time_ids", "float32", ("batch", "time_ids"))),
+        *_unet("sdxl", _UNetXL, *SDXL_ADDED),
         VAE_DECODER,
         VAE_ENCODER,
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
-    derived_dims=VAE_DIMS,
+    derived_dims={**VAE_DIMS, **_residual_dims(LAYOUTS["sdxl"][0])},
     tokenizers=("tokenizer", "tokenizer_2"),
     build_random=build_sdxl,
 )

@@ -1,0 +1,225 @@
+"""ControlNet in the U-Net families' runners, with the semantics of diffusers'
+StableDiffusion(XL)ControlNet pipelines and their Img2Img and Inpaint twins.
+
+Each ControlNet engine (`controlnet`, `controlnet_1`, ...) reads the latents, the timestep, the text
+conditions and its control image, and returns the UNet's residuals already scaled (one factor per
+residual: `controlnet_conditioning_scale`, times the 0.1-to-1 ramp of guess mode); the residuals of
+several ControlNets add up. The UNet takes them as inputs and gets zeros when none runs: a ControlNet
+outside its guidance window (`control_guidance_start`/`_end`, fractions of the steps) or at scale 0
+is not run at all (diffusers runs it at scale 0, which gives the same zeros).
+
+Guess mode under guidance runs the ControlNets on the conditional half only, and the unconditional
+half gets zero residuals. Control images are resized to the request's size (Lanczos for PIL images,
+nearest for numpy ones), in [0, 1], repeated for the images to generate and doubled under guidance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runners.images import to_model_input
+from runners.text_to_image import task_of
+
+CONTROL_ARGS = ("control_image", "controlnet_conditioning_scale", "control_guidance_start", "control_guidance_end",
+                "guess_mode")
+
+
+def _per_net(name: str, value, count: int) -> list[float]:
+    """A number for every ControlNet, or one per ControlNet."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count or any(isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or
+                                   not np.isfinite(v) for v in values):
+        raise ValueError(f"{name}={value!r} is not allowed: pass a number, or a list of {count} numbers "
+                         f"(one per ControlNet of this artifact)")
+    return [float(v) for v in values]
+
+
+@dataclass
+class ControlRequest:
+    """A call's ControlNet arguments, checked against the artifact's ControlNets."""
+
+    images: list  # one image argument (an image, or a list: a batch) per ControlNet
+    scales: list[float]
+    starts: list[float]
+    ends: list[float]
+    guess_mode: bool
+
+    @classmethod
+    def of(cls, engines: list[str], control_image, scale=1.0, start=0.0, end=1.0, guess_mode=False):
+        if not engines:
+            raise ValueError("control_image= needs a ControlNet: this artifact has none; export the model with "
+                             "`python -m export MODEL --controlnet FOLDER_OR_HUB_ID` and build it again")
+        count = len(engines)
+        images = list(control_image) if count > 1 and isinstance(control_image, (list, tuple)) else [control_image]
+        if len(images) != count:
+            raise ValueError(f"control_image: this artifact has {count} ControlNets ({', '.join(engines)}); pass a "
+                             f"list of {count} control images, one per ControlNet, in that order")
+        scales = _per_net("controlnet_conditioning_scale", scale, count)
+        starts = _per_net("control_guidance_start", start, count)
+        ends = _per_net("control_guidance_end", end, count)
+        for s, e in zip(starts, ends):
+            if not 0 <= s < e <= 1:
+                raise ValueError(f"control_guidance_start={s} and control_guidance_end={e}: use 0 <= start < end <= 1 "
+                                 "(fractions of the denoising steps)")
+        if not isinstance(guess_mode, bool):
+            raise ValueError(f"guess_mode={guess_mode!r} is not allowed: use True or False")
+        return cls(images, scales, starts, ends, guess_mode)
+
+    def size(self, multiple: int) -> tuple[int, int]:
+        """The first control image's size, rounded down to `multiple`: a request's size when it gives none."""
+        first = to_model_input(self.images[0], None, None, multiple)
+        return first.shape[2], first.shape[3]
+
+
+@dataclass
+class ControlRun:
+    """What a call's denoising loop needs: the prepared control images and the scale of each step."""
+
+    engines: list[str]
+    images: list[np.ndarray]  # per ControlNet: (batch the ControlNet runs at, C, H, W) in [0, 1]
+    request: ControlRequest
+    half: bool  # guess mode under guidance: the ControlNets see the conditional half only
+    step: tuple[int, int] = (0, 1)  # (step, number of steps) of the evaluation under way
+    zeros: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, engines, request: ControlRequest, height: int, width: int, n_images: int, per_prompt: int,
+              cfg: bool, multiple: int) -> "ControlRun":
+        images = []
+        for name, given in zip(engines, request.images):
+            image = (to_model_input(given, height, width, multiple) + np.float32(1)) / np.float32(2)
+            # diffusers' prepare_image: one image serves every image to generate; a batch is one per prompt
+            repeat = n_images if len(image) == 1 else per_prompt
+            if len(image) * repeat != n_images:
+                raise ValueError(f"control_image of {name}: {len(image)} images for {n_images} images to generate; "
+                                 "pass one, or one per prompt")
+            image = np.repeat(image, repeat, axis=0)
+            images.append(np.concatenate([image, image]) if cfg and not request.guess_mode else image)
+        return cls(list(engines), images, request, half=cfg and request.guess_mode)
+
+    def scale(self, k: int) -> float:
+        """ControlNet k's scale at the current step: 0 outside its window (diffusers' controlnet_keep)."""
+        i, n = self.step
+        outside = i / n < self.request.starts[k] or (i + 1) / n > self.request.ends[k]
+        return 0.0 if outside else self.request.scales[k]
+
+    def factors(self, scale: float, residuals: int) -> np.ndarray:
+        """One factor per residual: the scale, on guess mode's ramp from 0.1 (first) to 1 (mid block)."""
+        ramp = np.logspace(-1, 0, residuals) if self.request.guess_mode else np.ones(residuals)
+        return (ramp * scale).astype(np.float32)
+
+
+class ControlNets:
+    """The ControlNet side of a U-Net family's pipeline: `_predict` feeds the UNet the residuals."""
+
+    _control: ControlRun | None = None
+    # {task: Defaults} of diffusers' ControlNet pipelines where they differ from the family's others
+    control_defaults: dict = {}
+
+    def _controlled_text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                  *args, image=None, mask_image=None, strength=None, control_image=None,
+                                  controlnet_conditioning_scale=1.0, control_guidance_start=0.0,
+                                  control_guidance_end=1.0, guess_mode=False, **kwargs):
+        """`_text_to_image` with ControlNets: the size a request leaves None is the control image's, and the
+        steps, guidance and strength left None are diffusers' ControlNet pipeline's for the task."""
+        control = self._control_request(control_image, controlnet_conditioning_scale, control_guidance_start,
+                                        control_guidance_end, guess_mode)
+        height, width = self._control_size(control, height, width, image)
+        defaults = self.control_defaults.get(task_of(image, mask_image)) if control is not None else None
+        if defaults is not None:
+            num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
+            guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
+            strength = defaults.strength if strength is None else strength
+        try:
+            return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                       *args, image=image, mask_image=mask_image, strength=strength, control=control,
+                                       **kwargs)
+        finally:
+            self._control = None
+
+    def controlnets(self) -> list[str]:
+        """The artifact's ControlNet engines in order: controlnet, controlnet_1, ..."""
+        names = [n for n in self.manifest["submodules"] if n == "controlnet" or n.startswith("controlnet_")]
+        return sorted(names, key=lambda n: 0 if n == "controlnet" else int(n.rsplit("_", 1)[1]))
+
+    def _residual_inputs(self) -> list[dict]:
+        """The denoiser's residual inputs; none for a UNet exported without them."""
+        inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]
+        return [t for t in inputs if t["name"].endswith("_residual") or "_residual_" in t["name"]]
+
+    def _control_request(self, control_image, scale, start, end, guess_mode) -> ControlRequest | None:
+        if control_image is None:
+            given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, 1.0),
+                                           ("control_guidance_start", start, 0.0),
+                                           ("control_guidance_end", end, 1.0), ("guess_mode", guess_mode, False))
+                     if v != unset]
+            if given:
+                raise ValueError(f"{', '.join(given)} are ControlNet settings: pass control_image= too")
+            return None
+        if not self._residual_inputs():
+            raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
+                             "is not its family's real one): control_image= cannot be used")
+        return ControlRequest.of(self.controlnets(), control_image, scale, start, end, guess_mode)
+
+    def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
+        """diffusers' ControlNet pipelines take the control image's size when the request gives none."""
+        if request is None or image is not None or height is not None or width is not None:
+            return height, width
+        return request.size(self.constants["vae_scale_factor"])
+
+    def _start_control(self, request: ControlRequest | None, height, width, n_images, per_prompt, cfg) -> None:
+        """Called by the family's `_conditions`, which knows the request's size and batch."""
+        self._control = request and ControlRun.start(self.controlnets(), request, height, width, n_images, per_prompt,
+                                                     cfg, self.constants["vae_scale_factor"])
+
+    def _evaluate(self, step, num_steps, x, t, conditions, context="batch"):
+        if self._control is not None:
+            self._control.step = (step, num_steps)
+        return super()._evaluate(step, num_steps, x, t, conditions, context)
+
+    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
+        if self._residual_inputs():
+            conditions = {**conditions, **self._residuals(x, t, conditions, release)}
+        return super()._predict(x, t, conditions, release)
+
+    def _residuals(self, x, t, conditions: dict, release: bool) -> dict[str, np.ndarray]:
+        """{residual input: array}: the scaled residuals of the ControlNets that run at this step, summed."""
+        control, specs = self._control, self._residual_inputs()
+        total = None
+        if control is not None:
+            latents = x[:, :self.manifest["constants"]["latent_channels"]]  # an inpainting UNet's extra channels: not theirs
+            if control.half:
+                latents = latents[len(latents) // 2:]
+                conditions = {k: v[len(v) // 2:] for k, v in conditions.items()}
+            for k, name in enumerate(control.engines):
+                scale = control.scale(k)
+                if scale == 0:
+                    continue
+                accepted = {i["name"] for i in self.manifest["submodules"][name]["inputs"]}
+                out = self.run(name, release=release, sample=latents,
+                               timestep=np.full(len(latents), t, dtype=np.float32),
+                               controlnet_cond=control.images[k], conditioning_scale=control.factors(scale, len(specs)),
+                               **{n: v for n, v in conditions.items() if n in accepted})
+                residuals = [out[s["name"]] for s in specs]
+                total = [r.copy() for r in residuals] if total is None else [a + r for a, r in zip(total, residuals)]
+            if total is not None and control.half:
+                total = [np.concatenate([np.zeros_like(r), r]) for r in total]
+        if total is None:
+            return self._zeros(specs, x)
+        return {s["name"]: r for s, r in zip(specs, total)}
+
+    def _zeros(self, specs: list[dict], x: np.ndarray) -> dict[str, np.ndarray]:
+        """Zero residuals for the latents `x` (made once per latent shape)."""
+        cache = self.__dict__.setdefault("_zero_residuals", {})
+        if x.shape not in cache:
+            dims = {"batch": x.shape[0], "latent_height": x.shape[2], "latent_width": x.shape[3]}
+            for d in {d for s in specs for d in s["shape"] if isinstance(d, str) and d not in dims}:
+                if d.startswith("latent_"):  # latent_height_4: the latent side over 4
+                    axis, over = d.rsplit("_", 1)
+                    dims[d] = dims[axis] // int(over)
+            dims = {**self.manifest["constants"], **dims}
+            cache.clear()  # one shape at a time: a request's
+            cache[x.shape] = {s["name"]: np.zeros([dims[d] if isinstance(d, str) else d for d in s["shape"]],
+                                                  dtype=np.float32) for s in specs}
+        return cache[x.shape]
