@@ -5,7 +5,8 @@ Precision passes measure the model on them: `to_fp16` the activation ranges that
 islands, `quantize_fp8` the activation scales. Every denoising step of every prompt is recorded,
 so the transformer is measured at every timestep it will see. The VAE encoder, which text to
 image does not call, is fed the images the pipeline made. An inpainting denoiser (SD1.5's 9
-channels), which text to image cannot run, inpaints a seeded picture instead.
+channels), which text to image cannot run, inpaints a seeded picture instead. An artifact with
+ControlNets runs them with seeded control images, so their calls are recorded too.
 
 The run is deterministic (prompt i uses seed i), and the key covers the fp32 artifact, the
 settings and the prompts, so the same build reuses the same calibration.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runners.caches.first_block import FIRST_BLOCK
 from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
 
 PROMPTS = (
@@ -97,12 +99,16 @@ def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings(
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = store.record
+        if FIRST_BLOCK in pipe.sessions:
+            pipe.run = _FirstBlockRecorder(pipe, store)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
+        controlnets = pipe.controlnets() if hasattr(pipe, "controlnets") else []
         for i, prompt in enumerate(prompts):
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
                          guidance_scale=settings.guidance_scale, output_type="np",
-                         **(_inpainting_inputs(size, seed=i) if inpainting else {}))
+                         **(_inpainting_inputs(size, seed=i) if inpainting else {}),
+                         **(_control_inputs(size, len(controlnets), seed=i) if controlnets else {}))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
             _log(f"prompt {i + 1}/{len(prompts)} recorded")
@@ -126,11 +132,42 @@ def _inpainting_inputs(size: int, seed: int) -> dict:
     return {"image": image, "mask_image": mask}
 
 
+def _control_inputs(size: int, count: int, seed: int) -> dict:
+    """An artifact with ControlNets runs them on every calibration prompt: a seeded edge-like control
+    image each (thin bright lines on black, as canny maps are)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size] / size
+    images = []
+    for _ in range(count):
+        field = np.sin(rng.uniform(4, 16) * x + rng.uniform(0, 6)) * np.sin(rng.uniform(4, 16) * y + rng.uniform(0, 6))
+        edges = (np.abs(field) < 0.08).astype(np.float32)
+        images.append(np.repeat(edges[..., None], 3, axis=-1))
+    return {"control_image": images if count > 1 else images[0]}
+
+
 def describe(folder: Path) -> dict:
     """What the manifest of an artifact built from this calibration records about it."""
     data = read_manifest(folder, verify=False)
     return {"key": data["cache_key"], "settings": data["settings"], "prompts": data["prompts"],
             "seeds": data["seeds"], "calls": data["calls"]}
+
+
+class _FirstBlockRecorder:
+    """First-Block Cache's graph (runners/caches/first_block.py) takes the transformer's inputs and a tail
+    residual, which is one of the transformer's outputs: every transformer call is recorded for it too, with
+    the tail residual of the call's first step (stored once per prompt). Replaces the pipeline's `run`."""
+
+    def __init__(self, pipe, store: "_FeedStore"):
+        self.pipe, self.run, self.store = pipe, pipe.run, store
+        self.call, self.tail = None, None
+
+    def __call__(self, submodule: str, release: bool = True, **feeds):
+        out = self.run(submodule, release=release, **feeds)
+        if submodule == self.pipe.constants["denoiser"]:
+            if self.call is not self.pipe._step_cache:  # a new pipeline call
+                self.call, self.tail = self.pipe._step_cache, np.array(out["tail_residual"])
+            self.store.record(FIRST_BLOCK, {**feeds, "tail_residual": self.tail})
+        return out
 
 
 class _FeedStore:

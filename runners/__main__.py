@@ -54,6 +54,30 @@ def _numbered(path: Path, count: int) -> list[Path]:
     return [path] if count == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
+def _control_arguments(args) -> dict:
+    """The ControlNet arguments of a call from the CLI's (those not given left out)."""
+    from runners.controlnet import canny_edges
+
+    images = [_read_image(path, "--control-image") for path in args.control_image]
+    if args.canny:
+        low, high = _thresholds(args.canny_thresholds)
+        images += [canny_edges(_read_image(path, "--canny"), low, high) for path in args.canny]
+    scales = args.control_scale
+    control = {"control_image": images if len(images) > 1 else images[0] if images else None,
+               "controlnet_conditioning_scale": scales if len(scales) > 1 else scales[0] if scales else None,
+               "control_guidance_start": args.control_start, "control_guidance_end": args.control_end,
+               "guess_mode": True if args.guess_mode else None}
+    return {k: v for k, v in control.items() if v is not None}
+
+
+def _thresholds(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--canny-thresholds {text}: give LOW,HIGH, two numbers such as 100,200") from None
+    return low, high
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("triton", "serve"):  # python -m runners triton|serve ARTIFACT ...
@@ -109,6 +133,22 @@ def main(argv=None) -> int:
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
                    help="apply a LoRA adapter .safetensors (diffusers/PEFT or kohya) at SCALE (default 1) for this "
                         "run; repeatable (docs/lora.md)")
+    p.add_argument("--control-image", type=Path, action="append", default=[], metavar="IN.png",
+                   help="ControlNet: the next ControlNet's control image (repeat: one per ControlNet of the artifact, "
+                        "in the order controlnet, controlnet_1, ...); its size is the image's unless --height/--width")
+    p.add_argument("--canny", type=Path, action="append", default=[], metavar="IN.png",
+                   help="ControlNet: IN.png's canny edge map (OpenCV) as the next control image, after those of "
+                        "--control-image; needs the canny extra (pip install 'diffusion-aot[canny]')")
+    p.add_argument("--canny-thresholds", default="100,200", metavar="LOW,HIGH",
+                   help="the canny map's hysteresis thresholds (default 100,200)")
+    p.add_argument("--control-scale", type=float, action="append", default=[], metavar="S",
+                   help="controlnet_conditioning_scale: one for every ControlNet, or one per ControlNet (default 1)")
+    p.add_argument("--control-start", type=float, default=None, metavar="F",
+                   help="the ControlNets act from this fraction of the steps (default 0)")
+    p.add_argument("--control-end", type=float, default=None, metavar="F",
+                   help="... up to this fraction of the steps (default 1)")
+    p.add_argument("--guess-mode", action="store_true",
+                   help="ControlNet guess mode: the ControlNets see the conditional half of guidance only")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
     args = p.parse_args(argv)
 

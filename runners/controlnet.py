@@ -110,6 +110,20 @@ class ControlRun:
         return (ramp * scale).astype(np.float32)
 
 
+def canny_edges(image, low: float = 100, high: float = 200):
+    """A canny edge map of a PIL image (white edges on black, RGB), as diffusers' ControlNet examples make
+    them: OpenCV's Canny on the image's grey levels, hysteresis thresholds `low` and `high`."""
+    try:
+        import cv2
+    except ImportError:
+        raise ValueError("canny edge maps need OpenCV: pip install 'diffusion-aot[canny]' "
+                         "(opencv-python-headless)") from None
+    from PIL import Image
+
+    edges = cv2.Canny(np.asarray(image.convert("L")), low, high)
+    return Image.fromarray(np.repeat(edges[..., None], 3, axis=-1))
+
+
 class ControlNets:
     """The ControlNet side of a U-Net family's pipeline: `_predict` feeds the UNet the residuals."""
 

@@ -20,11 +20,12 @@ from export.spec import SubmoduleSpec, TensorSpec as T
 from runners.manifest import atomic_folder, digest
 
 COMPONENT = "controlnet"
-RANDOM_SEED = 0
-# Random-weight ControlNets for tests: ControlNetModel.from_unet of the named base model's UNet (its
-# widths and, as diffusers' training starts, its weights), with random output convolutions in place of
-# the zero ones from_unet gives (zero ones would change nothing, and a test could not tell).
-TINY_CONTROLNETS = {"sd15-controlnet-tiny": "sd15-tiny", "sdxl-controlnet-tiny": "sdxl-tiny"}
+# Random-weight ControlNets for tests: {name: (base model, seed)}. ControlNetModel.from_unet of the base
+# model's UNet (its widths and, as diffusers' training starts, its weights), with seeded random output
+# convolutions in place of the zero ones from_unet gives (zero ones would change nothing, and a test
+# could not tell); two of SD1.5's differ by their seed, for tests of two ControlNets.
+TINY_CONTROLNETS = {"sd15-controlnet-tiny": ("sd15-tiny", 0), "sd15-controlnet-tiny-2": ("sd15-tiny", 1),
+                    "sdxl-controlnet-tiny": ("sdxl-tiny", 0)}
 
 
 class _ControlNet(torch.nn.Module):
@@ -86,14 +87,15 @@ def _random_folder(name: str) -> Path:
     from export.source import cache_root, resolve
     from export.versions import package_versions
 
-    base = resolve(TINY_CONTROLNETS[name])
-    key = digest([name, base.fingerprint, RANDOM_SEED, Path(__file__).read_text(),
+    base_name, seed = TINY_CONTROLNETS[name]
+    base = resolve(base_name)
+    key = digest([name, base.fingerprint, seed, Path(__file__).read_text(),
                   package_versions(("torch", "diffusers"))])
     folder = cache_root() / "models" / f"{name}-{key}"
     if not (folder / "config.json").exists():
         with atomic_folder(folder) as tmp:
             controlnet = ControlNetModel.from_unet(UNet2DConditionModel.from_pretrained(base.folder / "unet"))
-            generator = torch.Generator().manual_seed(RANDOM_SEED)
+            generator = torch.Generator().manual_seed(seed)
             zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
                           controlnet.controlnet_cond_embedding.conv_out]
             with torch.no_grad():

@@ -1,0 +1,256 @@
+"""ControlNet against diffusers' StableDiffusion(XL)ControlNet pipelines and their Img2Img and Inpaint
+twins: the same weights (random tiny ControlNets whose zero output convolutions got random weights),
+the same latents and noise, fp32; images within 1/255. Every case also proves the ControlNet was used:
+diffusers' image with it differs from its image at scale 0 (the same as without it)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import diffusers.models.autoencoders.vae as diffusers_vae
+from conftest import assert_real_image, smooth_image, soft_mask
+from runners import Pipeline
+
+ONE_LEVEL = 1 / 255
+STEPS = 5
+
+
+def _with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str):
+    """`build`'s export with `controlnets` added (its other graphs taken as they are), built for ort-fp32."""
+    from engines.api import build_artifact
+    from export.api import export_model
+
+    folder = tmp_path_factory.mktemp(name)
+    shutil.copytree(build.folder / "onnx", folder / "onnx", copy_function=os.link)
+    export_model(build.source, folder, controlnets=controlnets)
+    build_artifact(folder, "ort", "fp32")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sd15_one(tmp_path_factory, sd15_tiny_build):
+    return _with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny"], "sd15-cn")
+
+
+@pytest.fixture(scope="module")
+def sd15_two(tmp_path_factory, sd15_tiny_build):
+    return _with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
+                             "sd15-cn2")
+
+
+@pytest.fixture(scope="module")
+def sdxl_one(tmp_path_factory, sdxl_tiny_build):
+    return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
+
+
+def _reference(pipeline_class: str, build, controlnets: list[str]):
+    import diffusers
+    from diffusers import ControlNetModel
+
+    from export.families.controlnet import _folder_of
+
+    nets = [ControlNetModel.from_pretrained(_folder_of(n)) for n in controlnets]
+    base = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
+    pipe = getattr(diffusers, pipeline_class)(**base.components, controlnet=nets[0] if len(nets) == 1 else nets)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _edges(height: int, width: int, seed: int):
+    """A canny-like control image: thin white curves on black."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    field = np.sin(rng.uniform(6, 14) * x + rng.uniform(0, 6)) * np.sin(rng.uniform(6, 14) * y + rng.uniform(0, 6))
+    edges = ((np.abs(field) < 0.1) * 255).astype(np.uint8)
+    return Image.fromarray(np.repeat(edges[..., None], 3, axis=-1))
+
+
+def _latents(height: int, width: int, seed: int, n: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4, height // 8, width // 8), dtype=np.float32)
+
+
+def _compare(ours, ref, unused) -> float:
+    """Our image against diffusers' within 1/255; diffusers' without the control (`unused`) differs."""
+    assert ours.shape == ref.shape
+    err = float(np.abs(ours - ref).max())
+    print(f"max abs error {err:.1e}, the control's effect {np.abs(ref - unused).max():.3f}")
+    assert err <= ONE_LEVEL, err
+    assert np.abs(ref - unused).max() > 10 * ONE_LEVEL, "the ControlNet changed nothing: the test would prove nothing"
+    assert_real_image(ref)
+    return err
+
+
+TEXT_CASES = {  # (build fixture, ControlNets, pipeline): the call's arguments
+    "sd15_one": dict(height=64, width=64),
+    "sd15_window_non_square": dict(height=64, width=128, control_guidance_start=0.2, control_guidance_end=0.8),
+    "sd15_guess_mode": dict(height=64, width=64, guess_mode=True, controlnet_conditioning_scale=0.8),
+    "sd15_two_scales": dict(height=64, width=64, controlnet_conditioning_scale=[0.9, 0.5]),
+    "sdxl_one": dict(height=64, width=64),
+}
+_SETUPS = {"sd15_one": ("sd15_one", "sd15_tiny_build", ["sd15-controlnet-tiny"], "StableDiffusionControlNetPipeline"),
+           "sd15_two": ("sd15_two", "sd15_tiny_build", ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
+                        "StableDiffusionControlNetPipeline"),
+           "sdxl_one": ("sdxl_one", "sdxl_tiny_build", ["sdxl-controlnet-tiny"], "StableDiffusionXLControlNetPipeline")}
+
+
+@pytest.fixture(scope="module")
+def loaded(request):
+    """{setup: (our pipeline, diffusers' pipeline)}, loaded once per setup."""
+    cache = {}
+
+    def get(setup):
+        if setup not in cache:
+            artifact, build, nets, cls = _SETUPS[setup]
+            cache[setup] = (Pipeline.load(request.getfixturevalue(artifact) / "ort-fp32"),
+                            _reference(cls, request.getfixturevalue(build), nets))
+        return cache[setup]
+
+    return get
+
+
+@pytest.mark.parametrize("case", TEXT_CASES)
+def test_text_to_image_matches_diffusers(loaded, case):
+    setup = "sd15_two" if case == "sd15_two_scales" else "sdxl_one" if case.startswith("sdxl") else "sd15_one"
+    pipe, reference = loaded(setup)
+    kwargs = dict(TEXT_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS)
+    height, width = kwargs["height"], kwargs["width"]
+    count = len(pipe.controlnets())
+    control = [_edges(height, width, seed=k) for k in range(count)]
+    control = control if count > 1 else control[0]
+    latents = _latents(height, width, seed=len(case))
+    ours = pipe(latents=latents, output_type="np", control_image=control, **kwargs)
+    ref = reference(image=control, latents=torch.from_numpy(latents), output_type="np", **kwargs).images
+    unused = reference(image=control, latents=torch.from_numpy(latents), output_type="np",
+                       **{**kwargs, "controlnet_conditioning_scale": 0.0}).images
+    _compare(ours, ref, unused)
+
+
+def _patched_reference(monkeypatch, module, noise, encoder_noise):
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+
+
+@pytest.mark.parametrize("task", ["image to image", "inpainting"])
+def test_image_tasks_match_diffusers(monkeypatch, sd15_one, sd15_tiny_build, task):
+    """StableDiffusionControlNetImg2ImgPipeline and StableDiffusionControlNetInpaintPipeline (the 4-channel
+    UNet: the known part blended back), with their noise handed to both."""
+    import importlib
+
+    cls, module = {"image to image": ("StableDiffusionControlNetImg2ImgPipeline", "pipeline_controlnet_img2img"),
+                   "inpainting": ("StableDiffusionControlNetInpaintPipeline", "pipeline_controlnet_inpaint")}[task]
+    module = importlib.import_module(f"diffusers.pipelines.controlnet.{module}")
+    reference = _reference(cls, sd15_tiny_build, ["sd15-controlnet-tiny"])
+    height, width = 64, 128
+    rng = np.random.default_rng(5)
+    noise, encoder_noise = (rng.standard_normal((1, 4, height // 8, width // 8), dtype=np.float32) for _ in range(2))
+    _patched_reference(monkeypatch, module, noise, encoder_noise)
+    kwargs = dict(prompt="a photo of a cat", image=smooth_image(height, width, seed=2), height=height, width=width,
+                  num_inference_steps=STEPS, strength=0.7, output_type="np",
+                  **({"mask_image": soft_mask(height, width)} if task == "inpainting" else {}))
+    control = _edges(height, width, seed=4)
+    ours = Pipeline.load(sd15_one / "ort-fp32")(control_image=control, noise=noise, encoder_noise=encoder_noise,
+                                                **kwargs)
+    ref = reference(control_image=control, **kwargs).images
+    unused = reference(control_image=control, controlnet_conditioning_scale=0.0, **kwargs).images
+    _compare(ours, ref, unused)
+
+
+def test_controlnets_are_added_without_exporting_the_rest(sd15_tiny_build, sd15_one, sd15_two):
+    """Adding ControlNets to an export takes the graphs it has as they are (the same files, hard-linked)
+    and exports only the new ControlNet."""
+    import json
+
+    base, one, two = (json.loads((f / "onnx" / "manifest.json").read_text())
+                      for f in (sd15_tiny_build.folder, sd15_one, sd15_two))
+    assert list(two["submodules"]) == [*base["submodules"], "controlnet", "controlnet_1"]
+    assert two["submodules"]["controlnet_1"]["source"] == "sd15-controlnet-tiny-2"
+    for name in base["submodules"]:
+        assert two["submodules"][name]["export"] == base["submodules"][name]["export"]
+        assert os.stat(sd15_tiny_build.folder / "onnx" / f"{name}.onnx").st_ino == \
+            os.stat(sd15_two / "onnx" / f"{name}.onnx").st_ino
+    assert os.stat(sd15_one / "onnx/controlnet.onnx").st_ino == os.stat(sd15_two / "onnx/controlnet.onnx").st_ino
+
+
+def test_plain_run_is_unchanged_by_the_controlnet_engines(loaded, sd15_tiny_build):
+    """Without control_image, an artifact with a ControlNet gives the base artifact's image exactly (the
+    UNet's residual inputs get zeros)."""
+    pipe, _ = loaded("sd15_one")
+    latents = _latents(64, 64, seed=9)
+    plain = Pipeline.load(sd15_tiny_build.folder / "ort-fp32")
+    args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, latents=latents, output_type="np")
+    np.testing.assert_array_equal(pipe(**args), plain(**args))
+
+
+def test_int8_stays_close_to_fp32(loaded, sd15_one):
+    """ort-int8 (its ControlNet quantized as the UNet is) against ort-fp32, one ControlNet case."""
+    from bench.accuracy import psnr
+    from engines.api import build_artifact
+
+    fp32, _ = loaded("sd15_one")
+    int8 = Pipeline.load(build_artifact(sd15_one, "ort", "int8"))
+    assert int8.manifest["submodules"]["controlnet"]["passes"][-1]["name"] == "quantize_int8"
+    args = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
+                latents=_latents(64, 64, seed=1), control_image=_edges(64, 64, seed=0))
+    value = psnr(int8(**args), fp32(**args))
+    print(f"int8 vs fp32: {value:.1f} dB")
+    assert value > 25, value
+
+
+def test_calibration_records_controlnet_calls(sd15_one):
+    """The precisions that measure the model (fp16's islands, fp8's scales) see the ControlNet's calls too:
+    one per UNet call."""
+    from engines.calibration import CalibrationSettings, collect, describe
+
+    calls = describe(collect(sd15_one / "ort-fp32", CalibrationSettings(prompts=1, steps=2, size=64)))["calls"]
+    assert calls["controlnet"] == calls["unet"] > 0, calls
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale are ControlNet settings: pass "
+                                              "control_image= too"),
+    (dict(control_image="edges.png"), "control_image must be a PIL image, a numpy array"),
+    (dict(control_image=[np.zeros((64, 64, 3))] * 3), r"control_image: this artifact has 2 ControlNets"),
+    (dict(control_image=[np.zeros((64, 64, 3))] * 2, controlnet_conditioning_scale=[1.0]),
+     r"controlnet_conditioning_scale=\[1.0\] is not allowed: pass a number, or a list of 2 numbers"),
+    (dict(control_image=[np.zeros((64, 64, 3))] * 2, control_guidance_start=0.8, control_guidance_end=0.2),
+     r"control_guidance_start=0.8 and control_guidance_end=0.2: use 0 <= start < end <= 1"),
+])
+def test_bad_requests_are_refused(loaded, kwargs, said):
+    pipe, _ = loaded("sd15_two")
+    with pytest.raises(ValueError, match=said):
+        pipe("a cat", height=64, width=64, num_inference_steps=1, **kwargs)
+
+
+def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
+    """--control-image and --canny fill the ControlNets in order, --control-scale gives one scale each, and
+    the image takes the control image's size."""
+    from PIL import Image
+
+    from runners.__main__ import main
+
+    _edges(64, 128, seed=1).save(tmp_path / "edges.png")
+    _edges(64, 128, seed=5).save(tmp_path / "photo.png")
+    out = tmp_path / "out.png"
+    assert main([str(sd15_two / "ort-fp32"), "--prompt", "a cat", "--steps", "2", "--control-image",
+                 str(tmp_path / "edges.png"), "--canny", str(tmp_path / "photo.png"), "--control-scale", "0.5",
+                 "--control-scale", "0.8", "--out", str(out)]) == 0
+    assert Image.open(out).size == (128, 64)
+
+
+def test_canny_edges(monkeypatch):
+    """OpenCV's edge map as RGB (white on black), and one line saying how to install it when it is missing."""
+    import sys
+
+    from runners.controlnet import canny_edges
+
+    edges = np.asarray(canny_edges(_edges(64, 64, seed=1), 50, 100))
+    assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
+    monkeypatch.setitem(sys.modules, "cv2", None)
+    with pytest.raises(ValueError, match=r"canny edge maps need OpenCV: pip install 'diffusion-aot\[canny\]'"):
+        canny_edges(smooth_image(64, 64))
