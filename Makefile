@@ -34,7 +34,8 @@ endif
 define install_project  # $(1): the venv; $(2): extra pip flags
 	$(1)/bin/python -m pip install -q $(2) --upgrade pip
 	$(if $(TORCH_CPU),$(1)/bin/python -m pip install -q $(2) $(TORCH_CPU))
-	$(1)/bin/python -m pip install -q $(2) -e '.[$(EXTRAS)]'
+	# setuptools warns about every editable install (a folder named like the package): expected here.
+	PYTHONWARNINGS=ignore $(1)/bin/python -m pip install -q $(2) -e '.[$(EXTRAS)]'
 	# The real CLIP BPE table ships in this wheel; its deps (torchvision) are not needed.
 	# Triton's server ships in nvidia-pytriton, whose numpy<2 pin is for its Python API (not used).
 	$(1)/bin/python -m pip install -q $(2) --no-deps open-clip-torch nvidia-pytriton
