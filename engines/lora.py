@@ -6,6 +6,11 @@ is rewritten to read them from there (`runners/provenance.py` records the new pl
 file, the large weight files included, is a hard link to the source artifact's (a copy where the
 filesystem has no links). The manifest records each adapter's file, sha256 and scale.
 
+An artifact whose backend takes adapters as low-rank branches (OpenVINO, runners/lora_branches.py)
+keeps its engines as built: the adapter files are copied into it (`loras/<sha256>.safetensors`) and
+its manifest's `lora_branches` names them, which the runner applies at load as it applies adapters at
+run time (the same branches, the same images; an int8 base stays int8).
+
 `python -m engines lora ARTIFACT --lora PATH[:SCALE] ... --out NEW` is the command line of it.
 """
 from __future__ import annotations
@@ -14,7 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from runners.backends import get_backend
 from runners.lora import LoraError, adapted_submodules, parse_lora_spec, submodule_tables
+from runners.lora_branches import branch_factors
 from runners.manifest import (
     ManifestError, atomic_folder, digest, link_or_copy, read_manifest, sha256_file, write_manifest,
 )
@@ -36,9 +43,11 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
     manifest = read_manifest(artifact, verify=False)
     if manifest.get("stage") != "artifact":
         raise ManifestError(f"{artifact} is not a built artifact (its stage is {manifest.get('stage')!r})")
+    record = [{"file": Path(p).name, "sha256": sha256_file(p), "scale": float(s)} for p, s in loras.items()]
+    if get_backend(manifest["backend"]).lora_branches:
+        return _with_branches(artifact, manifest, loras, record, out, ignore_unmatched)
     changed = adapted_submodules(artifact, manifest, loras, ignore_unmatched)
     tables = submodule_tables(artifact, manifest)
-    record = [{"file": Path(p).name, "sha256": sha256_file(p), "scale": float(s)} for p, s in loras.items()]
     with atomic_folder(out) as tmp:
         written = set()
         for name, weights in changed.items():
@@ -56,6 +65,25 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
                        known={rel: sha for rel, sha in manifest["files"].items() if rel not in written})
     _log(f"wrote {out} ({len(written)} files written, {len(manifest['files']) + len(changed) - len(written)} "
          f"shared with {artifact})")
+    return out
+
+
+def _with_branches(artifact: Path, manifest: dict, loras: dict, record: list, out: Path,
+                   ignore_unmatched: bool) -> Path:
+    """`artifact` (every file linked) with the adapter files copied in and named by `lora_branches`."""
+    baked = {artifact / e["file"]: e["scale"] for e in manifest.get("lora_branches", [])}
+    reached = branch_factors(artifact, manifest, {**baked, **loras}, ignore_unmatched)  # refused here, not at load
+    branches = [{"file": f"loras/{r['sha256'][:16]}.safetensors", "scale": r["scale"]} for r in record]
+    with atomic_folder(out) as tmp:
+        for rel in manifest["files"]:
+            link_or_copy(artifact / rel, tmp / rel)
+        for path, entry in zip(loras, branches):
+            link_or_copy(Path(path), tmp / entry["file"])
+        data = {k: v for k, v in manifest.items() if k not in ("files", "format_version")}
+        write_manifest(tmp, {**data, "loras": manifest.get("loras", []) + record, "lora_source": str(artifact),
+                             "lora_branches": manifest.get("lora_branches", []) + branches}, known=manifest["files"])
+    _log(f"wrote {out}: {len(record)} adapters as branches of {', '.join(sorted(reached))} (every engine shared "
+         f"with {artifact})")
     return out
 
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from runners.caches import CacheConfig, StepCache, parse_cache
 from runners.backends import backend_of, get_backend, open_session, thread_backends
-from runners.lora import adapted_submodules
+from runners.lora import adapted_submodules, submodule_tables
+from runners.lora_branches import branch_factors, branch_layers
 from runners.manifest import ManifestError, read_manifest
 from runners.preview import Previews
 from runners.profile import Profiler
@@ -91,7 +92,15 @@ class Pipeline:
         self._session_options = {"threads": threads, "providers": providers}
         self.closed = False
         self.loras: dict = dict(loras or {})
-        self._adapted = adapted_submodules(folder, manifest, self.loras)  # {submodule: {weight: value}}
+        # Adapters reach an engine as changed weights (ONNX Runtime: {submodule: {weight: value}}), or as
+        # low-rank branches beside its layers (OpenVINO: {submodule: {layer: (A, B)}}).
+        self._branches = get_backend(manifest["backend"]).lora_branches
+        # Adapters `python -m engines lora` gave a branch artifact: applied under every set of `loras`.
+        self._baked = {folder / e["file"]: e["scale"] for e in manifest.get("lora_branches", [])}
+        self._adapted, self._factors = self._adapter_inputs(self.loras)
+        # From the first adapter on, every engine runs its branched model (none: rank 0), so that a set
+        # of adapters gives the same images whichever sets came before it.
+        self._branched = bool(self._factors)
         self.sessions = self._open_sessions()
         self.profiler: Profiler | None = None
         # Sees the inputs of every engine call: (submodule, feeds) -> None. The build's calibration
@@ -103,12 +112,22 @@ class Pipeline:
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
+    def _adapter_inputs(self, loras: dict, ignore_unmatched: bool = False) -> tuple[dict, dict]:
+        """(adapted weights, branch factors) of `loras` on this artifact: one of the two is empty."""
+        if self._branches:
+            return {}, branch_factors(self.folder, self.manifest, {**self._baked, **loras}, ignore_unmatched)
+        return adapted_submodules(self.folder, self.manifest, loras, ignore_unmatched), {}
+
     def _open_session(self, name: str, profile: bool = False):
         sub = self.manifest["submodules"][name]
+        branches = {}
+        if self._branches and sub.get("weights_file"):
+            layers = branch_layers(submodule_tables(self.folder, {"submodules": {name: sub}})[name])
+            branches = {"lora_layers": layers, "lora_factors": self._factors.get(name, {}) if self._branched else None}
         return open_session(backend_of(self.manifest, name), self.folder / sub["file"],
                             device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
                             session_options=sub.get("session_options"), initializers=self._adapted.get(name),
-                            **self._session_options)
+                            **branches, **self._session_options)
 
     def _open_sessions(self, profile: bool = False) -> dict:
         sessions = {}
@@ -124,12 +143,18 @@ class Pipeline:
     def set_loras(self, loras: dict, ignore_unmatched: bool = False) -> None:
         """Switch to `loras` ({adapter path: scale}; {} for none) before the next call. The adapted
         weights are computed from the artifact's own each time, so switching back to an adapter gives
-        exactly its images again. Only the engines whose weights change are reopened, one at a time."""
+        exactly its images again. Only the engines whose weights change are reopened, one at a time;
+        an engine with branches (OpenVINO) is not reopened: its branches' inputs change."""
         if self.closed:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again")
-        adapted = adapted_submodules(self.folder, self.manifest, dict(loras), ignore_unmatched)
+        adapted, factors = self._adapter_inputs(dict(loras), ignore_unmatched)
         reopen = (set(adapted) | set(self._adapted)) & set(self.sessions)
-        self._adapted, self.loras = adapted, dict(loras)
+        self._branched = self._branched or bool(factors)
+        if self._branched:
+            for name, session in self.sessions.items():
+                if getattr(session, "lora_layers", None):
+                    session.set_lora_factors(factors.get(name, {}))
+        self._adapted, self._factors, self.loras = adapted, factors, dict(loras)
         for name in reopen:
             self.sessions.pop(name).close()  # one copy of the engine's weights in memory at a time
             self.sessions[name] = self._open_session(name)
@@ -199,9 +224,10 @@ class Pipeline:
         if self._step_cache is None:
             config = self._cache_config_of_call
             self._step_cache = config.start(self, num_steps) if config else StepCache(self, num_steps)
-        last = step == num_steps - 1  # the engine's working memory is released after the last step
+        last = step == num_steps - 1  # the engine's working memory is released after the last step (or
+        # after the last that runs in full, when the cache knows it: `run_full(release=True)`)
         return self._step_cache(step, context, (x, t, conditions),
-                                lambda: self._predict(x, t, conditions, release=last))
+                                lambda release=last: self._predict(x, t, conditions, release=release)["noise_pred"])
 
     @contextmanager
     def _profiling(self, out_dir):

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from engines.precisions import TargetRecipe
 from engines.targets import BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument
-from engines.targets import _openvino_int8
+from engines.targets import _openvino_int8, _openvino_lora
 
 # What OpenVINO 2026.4's ONNX reader accepts, measured on every sd3-tiny submodule (convert_model,
 # then compile_model on the CPU, then outputs against ONNX Runtime at both export shapes): all of
@@ -158,6 +158,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         if sub.precision.quantize:
             model, counts, details = _openvino_int8.quantize(model, sub.model, sub.entry, sub.calibration)
             quantized = {"quantization": {"tool": f"nncf {metadata.version('nncf')}", "counts": counts, **details}}
+        lora_layers = _openvino_lora.record_layers(sub.model, model, sub.weights) if sub.weights else 0
         files = [f"{sub.name}.xml", f"{sub.name}.bin"]
         # Weights stored as fp16 only where the precision computes below fp32.
         ov.save_model(model, out_dir / files[0], compress_to_fp16=config[HINT] != "f32")
@@ -183,6 +184,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
     return files, {"session_config": config, "session_options": session_options,
                    "engine": {"openvino": ov.get_version(),
                               "weights": "f32" if config[HINT] == "f32" else "i8 and f16" if quantized else "f16",
+                              "lora_layers": lora_layers,
                               **({"compiled_for": options.device} if options.device else {})},
             **quantized}
 

@@ -31,6 +31,9 @@ class Backend:
     gpu: bool = False  # its engines run on NVIDIA GPUs: a device map places them, Triton gives them GPU instances
     threads: bool = False  # takes the pipeline's CPU `threads`
     adapters: bool = False  # takes `initializers`, so that adapters switch at run time (runners/lora.py)
+    # takes adapters as low-rank branches instead (`lora_layers`, `lora_factors`, session.set_lora_factors:
+    # runners/lora_branches.py), so that a switch changes the branches' inputs and reopens nothing
+    lora_branches: bool = False
     triton: str | None = None  # the config.pbtxt line of Triton's own backend for its engines (native layout)
     device_hint: str = ""  # how its engines' device is chosen instead, said when a device map names one
 
@@ -66,9 +69,9 @@ def open_session(backend: str, path, device: int | None = None, **options):
     `initializers` ({name: array}) replace weights of the graph, where the backend takes them: adapters."""
     chosen = get_backend(backend)
     if options.get("initializers") and not chosen.adapters:
-        raise ValueError(f"{path}: adapters switch at run time on {_titles(lambda b: b.adapters)} engines; this "
-                         f"engine runs on {chosen.title} (apply them with `python -m engines lora` to an "
-                         f"ONNX Runtime artifact)")
+        raise ValueError(f"{path}: adapters switch at run time on {_titles(lambda b: b.adapters or b.lora_branches)} "
+                         f"engines; this engine runs on {chosen.title} (apply them with `python -m engines lora` "
+                         f"to an ONNX Runtime artifact)")
     if device is not None and not chosen.gpu:
         raise ValueError(f"{path}: a device map places {_titles(lambda b: b.gpu)} engines; this engine runs on "
                          f"{chosen.title}{chosen.device_hint}")

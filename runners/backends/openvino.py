@@ -6,7 +6,11 @@ infer request reuses its output tensors on the next call.
 Shapes (the manifest's `session_options.shapes`): "dynamic" compiles one model for every shape at
 load; "per-size" compiles, at the first call of each set of input shapes, the IR reshaped to them,
 and keeps the most recent few. Models compiled static at build time (`static_models`) are imported
-at the first call of their shapes instead."""
+at the first call of their shapes instead.
+
+Adapters (`lora_layers`, `set_lora_factors`): the first call of `set_lora_factors` compiles the model again
+with a low-rank branch beside every linear layer the build recorded (runners/backends/_openvino_lora.py);
+from then on, switching adapters (or back to none: rank 0) only changes the branches' inputs."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.backends import Backend
+from runners.backends._openvino_lora import add_branches, branch_feeds
 
 # Compiled per-size models kept at once: each can hold its own copy of the weights (a plugin may repack them).
 KEEP_SIZES = 2
@@ -44,10 +49,14 @@ class _Compiled:
 
 class OpenVinoSession:
     def __init__(self, path, threads: int | None = None, session_config: dict | None = None,
-                 session_options: dict | None = None, profile: bool = False, providers: list[str] | None = None):
+                 session_options: dict | None = None, profile: bool = False, providers: list[str] | None = None,
+                 lora_layers: list[dict] | None = None, lora_factors: dict | None = None):
         """`session_config`: the OpenVINO properties the artifact was built with (its precision hint);
         `session_options`: the device, how the model is shaped, and the compiled models built with it.
-        `providers` are ONNX Runtime's: an OpenVINO artifact refuses them rather than ignore them."""
+        `providers` are ONNX Runtime's: an OpenVINO artifact refuses them rather than ignore them.
+        `lora_layers`: the layers an adapter can reach (runners.lora_branches.branch_layers);
+        `lora_factors`: the adapters to start with ({layer: (A, B)}, see `set_lora_factors`); None: the
+        model as built, without branches."""
         if providers:
             raise ValueError(f"{path}: providers choose ONNX Runtime's execution providers; this is an OpenVINO "
                              "model (its device was chosen at build time: --ov-device)")
@@ -68,10 +77,33 @@ class OpenVinoSession:
         self.compiles = 0  # models compiled here rather than imported from the build's blobs
         self.per_size: OrderedDict[tuple, _Compiled] = OrderedDict()
         self.dynamic = None
-        if self.shapes == "dynamic":
-            blob = options.get("compiled_model")
-            self.dynamic = _Compiled((self._import(blob) if blob else None) or self._compile())
+        self.blob = options.get("compiled_model")
+        self.lora_layers = list(lora_layers or ())
+        self.branched = False  # compiled with the adapters' branches (from the first adapter on)
+        self.lora_feeds: dict[str, np.ndarray] = {}
+        if lora_factors is not None:
+            self.set_lora_factors(lora_factors)
+        elif self.shapes == "dynamic":
+            self.dynamic = _Compiled((self._import(self.blob) if self.blob else None) or self._compile())
         self.last = self.dynamic  # the model run last
+
+    def set_lora_factors(self, factors: dict) -> None:
+        """Switch adapters ({layer: (A, B)}; {} for none) before the next call. The first call compiles
+        the branched model; after that a switch only replaces the branches' inputs. (Rank 0 gives the
+        built model's outputs exactly in fp32; in bf16 the branched model's own, within bf16's error.)"""
+        if not self.branched:
+            if not self.lora_layers:
+                raise ValueError(f"{self.path}: this engine records no layer an adapter can reach (built before "
+                                 "adapters reached OpenVINO artifacts: build it again with python -m engines)")
+            unknown = set(factors) - {layer["matmul"] for layer in self.lora_layers}
+            if unknown:
+                raise ValueError(f"{self.path}: adapters name layers the engine does not have: {sorted(unknown)[:3]}")
+            self.branched = True
+            self.per_size.clear()  # compiled without the branches' inputs
+            self.static_files = {}
+            self.dynamic = _Compiled(self._compile()) if self.shapes == "dynamic" else None
+        if self.branched:
+            self.lora_feeds = branch_feeds(self.lora_layers, factors)
 
     def _import(self, blob: str):
         try:
@@ -83,6 +115,8 @@ class OpenVinoSession:
 
     def _compile(self, shapes: dict | None = None):
         model = self.core.read_model(self.path)
+        if self.branched:
+            add_branches(model, self.lora_layers)
         if shapes:
             model.reshape({name: list(shape) for name, shape in shapes.items()})
         self.compiles += 1
@@ -115,7 +149,7 @@ class OpenVinoSession:
         model = self.last = self._model_for(feeds)
         # share_inputs: the call is synchronous and reads the caller's arrays in place;
         # share_outputs=False: the results are copies, not views of tensors the next call overwrites.
-        results = model.request.infer(feeds, share_inputs=True, share_outputs=False)
+        results = model.request.infer({**feeds, **self.lora_feeds}, share_inputs=True, share_outputs=False)
         outputs = {name: results[port] for name, port in zip(model.output_names, model.compiled.outputs)}
         if release:
             model.compiled.release_memory()
@@ -126,5 +160,5 @@ def _open(path, device=None, initializers=None, **options) -> OpenVinoSession:
     return OpenVinoSession(path, **options)
 
 
-BACKENDS = [Backend("openvino", "OpenVINO", _open, threads=True, triton='backend: "openvino"',
+BACKENDS = [Backend("openvino", "OpenVINO", _open, threads=True, lora_branches=True, triton='backend: "openvino"',
                     device_hint=" (its device was chosen at build time: --ov-device)")]
