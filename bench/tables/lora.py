@@ -1,8 +1,10 @@
 """The LoRA table: one adapter on the transformer applied to the built artifact (`python -m engines
 lora`) against exporting and building it again; switching adapters at run time; and the denoising
-step with and without an adapter, switched in at run time or applied offline."""
+step with and without an adapter, switched in at run time or applied offline; and on openvino-bf16
+and -int8, the two OpenVINO designs (adapted constants compiled again, or low-rank branches switched)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -69,6 +71,20 @@ def _steps(artifact: str, loras: dict, offline: str, size: int, steps: int, reps
     return {"apply": applies, "switch": switches, "step": step}
 
 
+def _interleaved(runs: dict, reps: int) -> dict[str, list[float]]:
+    """{label: seconds of each of `reps` calls} of `runs` ({label: call}), after one warm-up each,
+    interleaved so that drift in the machine's speed reaches every one alike."""
+    for call in runs.values():
+        call()
+    times = {label: [] for label in runs}
+    for _ in range(reps):
+        for label, call in runs.items():
+            t0 = time.perf_counter()
+            call()
+            times[label].append(time.perf_counter() - t0)
+    return times
+
+
 def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> dict:
     """In a fresh process, one transformer call (the pipeline's first, recorded) by three sessions:
     no adapter; design 1, the adapted weights as initializer overrides of a reopened session (what
@@ -124,17 +140,115 @@ def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> 
 
     runs = {"no adapter": lambda: base.run(feeds), "design 1: overrides, session reopened": lambda: overrides.run(feeds),
             "design 2: graph inputs, bound once": run_bound}
-    for run in runs.values():
-        run()  # warm-up
-    times = {label: [] for label in runs}
-    for _ in range(reps):
-        for label, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            times[label].append(time.perf_counter() - t0)
+    times = _interleaved(runs, reps)
     return {"compute": compute, "switch": {"design 1: overrides, session reopened": compute + open_seconds,
                                            "design 2: graph inputs, bound once": compute + bind_seconds},
             "call": times}
+
+
+def _replace_constants(model, factors: dict) -> None:
+    """OpenVINO design (a), timed here only: each adapted layer's weight constant replaced by the
+    adapted one (the branch factors' A @ B added in the constant's layout). int8 weights refuse."""
+    import openvino as ov
+
+    ops = {op.get_friendly_name(): op for op in model.get_ops()}
+    for name, (a, b) in factors.items():
+        matmul = ops[name]
+        node = matmul.input(1).get_source_output().get_node()
+        if node.get_type_name() == "Convert":  # weights stored in f16
+            node = node.input(0).get_source_output().get_node()
+        if node.get_type_name() != "Constant" or node.get_element_type() not in (ov.Type.f32, ov.Type.f16):
+            raise ValueError(f"{name}: its weight is not a float constant (int8 would need requantizing)")
+        weight = node.get_data().astype(np.float32)
+        change = a @ b
+        weight += change.T if matmul.get_attributes()["transpose_b"] else change
+        node.output(0).replace(ov.opset13.constant(weight.astype(node.get_data().dtype)).output(0))
+
+
+def _openvino_designs(artifact: str, loras: dict, size: int, reps: int) -> dict:
+    """In a fresh process, one transformer call (the pipeline's first, recorded) of an OpenVINO
+    artifact: without an adapter; design (b), the branches (`set_loras`' way), switched by their
+    inputs; design (a), the adapted constants in the IR, compiled again. Switch and call seconds."""
+    import openvino as ov
+
+    from runners import Pipeline
+    from runners.backends.openvino import OpenVinoSession
+    from runners.lora import submodule_tables
+    from runners.lora_branches import branch_factors, branch_layers
+    from runners.manifest import read_manifest
+
+    artifact = Path(artifact)
+    calls = []
+    with Pipeline.load(artifact) as pipe:
+        pipe.recorder = lambda sub, feeds: calls.append(dict(feeds)) if sub == "transformer" else None
+        pipe("a photo of a cat", height=size, width=size, num_inference_steps=1, seed=0, output_type="latent")
+    feeds, manifest = calls[0], read_manifest(artifact, verify=False)
+    sub = manifest["submodules"]["transformer"]
+    options = dict(session_config=sub["session_config"], session_options={**sub["session_options"], "shapes": "dynamic"})
+    layers = branch_layers(submodule_tables(artifact, {"submodules": {"transformer": sub}})["transformer"])
+
+    def factors():
+        return branch_factors(artifact, manifest, loras)["transformer"]
+
+    t0 = time.perf_counter()
+    first = factors()
+    compute = time.perf_counter() - t0
+    plain = OpenVinoSession(artifact / sub["file"], **options)
+    branched = OpenVinoSession(artifact / sub["file"], lora_layers=layers, lora_factors={}, **options)
+    switches = {"(b) branches, inputs switched": [], "(a) constants replaced, compiled again": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        branched.set_lora_factors(factors())
+        switches["(b) branches, inputs switched"].append(time.perf_counter() - t0)
+        branched.set_lora_factors({})
+    branched.set_lora_factors(first)
+    core, replaced = ov.Core(), None
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model = core.read_model(artifact / sub["file"])
+            _replace_constants(model, factors())
+            replaced = core.compile_model(model, "CPU", sub["session_config"]).create_infer_request()
+            switches["(a) constants replaced, compiled again"].append(time.perf_counter() - t0)
+    except ValueError as e:
+        switches["(a) constants replaced, compiled again"] = str(e)
+    runs = {"no adapter": lambda: plain.run(feeds), "(b) branches, inputs switched": lambda: branched.run(feeds)}
+    if replaced is not None:
+        runs["(a) constants replaced, compiled again"] = lambda: replaced.infer(feeds)
+    return {"compute": compute, "switch": switches, "call": _interleaved(runs, reps)}
+
+
+def _call_rows(what: str, got: dict, computing: str) -> list[list[str]]:
+    """A design table's rows: each design's call against the call without an adapter, and its switch
+    (seconds, or their list: the median)."""
+    base, rows = got["call"]["no adapter"], []
+    for label, times in got["call"].items():
+        st = stats(times, None if label == "no adapter" else base)
+        switch = got["switch"].get(label)
+        switch = statistics.median(switch) if isinstance(switch, list) else switch
+        rows.append([f"{what}, {label}", f"{st.median:.3f}", "reference" if switch is None else
+                     f"speed vs no adapter {st.ratio_text()}; a switch {switch:.3f} s ({got['compute']:.3f} s of it "
+                     f"computing {computing})"])
+    return rows
+
+
+def _openvino_rows(run, adapter: Path) -> list[list[str]]:
+    """The two OpenVINO designs on openvino-bf16 and -int8 (built as the openvino table builds them)."""
+    from bench.accuracy import CALIBRATION_PROMPTS
+    from bench.tables.openvino import build_openvino
+
+    a = run.args
+    calibration = {"prompts": CALIBRATION_PROMPTS, "steps": a.calibration_steps, "size": a.calibration_size}
+    built = in_child(build_openvino, run.build, calibration, a.size, a.lora_openvino.split(","))
+    rows = []
+    for label, artifact in built.items():
+        log(f"lora: the OpenVINO designs on {label}")
+        got = in_child(_openvino_designs, artifact, {str(adapter): 1.0}, a.size, a.reps)
+        rows += _call_rows(f"{label} transformer call", got, "A and B")
+        refused = got["switch"]["(a) constants replaced, compiled again"]
+        if isinstance(refused, str):
+            rows.append([f"{label}, (a) constants replaced", "-", refused])
+    return rows
 
 
 def measure(run) -> list[dict]:
@@ -152,6 +266,7 @@ def measure(run) -> list[dict]:
         got = in_child(_steps, str(artifact), {str(adapter): 1.0}, scratch, size, steps, reps)
         log("lora: the two run-time designs, one transformer call each")
         designs = in_child(_designs, str(artifact), {str(adapter): 1.0}, scratch, size, reps)
+        openvino = _openvino_rows(run, adapter) if importlib.util.find_spec("openvino") else []
     apply = statistics.median(got["apply"])
     rows = [["apply the adapter (`python -m engines lora`)", f"{apply:.2f}",
              f"{apply / rebuild_transformer:.1%} of the transformer's export + build ({rebuild_transformer:.1f} s); "
@@ -163,14 +278,7 @@ def measure(run) -> list[dict]:
         st = stats(times, None if label == "no adapter" else base)
         rows.append([f"denoising step, {label}", f"{st.median:.3f}",
                      "reference" if label == "no adapter" else f"speed vs no adapter {st.ratio_text()}"])
-    base = designs["call"]["no adapter"]
-    for label, times in designs["call"].items():
-        st = stats(times, None if label == "no adapter" else base)
-        switch = designs["switch"].get(label)
-        rows.append([f"transformer call, {label}", f"{st.median:.3f}",
-                     "reference" if switch is None else
-                     f"speed vs no adapter {st.ratio_text()}; a switch {switch:.2f} s "
-                     f"({designs['compute']:.2f} s of it computing the adapted weights)"])
+    rows += _call_rows("transformer call", designs, "the adapted weights") + openvino
     return [{"title": f"LoRA on a built artifact (ort-fp32; steps at {size}x{size})",
             "columns": ["what", "seconds (median)", "against"],
             "rows": rows,
@@ -184,13 +292,20 @@ def measure(run) -> list[dict]:
                       f"on, {steps} steps), median of {reps} interleaved runs; the speed ratio's range is over the "
                       "runs. The last rows time one transformer call (the pipeline's first, batch 2) in three sessions "
                       "of one process: `set_loras` is design 1; design 2 would keep one session and rebind the "
-                      "weights, at the cost of feeding them as inputs on every call."]}]
+                      "weights, at the cost of feeding them as inputs on every call.",
+                      "The openvino rows time one transformer call (batch 2) of openvino-bf16 and -int8 in one "
+                      "process: (b) is what `set_loras` does on OpenVINO (a low-rank branch beside every linear "
+                      "layer the build recorded, A and B switched as inputs, rank 0 for none; the base weights as "
+                      "built); (a) replaces each adapted layer's weight constant in the IR and compiles again. (a) "
+                      "does not apply to int8 weights without requantizing them (said in its row)."]}]
 
 
 def _arguments(group) -> None:
     group.add_argument("--lora-steps", type=int, default=4, help="steps of the LoRA table's runs (at --size)")
+    group.add_argument("--lora-openvino", default="openvino-bf16,openvino-int8", metavar="LABEL[,LABEL]",
+                       help="the OpenVINO artifacts (the openvino table's labels) whose two LoRA designs it times")
 
 
 # Its adapter is made on the attention projections of SD3's transformer (`make_adapter`).
 TABLE = Table("lora", "LoRA on a built artifact", "the default artifact with a random adapter applied", ("sd3",),
-              measure, _arguments, smoke=("--lora-steps", "1"))
+              measure, _arguments, smoke=("--lora-steps", "1", "--lora-openvino", "openvino-int8"))
