@@ -28,7 +28,8 @@ class StaticRequest:
         """The batch the runner calls `submodule` at: the denoiser at the image count (twice that with
         guidance), the VAE at the image count, a text encoder at the prompt count (the negative
         prompts are a second call of the same size)."""
-        if submodule == pipeline["denoiser"]:
+        # the denoiser, its other graphs (First-Block Cache's) and the ControlNets, which run beside it
+        if submodule.startswith((pipeline["denoiser"], "controlnet")):
             return self.images * (2 if self.guidance else 1)
         if submodule.startswith("vae_"):
             return self.images
@@ -36,8 +37,11 @@ class StaticRequest:
 
     def dims(self, submodule: str, pipeline: dict) -> dict[str, int]:
         scale = pipeline["vae_scale_factor"]
+        latent = {"height": self.height // scale, "width": self.width // scale}
+        # latent_height_S: the latent side over S (a UNet's ControlNet residuals, down to 1/32)
+        residual_sides = {f"latent_{axis}_{2 ** k}": side // 2 ** k for axis, side in latent.items() for k in range(1, 6)}
         return {"batch": self.batch(submodule, pipeline), "image_height": self.height, "image_width": self.width,
-                "latent_height": self.height // scale, "latent_width": self.width // scale}
+                "latent_height": latent["height"], "latent_width": latent["width"], **residual_sides}
 
     def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
         """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
