@@ -64,6 +64,17 @@ class FluxPipeline(TextToImage):
         self.variant = "dev" if "guidance" in inputs else "schnell"
         self.defaults = DEV if self.variant == "dev" else SCHNELL
 
+    def run(self, submodule: str, release: bool = True, **feeds):
+        """One engine call, whose outputs must be finite: an artifact past its numeric range (fp16 beyond
+        the magnitudes it was calibrated on) is an error naming the engine, never a black image."""
+        out = super().run(submodule, release=release, **feeds)
+        bad = [name for name, value in out.items() if not np.isfinite(value).all()]
+        if bad:
+            raise FloatingPointError(
+                f"{submodule} returned non-finite values in {', '.join(bad)} ({self.manifest['precision']} "
+                "artifact): run an fp32 or OpenVINO bf16 artifact, or rebuild fp16 calibrated on requests like this one")
+        return out
+
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,

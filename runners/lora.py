@@ -6,7 +6,9 @@ An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh
   `base_layer` and adapter-name segments), alpha and rank from the file's `lora_adapter_metadata`
   (diffusers' save functions write it) or per-module `.alpha` tensors; alpha = rank without either;
 - kohya: `lora_unet_<module_with_underscores>.lora_down.weight` / `lora_up.weight` / `alpha`
-  (`lora_te_`, `lora_te1_`, `lora_te2_` for the text encoders).
+  (`lora_te_`, `lora_te1_`, `lora_te2_` for the text encoders);
+- FLUX.1's original module names (kohya's Flux format, ComfyUI's `diffusion_model.`), mapped to
+  diffusers' in runners/lora_flux.py.
 
 The changed weight of every initializer an adapter touches is computed from the artifact's own
 (an fp16 one in float32, rounded once), each fused slice at its place. Numpy only: a deployed
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runners.lora_flux import to_diffusers_names as flux_original_names
 from runners.provenance import WeightTable
 
 # kohya's prefixes: the component each names (SD1.5's one text encoder is lora_te, SDXL's are te1/te2).
@@ -85,6 +88,7 @@ def read_adapter(path: Path, parameters: set[tuple[str, str]], unread: set[tuple
     if not path.is_file():
         raise LoraError(f"adapter {path} does not exist")
     tensors, metadata = read_safetensors(path)
+    tensors = flux_original_names(tensors)  # kohya's and ComfyUI's FLUX.1 keys: runners/lora_flux.py
     kohya = _kohya_names(parameters | unread)
     pairs: dict[tuple[str, str], dict] = {}
     unmatched, skipped = [], []

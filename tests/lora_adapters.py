@@ -83,3 +83,68 @@ def with_peft_naming(peft_file: Path, out: Path) -> Path:
         renamed[f"{module}.base_layer.{role}.default.weight"] = value
         renamed[f"{module}.alpha"] = np.array(config[f"{component}.lora_alpha"], np.float32)
     return write_raw(out, renamed)
+
+
+# FLUX.1's original (Black Forest Labs) modules the Flux tests adapt, and the diffusers modules each
+# fuses, in its row order: the tests' own table, against which runners/lora_flux.py's is checked.
+# Blocks, which diffusers' kohya conversion reads:
+FLUX_ORIGINAL = {
+    "double_blocks.0.img_attn.qkv": [f"transformer_blocks.0.attn.to_{x}" for x in "qkv"],
+    "double_blocks.0.txt_mod.lin": ["transformer_blocks.0.norm1_context.linear"],
+    "double_blocks.0.img_mlp.2": ["transformer_blocks.0.ff.net.2"],
+    "single_blocks.1.linear2": ["single_transformer_blocks.1.proj_out"],
+    "single_blocks.0.modulation.lin": ["single_transformer_blocks.0.norm.linear"],
+}
+# What diffusers 0.42's kohya conversion does not apply: a single block's linear1 (q, k, v and the MLP
+# input), for which it fixes FLUX.1's widths (3072, 12288), and the top-level modules, which it names
+# without the `transformer.` prefix, so that load_lora_weights drops them without a word. The tests
+# give diffusers the same change in its own names instead (`to_diffusers_split`).
+FLUX_ORIGINAL_UNREAD = {
+    "single_blocks.0.linear1": [f"single_transformer_blocks.0.attn.to_{x}" for x in "qkv"]
+    + ["single_transformer_blocks.0.proj_mlp"],
+    "img_in": ["x_embedder"],
+    "guidance_in.in_layer": ["time_text_embed.guidance_embedder.linear_1"],
+    "final_layer.linear": ["proj_out"],
+    "final_layer.adaLN_modulation.1": ["norm_out.linear"],  # FLUX.1 holds (shift, scale), diffusers (scale, shift)
+}
+
+
+def flux_original_adapter(folder: Path, modules: dict[str, list[str]], out: Path, seed: int, rank: int = 4,
+                          alpha: float = 2.0, comfy: bool = False) -> Path:
+    """A random adapter in kohya's Flux format (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`)
+    or ComfyUI's (`diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight`) for FLUX.1 `modules`
+    of the tiny pipeline in `folder`, shaped from its transformer's weights."""
+    from safetensors.numpy import load_file
+
+    weights = {k: v for f in (Path(folder) / "transformer").glob("*.safetensors") for k, v in load_file(f).items()}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for original, targets in modules.items():
+        rows = sum(weights[f"{t}.weight"].shape[0] for t in targets)
+        name = f"diffusion_model.{original}" if comfy else "lora_unet_" + original.replace(".", "_")
+        tensors[f"{name}.lora_down.weight"] = 0.3 * rng.standard_normal((rank, weights[f"{targets[0]}.weight"].shape[1]))
+        tensors[f"{name}.lora_up.weight"] = 0.3 * rng.standard_normal((rows, rank))
+        tensors[f"{name}.alpha"] = np.array(alpha)
+    return write_raw(out, tensors)
+
+
+def to_diffusers_split(original_file: Path, modules: dict[str, list[str]], folder: Path, out: Path) -> Path:
+    """A kohya Flux adapter of `modules` as diffusers' PEFT keys: each diffusers module gets the whole
+    down and its rows of up (what diffusers' conversion does), alpha folded into down, the final
+    layer's modulation halves swapped."""
+    from safetensors.numpy import load_file
+
+    weights = {k: v for f in (Path(folder) / "transformer").glob("*.safetensors") for k, v in load_file(f).items()}
+    tensors, _ = read_raw(original_file)
+    split = {}
+    for original, targets in modules.items():
+        name = "lora_unet_" + original.replace(".", "_")
+        down, up, alpha = (tensors[f"{name}.{r}"] for r in ("lora_down.weight", "lora_up.weight", "alpha"))
+        if original.startswith("final_layer.adaLN"):
+            shift, scale = np.split(up, 2)
+            up = np.concatenate([scale, shift])
+        rows = np.cumsum([weights[f"{t}.weight"].shape[0] for t in targets])[:-1]
+        for target, part in zip(targets, np.split(up, rows)):
+            split[f"transformer.{target}.lora_A.weight"] = down * float(alpha) / down.shape[0]
+            split[f"transformer.{target}.lora_B.weight"] = part
+    return write_raw(out, split)

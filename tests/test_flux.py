@@ -222,3 +222,57 @@ def test_cli_writes_an_image(builds, tmp_path):
     from PIL import Image
 
     assert Image.open(out).size == (64, 64)
+
+
+def test_non_finite_engine_outputs_are_an_error_not_a_black_image(pipes, monkeypatch):
+    """An fp16 overflow past the calibrated ranges (or any engine's NaN) stops the run, naming the engine."""
+    session = pipes["schnell"].sessions["transformer"]
+    real = session.run
+    monkeypatch.setattr(session, "run", lambda feeds, release=False: {
+        name: np.full_like(value, np.inf) for name, value in real(feeds, release).items()})
+    with pytest.raises(FloatingPointError, match=r"^transformer returned non-finite values in noise_pred \(fp32 "
+                                                 r"artifact\): run an fp32 or OpenVINO bf16 artifact"):
+        pipes["schnell"]("a cat", height=64, width=64, num_inference_steps=1)
+
+
+def test_true_cfg_scale_on_the_command_line(builds, tmp_path, tiny_artifact):
+    """--true-cfg-scale is Flux's, with --negative-prompt; another family's artifact refuses it in one line."""
+    run = [sys.executable, "-m", "runners", "--prompt", "a photo of a cat", "--height", "64", "--width", "64",
+           "--steps", "1", "--true-cfg-scale", "3"]
+    done = subprocess.run(run + [str(builds["dev"].folder / "ort-fp32"), "--negative-prompt", "blurry", "--out",
+                                 str(tmp_path / "flux.png")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    refused = subprocess.run(run + [str(tiny_artifact), "--out", str(tmp_path / "sd3.png")], capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "--true-cfg-scale is Flux's (classifier-free guidance with a negative prompt); this artifact is sd3's" in \
+        refused.stderr
+
+
+def test_keep_scopes_keep_the_final_projection_not_the_blocks(builds):
+    """Flux's transformer keeps its embedders and final layers in float; its final proj_out is named by
+    its path, as every single-stream block has a proj_out too."""
+    import onnx
+
+    from engines.passes.ort_tools import nodes_in_scopes
+
+    export = manifest(builds["dev"].folder / "onnx")["submodules"]["transformer"]
+    proto = onnx.load(builds["dev"].folder / "onnx" / export["file"], load_external_data=False)
+    kept = set(nodes_in_scopes(proto, export["quantization"]["keep_scopes"], ["MatMul"]))
+    scopes = {n.name: next(p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.name_scopes")
+              for n in proto.graph.node if n.name in kept}
+    assert len(kept) == 3 and sum("'transformer.proj_out'" in s for s in scopes.values()) == 1
+    assert not any("single_transformer_blocks" in s for s in scopes.values())
+
+
+def test_static_builds_are_refused_for_flux(builds):
+    pytest.importorskip("tensorrt_rtx")
+    from engines.plan import plan
+    from engines.targets import TargetError
+    from runners.static import StaticRequest
+
+    from conftest import rtx_options
+
+    with pytest.raises(TargetError, match=r"^--static is not supported for Flux: its transformer's image token count "
+                                          r"and T5 length follow each request"):
+        plan(builds["dev"].folder, "trt-rtx", "fp16", options=rtx_options(static=StaticRequest()))

@@ -326,3 +326,110 @@ def test_unet_families_every_format_matches_diffusers(family, request, tmp_path)
     for adapter in (peft, kohya, renamed):
         pipe.set_loras({adapter: 0.9})
         assert np.abs(pipe(latents=latents, **CALL) - ref).max() <= ONE_LEVEL, adapter.name
+
+
+# --- flux-tiny: diffusers/PEFT (transformer and CLIP), kohya's Flux format, ComfyUI's BFL names ----
+
+
+FLUX_CALL = dict(CALL, max_sequence_length=16)
+
+
+def _flux_latents(seed: int) -> np.ndarray:  # packed, as FluxPipeline takes them: (N, 64x64's 16 tokens, 64)
+    return np.random.default_rng(seed).standard_normal((1, 16, 64), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def flux_adapters(flux_tiny_build, tmp_path_factory):
+    """A: the attention of both kinds of block, the single blocks' MLP input (fused with their q, k, v)
+    and CLIP's attention; B: the feed-forward, the adaLN projections (fused by fuse_qkv) and the final
+    projection; kohya's Flux format and ComfyUI's of random FLUX.1-named layers."""
+    from diffusers import FluxPipeline
+
+    from lora_adapters import FLUX_ORIGINAL, flux_original_adapter
+
+    folder, src = tmp_path_factory.mktemp("flux-loras"), flux_tiny_build.source.folder
+    return {
+        "a": make_adapter(FluxPipeline, src, folder / "a", {"transformer": ATTENTION + ["proj_mlp", "add_k_proj"],
+                                                            "text_encoder": CLIP_ATTENTION}, seed=1),
+        "b": make_adapter(FluxPipeline, src, folder / "b", {"transformer": ["ff.net.2", "norm1.linear", "proj_out"]},
+                          seed=2, rank=2, alpha=2.0),
+        "kohya": flux_original_adapter(src, FLUX_ORIGINAL, folder / "kohya.safetensors", seed=3),
+        "comfy": flux_original_adapter(src, FLUX_ORIGINAL, folder / "comfy.safetensors", seed=3, comfy=True),
+    }
+
+
+@pytest.mark.parametrize("adapter", ["a", "b", "kohya", "comfy"])
+def test_flux_formats_match_diffusers(flux_tiny_build, flux_adapters, adapter):
+    from diffusers import FluxPipeline
+
+    latents = _flux_latents(seed=len(adapter))
+    ref = _reference(FluxPipeline, flux_tiny_build.source.folder, {flux_adapters[adapter]: 0.8}, latents,
+                     max_sequence_length=16)
+    base = _reference(FluxPipeline, flux_tiny_build.source.folder, {}, latents, max_sequence_length=16)
+    assert np.abs(ref - base).max() > 0.05  # the adapter changes the image
+    assert_real_image(ref)
+    ours = Pipeline.load(flux_tiny_build.folder / "ort-fp32", loras={flux_adapters[adapter]: 0.8})
+    got = ours(latents=latents, **FLUX_CALL)
+    print(f"flux {adapter}: max abs error {np.abs(got - ref).max():.1e}")
+    assert np.abs(got - ref).max() <= ONE_LEVEL
+
+
+def test_flux_original_names_diffusers_does_not_apply(flux_tiny_build, tmp_path):
+    """A single block's fused linear1 and the top-level modules in kohya's Flux format, against diffusers
+    reading the same change in its own names (its kohya conversion reads neither: lora_adapters.py)."""
+    from diffusers import FluxPipeline
+
+    from lora_adapters import FLUX_ORIGINAL_UNREAD, flux_original_adapter, to_diffusers_split
+
+    src = flux_tiny_build.source.folder
+    kohya = flux_original_adapter(src, FLUX_ORIGINAL_UNREAD, tmp_path / "kohya.safetensors", seed=4, alpha=8.0)
+    split = to_diffusers_split(kohya, FLUX_ORIGINAL_UNREAD, src, tmp_path / "split.safetensors")
+    latents = _flux_latents(seed=4)
+    ref = _reference(FluxPipeline, src, {split: 1.0}, latents, max_sequence_length=16)
+    assert np.abs(ref - _reference(FluxPipeline, src, {}, latents, max_sequence_length=16)).max() > 0.05
+    got = Pipeline.load(flux_tiny_build.folder / "ort-fp32", loras={kohya: 1.0})(latents=latents, **FLUX_CALL)
+    print(f"flux linear1 and top-level: max abs error {np.abs(got - ref).max():.1e}")
+    assert np.abs(got - ref).max() <= ONE_LEVEL
+
+
+def test_flux_offline_runtime_and_a_b_a_switching(flux_tiny_build, flux_adapters, tmp_path):
+    """`python -m engines lora`'s artifact equals the runtime adapter exactly, and switching A -> B -> A
+    -> none gives each exactly (every switch starts from the artifact's own weights)."""
+    artifact = flux_tiny_build.folder / "ort-fp32"
+    a, b = flux_adapters["a"], flux_adapters["kohya"]
+    latents = _flux_latents(seed=5)
+    out = tmp_path / "cli"
+    done = subprocess.run([sys.executable, "-m", "engines", "lora", str(artifact), "--lora", f"{a}:0.7", "--out",
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    offline = {"a": Pipeline.load(out)(latents=latents, **FLUX_CALL),
+               "b": Pipeline.load(apply_loras(artifact, {b: 0.7}, tmp_path / "b"))(latents=latents, **FLUX_CALL)}
+    pipe = Pipeline.load(artifact)
+    base = pipe(latents=latents, **FLUX_CALL)
+    for key, loras in (("a", {a: 0.7}), ("b", {b: 0.7}), ("a", {a: 0.7}), ("none", {})):
+        pipe.set_loras(loras)
+        assert np.array_equal(pipe(latents=latents, **FLUX_CALL), offline.get(key, base)), key
+    assert not np.array_equal(offline["a"], offline["b"])
+
+
+def test_flux_single_block_mlp_input_changes_exactly_its_slice(flux_tiny_build, flux_adapters, tmp_path):
+    """fuse_qkv fuses a single block's q, k, v and MLP input (they read one tensor): an adapter on
+    proj_mlp alone changes the fused weight in proj_mlp's columns only."""
+    from lora_adapters import read_raw, write_raw
+    from runners.lora import adapted_submodules
+
+    artifact = flux_tiny_build.folder / "ort-fp32"
+    tensors, metadata = read_raw(flux_adapters["a"])
+    only = write_raw(tmp_path / "mlp.safetensors", {k: v for k, v in tensors.items() if ".proj_mlp." in k}, metadata)
+    data = manifest(artifact)
+    table, base = submodule_tables(artifact, data)["transformer"], artifact_weights(artifact)
+    changed = adapted_submodules(artifact, data, {only: 1.0})["transformer"]
+    assert len(changed) == 2  # one fused weight per single block
+    for name, value in changed.items():
+        record = table[name]
+        assert sorted(p["key"].split(".")[-2] for p in record["parts"]) == ["proj_mlp", "to_k", "to_q", "to_v"]
+        mlp = next(p for p in record["parts"] if p["key"].endswith("proj_mlp.weight"))
+        diff = np.abs(value - base(name, record)).max(axis=0)
+        inside = np.zeros(diff.shape, bool)
+        inside[mlp["start"]:mlp["stop"]] = True
+        assert mlp["axis"] == 1 and diff[inside].min() > 0 and diff[~inside].max() == 0, name

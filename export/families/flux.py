@@ -76,7 +76,10 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
         # The embedders and the final norm and projection stay in higher precision, as for SD3. The
         # final projection by its path: every single-stream block has a proj_out too.
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_text_embed", "context_embedder",
-                                                        "norm_out", "transformer.proj_out")},
+                                                        "norm_out", "transformer.proj_out"),
+                      # fp16: the sinusoidal timestep and guidance embeddings (arguments up to a few
+                      # thousand) stay fp32 (engines/passes/to_fp16.py)
+                      "fp32_scopes": ("time_text_embed",)},
         when=lambda src: _has_guidance(src) == guidance,
     )
 
