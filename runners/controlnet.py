@@ -14,16 +14,12 @@ nearest for numpy ones), in [0, 1], repeated for the images to generate and doub
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from runners.images import to_model_input
 from runners.text_to_image import task_of
-
-CONTROL_ARGS = ("control_image", "controlnet_conditioning_scale", "control_guidance_start", "control_guidance_end",
-                "guess_mode")
-
 
 def _per_net(name: str, value, count: int) -> list[float]:
     """A number for every ControlNet, or one per ControlNet."""
@@ -81,7 +77,6 @@ class ControlRun:
     request: ControlRequest
     half: bool  # guess mode under guidance: the ControlNets see the conditional half only
     step: tuple[int, int] = (0, 1)  # (step, number of steps) of the evaluation under way
-    zeros: dict = field(default_factory=dict)
 
     @classmethod
     def start(cls, engines, request: ControlRequest, height: int, width: int, n_images: int, per_prompt: int,
