@@ -187,7 +187,7 @@ class ControlNets:
             self._control.step = (step, num_steps)
         return super()._evaluate(step, num_steps, x, t, conditions, context)
 
-    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
+    def _predict(self, x, t, conditions: dict, release: bool) -> dict:
         if self._residual_inputs():
             conditions = {**conditions, **self._residuals(x, t, conditions, release)}
         return super()._predict(x, t, conditions, release)

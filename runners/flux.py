@@ -55,6 +55,7 @@ class FluxPipeline(TextToImage):
     family = "flux"
     image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
+    guidance_contexts = "uncond,cond"  # FluxPipeline's true CFG: two transformer calls, each in its cache context
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -146,10 +147,11 @@ class FluxPipeline(TextToImage):
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)  # FluxPipeline's
         return self.scheduler.start(num_inference_steps, self._mu(latent_shape), sigmas=sigmas)
 
-    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
-        """The transformer on the packed latents, its timestep divided by 1000 (as the pipeline feeds it)."""
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        """The transformer (or `engine`, another graph of it, with `extra` inputs) on the packed latents, its
+        timestep divided by 1000 (as the pipeline feeds it): its outputs, `noise_pred` unpacked."""
         n, _, h, w = x.shape
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
-        out = self.run("transformer", release=release, hidden_states=pack(x), timestep=timestep,
-                       img_ids=image_ids(h, w), **conditions)["noise_pred"]
-        return unpack(out, h, w)
+        out = self.run(engine or "transformer", release=release, hidden_states=pack(x), timestep=timestep,
+                       img_ids=image_ids(h, w), **conditions, **extra)
+        return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}

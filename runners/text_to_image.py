@@ -85,6 +85,9 @@ class TextToImage(Pipeline):
     image_sets_size = True
     strength_whole_steps = True  # see runners.schedulers.schedule.strength_start (SD3: False)
     inpaint_decode_adds_shift = True  # see SD3Pipeline
+    # The cache contexts of a guided step's batch (Pipeline._evaluate): one for diffusers' pipelines that
+    # batch guidance in one call; "uncond,cond" where diffusers calls the halves apart (Flux's true CFG).
+    guidance_contexts = "batch"
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
@@ -234,12 +237,14 @@ class TextToImage(Pipeline):
         """The scheduler's run for a request (Flux gives it its own sigmas)."""
         return self.scheduler.start(num_inference_steps, self._mu(latent_shape))
 
-    def _predict(self, x, t, conditions: dict, release: bool) -> np.ndarray:
-        """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: its prediction, in x's layout."""
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: the engine's outputs, its prediction
+        `noise_pred` in x's layout. `engine`: another graph of the denoiser, with the same inputs and `extra`
+        (First-Block Cache's, runners/caches/first_block.py)."""
         denoiser = self.constants["denoiser"]
         latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
-        return self.run(denoiser, release=release, **{latent_input: x}, **conditions,
-                        timestep=np.full(x.shape[0], t, dtype=np.float32))["noise_pred"]
+        return self.run(engine or denoiser, release=release, **{latent_input: x}, **conditions, **extra,
+                        timestep=np.full(x.shape[0], t, dtype=np.float32))
 
     def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
         cfg, n = guidance_scale > 1, len(schedule.timesteps)
@@ -247,7 +252,7 @@ class TextToImage(Pipeline):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._evaluate(i, n, x, t, conditions)
+            noise = self._evaluate(i, n, x, t, conditions, context=self.guidance_contexts if cfg else "batch")
             if cfg:
                 uncond, text = np.split(noise, 2)
                 noise = uncond + np.float32(guidance_scale) * (text - uncond)

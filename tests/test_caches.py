@@ -159,7 +159,8 @@ def test_taylorseer_factors_match_diffusers_state():
     ("taylorseer:speed=2", "unknown option 'speed'"),
     ("taylorseer:after=soon", "after='soon' is not a number"),
     ("magcache", "cache 'magcache' is not known"),
-    ("first-block:0.08", "not available on any artifact yet"),
+    ("first-block:-0.1", "threshold=-0.1 is not allowed"),
+    ("first-block:0.1,speed=2", "unknown option 'speed'"),
 ])
 def test_bad_cache_values_are_refused_in_one_line(text, named, tmp_path, capsys):
     from runners.__main__ import main

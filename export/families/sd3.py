@@ -9,6 +9,7 @@ from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
+from export.families.first_block import inner_dim, transformer_specs
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 _CLIP_OUTPUTS = ("text_embeds", "penultimate_hidden_states")
@@ -51,8 +52,17 @@ class _TransformerForSD3(torch.nn.Module):
         return (out[0],)
 
 
+PATCH = 2  # SD3 and 3.5 transformers read the latents in 2x2 patches
+
+
+def _image_tokens(dims: dict[str, int]) -> int:
+    return (dims["latent_height"] // PATCH) * (dims["latent_width"] // PATCH)
+
+
 def _constants(src) -> dict[str, int]:
     tr, vae = src.config("transformer"), src.config("vae")
+    if tr["patch_size"] != PATCH:
+        raise ValueError(f"SD3 transformer patch_size={tr['patch_size']}: this family exports patch size {PATCH} only")
     clip, clip2 = src.config("text_encoder"), src.config("text_encoder_2")
     c = {
         "clip_length": src.tokenizer_max_length("tokenizer"),
@@ -64,6 +74,7 @@ def _constants(src) -> dict[str, int]:
         "latent_channels": vae["latent_channels"],
         "vae_scale_factor": 2 ** (len(vae["block_out_channels"]) - 1),
         "latent_multiple": tr["patch_size"],  # latent sides are whole patches
+        "inner_dim": inner_dim(tr),
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
     }
     if src.has("text_encoder_3"):
@@ -109,7 +120,7 @@ FAMILY = Family(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
         t5_encoder("text_encoder_3"),
-        SubmoduleSpec(
+        *transformer_specs(SubmoduleSpec(
             name="transformer",
             component="transformer",
             inputs=(
@@ -124,7 +135,7 @@ FAMILY = Family(
             # higher precision: their errors reach every block or the output directly.
             quantization={"denoiser": True, "keep_scopes": ("pos_embed", "time_text_embed", "context_embedder",
                                                             "norm_out", "proj_out")},
-        ),
+        )),
         VAE_DECODER,
         VAE_ENCODER,
     ),
@@ -133,6 +144,7 @@ FAMILY = Family(
     derived_dims={
         **VAE_DIMS,
         "joint_length": ("t5_length", 1, "clip_length"),
+        "image_tokens": _image_tokens,
     },
     tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"),
     build_random=build_random,

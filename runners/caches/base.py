@@ -8,9 +8,6 @@ from typing import Callable
 import numpy as np
 
 CONFIGS: dict[str, type] = {}  # spelled name ("taylorseer") -> its config class, filled by register
-# Spelled names of caches to come, and why they are not here yet (the entry goes when its file lands).
-PLANNED = {"first-block": "First-Block Cache needs the denoiser split after its first block, which no export "
-                          "writes yet: use taylorseer"}
 
 
 def register(name: str, aliases: dict[str, str]):
@@ -31,7 +28,7 @@ class CacheConfig:
     positional: str | None = None  # the option a bare value sets ("first-block:0.08")
 
     def check(self, manifest: dict) -> None:
-        """Refuse, in one line, an artifact this cache cannot run on (e.g. a denoiser without its split)."""
+        """Refuse, in one line, an artifact this cache cannot run on (e.g. a transformer exported before its split)."""
 
     def start(self, pipe, num_steps: int) -> "StepCache":
         """The state of one call of `pipe` with `num_steps` denoiser evaluations per context."""
@@ -57,8 +54,9 @@ class StepCache:
     def __call__(self, step: int, context: str, inputs: tuple, run_full: Callable[[], np.ndarray]) -> np.ndarray:
         """The denoiser's output at `step` for `context` (a name for one stream of evaluations, as
         diffusers' `cache_context`: "batch" for guidance batched in one call, "cond"/"uncond" when a
-        loop calls them apart). `inputs` are the evaluation's (latents, timestep, conditions);
-        `run_full()` runs the whole denoiser on them."""
+        loop calls them apart; "uncond,cond" names the halves of one batched call). `inputs` are the
+        evaluation's (latents, timestep, conditions); `run_full()` runs the whole denoiser on them, and
+        `run_full(release=True)` frees its working memory afterwards (by default only on the last step)."""
         t0 = time.perf_counter()
         output, kind = self.evaluate(step, context, inputs, run_full)
         self.stats[kind] += 1
@@ -97,8 +95,6 @@ def parse_cache(text: str):
     name = name.strip().lower()
     if name in ("", "none", "off"):
         return None
-    if name in PLANNED:
-        raise ValueError(f"cache {name!r} is not available on any artifact yet: {PLANNED[name]}")
     if name not in CONFIGS:
         raise ValueError(f"cache {name!r} is not known; known: {', '.join(CONFIGS)} (or none)")
     cls = CONFIGS[name]

@@ -90,6 +90,8 @@ class TaylorSeerCache(StepCache):
         state = self.contexts.setdefault(context, _Factors())
         if state.step is not None and not self.config.runs_in_full(step, self.num_steps):
             return state.predict(step), "cached"
-        output = run_full()
+        # No later full step: the denoiser's working memory goes now, not after an extrapolated last step.
+        later = any(self.config.runs_in_full(s, self.num_steps) for s in range(step + 1, self.num_steps))
+        output = run_full(release=not later)
         state.update(output, step, self.config.max_order)
         return output, "full"
