@@ -26,7 +26,7 @@ def _with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str
 
     folder = tmp_path_factory.mktemp(name)
     shutil.copytree(build.folder / "onnx", folder / "onnx", copy_function=os.link)
-    export_model(build.source, folder, controlnets=controlnets)
+    export_model(build.source, folder, controlnets=[str(_controlnet_folder(n)) for n in controlnets])
     build_artifact(folder, "ort", "fp32")
     return folder
 
@@ -47,13 +47,24 @@ def sdxl_one(tmp_path_factory, sdxl_tiny_build):
     return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
 
 
+_FOLDERS = {}
+
+
+def _controlnet_folder(name: str):
+    """A random test ControlNet's folder, resolved once: the export and the reference read the same one
+    even when another change to the family code rebuilds the random models meanwhile."""
+    from export.families.controlnet import _folder_of
+
+    if name not in _FOLDERS:
+        _FOLDERS[name] = _folder_of(name)
+    return _FOLDERS[name]
+
+
 def _reference(pipeline_class: str, build, controlnets: list[str]):
     import diffusers
     from diffusers import ControlNetModel
 
-    from export.families.controlnet import _folder_of
-
-    nets = [ControlNetModel.from_pretrained(_folder_of(n)) for n in controlnets]
+    nets = [ControlNetModel.from_pretrained(_controlnet_folder(n)) for n in controlnets]
     base = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
     pipe = getattr(diffusers, pipeline_class)(**base.components, controlnet=nets[0] if len(nets) == 1 else nets)
     pipe.set_progress_bar_config(disable=True)
@@ -169,7 +180,7 @@ def test_controlnets_are_added_without_exporting_the_rest(sd15_tiny_build, sd15_
     base, one, two = (json.loads((f / "onnx" / "manifest.json").read_text())
                       for f in (sd15_tiny_build.folder, sd15_one, sd15_two))
     assert list(two["submodules"]) == [*base["submodules"], "controlnet", "controlnet_1"]
-    assert two["submodules"]["controlnet_1"]["source"] == "sd15-controlnet-tiny-2"
+    assert two["submodules"]["controlnet_1"]["source"] == str(_controlnet_folder("sd15-controlnet-tiny-2"))
     for name in base["submodules"]:
         assert two["submodules"][name]["export"] == base["submodules"][name]["export"]
         assert os.stat(sd15_tiny_build.folder / "onnx" / f"{name}.onnx").st_ino == \

@@ -94,6 +94,7 @@ def _random_folder(name: str) -> Path:
     folder = cache_root() / "models" / f"{name}-{key}"
     if not (folder / "config.json").exists():
         with atomic_folder(folder) as tmp:
+            torch.manual_seed(seed)  # from_unet draws the control image encoder's other layers from torch's generator
             controlnet = ControlNetModel.from_unet(UNet2DConditionModel.from_pretrained(base.folder / "unet"))
             generator = torch.Generator().manual_seed(seed)
             zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
