@@ -98,6 +98,8 @@ $(OPTIMUM_VENV)/.installed: Makefile
 	touch $@
 
 # optimum-intel (the OpenVINO peer) pins transformers < 5.6: another environment of its own.
+# openvino.genai's Text2ImagePipeline (the Flux table's other OpenVINO peer) runs optimum-intel's
+# export, so it lives here too, at the same OpenVINO release.
 # It declares torchvision, whose registry wheel pulls a CUDA torch and does not import with the
 # CPU one; optimum-intel does not need it for diffusion, so it is installed without its deps,
 # after the deps it does need.
@@ -106,20 +108,24 @@ optimum-intel-venv: $(OPTIMUM_INTEL_VENV)/.installed
 $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 	$(call peer_venv,$(OPTIMUM_INTEL_VENV),"optimum==2.3.0" "transformers==5.5.4" "diffusers==0.39.0" \
 	  "nncf==3.4.0" "openvino==2026.4.1" "openvino-tokenizers==2026.4.1.0" "huggingface_hub==1.21.0" \
-	  "accelerate==1.15.0" "sentencepiece==0.2.3")
+	  "accelerate==1.15.0" "sentencepiece==0.2.3" "openvino-genai==2026.4.1.0")
 	$(OPTIMUM_INTEL_VENV)/bin/python -m pip install -q --no-deps "optimum-intel==2.2.0"
-	$(OPTIMUM_INTEL_VENV)/bin/python -c "from optimum.intel import OVStableDiffusion3Pipeline"
+	$(OPTIMUM_INTEL_VENV)/bin/python -c "from optimum.intel import OVStableDiffusion3Pipeline, OVFluxPipeline; \
+	  from openvino_genai import Text2ImagePipeline"
 	touch $@
 
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
-# batch (skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
+# batch, and the Flux table on flux-bench against optimum-intel and openvino.genai (both skipped
+# when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux \
+	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
 # Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
 # again per stage's output): sd3-fullsize through export and the ORT fp16 build, each stage's

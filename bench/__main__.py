@@ -4,12 +4,13 @@ bench/tables/; `--tables` alone lists them."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from bench import accuracy
+from bench import accuracy, gemm
 from bench.tables import TABLES, for_family, listing
 
 
@@ -24,6 +25,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--size", type=int, default=512, help="image side of the tables' calls and runs")
     p.add_argument("--steps", type=int, default=28, help="steps of the end-to-end runs at --size (0: skip them)")
+    p.add_argument("--gemm-size", type=int, default=gemm.N,
+                   help="side of the square fp32 GEMM whose rate is the FLOP bound (smaller: a rougher bound)")
     p.add_argument("--out", default="BENCHMARKS.md")
     p.add_argument("--build-dir", default="build", help="where the model's export and artifacts are built (cached)")
     peers = p.add_argument_group("peers on the same weights")
@@ -56,6 +59,13 @@ def _selected(args: argparse.Namespace, family: str) -> list[str]:
     return args.tables
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU of this process and its ended children (workers, builds): what each table costs
+    on a loaded machine, where wall time says little."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.harness import log
     from bench.report import write
@@ -74,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     names = _selected(args, run.src.family.name)
     tables = []
     for name in names:
-        log(f"table {name} ({time.perf_counter() - started:.0f} s in)")
+        log(f"table {name} ({time.perf_counter() - started:.0f} s in, {_cpu_seconds():.0f} s of CPU)")
         tables += TABLES[name].measure(run)
+    log(f"tables done ({time.perf_counter() - started:.0f} s in, {_cpu_seconds():.0f} s of CPU)")
     command = "python -m bench " + " ".join(map(shlex.quote, argv))
     write(Path(args.out), run, tables, command, (time.perf_counter() - started) / 60)
     log(f"wrote {args.out}")

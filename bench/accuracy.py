@@ -9,7 +9,6 @@ from bench.harness import in_child
 
 PROMPTS = ("a photo of an astronaut riding a horse on the moon, detailed, golden light",
            "a red fox in fresh snow, telephoto", "a bowl of ramen with a soft-boiled egg", "")
-CALIBRATION_PROMPTS = 32
 
 
 def psnr(reference: np.ndarray, image: np.ndarray) -> float:
@@ -64,12 +63,22 @@ def accuracy(reference: str, artifacts: dict[str, str], constants: dict, denoise
     return results
 
 
+def calibration(args) -> dict:
+    """The calibration settings (engines.calibration.CalibrationSettings' fields) of every table's
+    calibrated builds: the same settings, so an artifact two tables need is built once."""
+    return {"prompts": args.calibration_prompts, "steps": args.calibration_steps, "size": args.calibration_size}
+
+
+def calibration_text(args) -> str:
+    return (f"{args.calibration_prompts} prompts x {args.calibration_steps} steps at "
+            f"{args.calibration_size}x{args.calibration_size}")
+
+
 def built_and_checked(run, build, *args) -> tuple[dict[str, str], dict[str, dict]]:
     """The artifacts `build(build_dir, calibration settings, *args)` makes ({label: folder}, in a
     child process), and their error against the default artifact (`accuracy`)."""
     a = run.args
-    calibration = {"prompts": CALIBRATION_PROMPTS, "steps": a.calibration_steps, "size": a.calibration_size}
-    built = in_child(build, run.build, calibration, *args)
+    built = in_child(build, run.build, calibration(a), *args)
     return built, in_child(accuracy, str(run.default_artifact), built, run.constants, run.denoiser, a.size,
                            a.precision_steps)
 
@@ -93,6 +102,7 @@ def add_arguments(parser) -> None:
                        help="steps of the end-to-end runs whose images are compared with the fp32 artifact's")
     group.add_argument("--calibration-size", type=int, default=256, help="image side of the fp16/fp8/int8 calibration run")
     group.add_argument("--calibration-steps", type=int, default=4, help="denoising steps per calibration prompt")
+    group.add_argument("--calibration-prompts", type=int, default=32, help="prompts of the calibration run")
 
 
-SMOKE = ("--precision-steps", "1", "--calibration-size", "64", "--calibration-steps", "1")
+SMOKE = ("--precision-steps", "1", "--calibration-size", "64", "--calibration-steps", "1", "--calibration-prompts", "2")

@@ -21,11 +21,11 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def gemm_gflops() -> dict[str, float]:
-    """GFLOP/s per library: numpy's BLAS, torch (MKL), torch's oneDNN, ONNX Runtime (MLAS)."""
+def gemm_gflops(n: int = N) -> dict[str, float]:
+    """GFLOP/s per library of an n x n GEMM: numpy's BLAS, torch (MKL), torch's oneDNN, ONNX Runtime (MLAS)."""
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((N, N), dtype=np.float32), rng.standard_normal((N, N), dtype=np.float32)
-    flops = 2.0 * N**3
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    flops = 2.0 * n**3
     rates = {"numpy": _rate(lambda: a @ b, flops)}
     import torch
 

@@ -42,6 +42,7 @@ class Variant:
     kind: str  # bench.variants.make_variant kind
     path: str  # pipeline folder or artifact folder
     python: str = sys.executable  # a variant may live in a virtual environment of its own
+    options: dict = field(default_factory=dict)  # keyword arguments of its constructor (bench.variants)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Worker:
     def start(cls, variant: Variant, constants: dict) -> "Worker":
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen([variant.python, "-m", "bench.worker", variant.kind, variant.path,
-                                 json.dumps(constants)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 json.dumps(constants), json.dumps(variant.options)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True, env=env, cwd=REPO)
         worker = cls(variant, proc)
         worker.read()  # loaded

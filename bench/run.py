@@ -83,5 +83,5 @@ def prepare(args: argparse.Namespace) -> Run:
         run.variants.append(Variant("(c) optimum-onnx", "optimum", str(run.optimum_folder), args.optimum_python))
     run.variants.append(Variant(f"(d) ours {DEFAULT_ARTIFACT}", "ours", str(run.default_artifact)))
     log("measuring fp32 GEMM throughput")
-    run.gemm = gemm_gflops()
+    run.gemm = gemm_gflops(args.gemm_size)
     return run

@@ -181,7 +181,11 @@ class Graph:
         return _timed(lambda: self.session.run(feeds))  # steady state, as in the denoising loop
 
 
-def make_variant(kind: str, path: str):
+def make_variant(kind: str, path: str, **options):
+    if kind.startswith("flux-"):
+        from bench.flux_variants import make_flux_variant
+
+        return make_flux_variant(kind, path, **options)
     if kind == "ours":
         return Ours(path)
     if kind == "graph":

@@ -30,9 +30,9 @@ def main() -> None:
     from bench.variants import make_variant
     from bench.workload import make_inputs, start_latents
 
-    kind, path, constants = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    kind, path, constants, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     t0 = time.perf_counter()
-    variant = make_variant(kind, path)
+    variant = make_variant(kind, path, **options)
     loaded = time.perf_counter() - t0
     _reply({"loaded_seconds": loaded})
     for line in sys.stdin:
@@ -41,6 +41,8 @@ def main() -> None:
         if job["job"] == "submodules":  # one call of each submodule whose inputs the job specifies
             feeds, calls = make_inputs(job["inputs"]), job.get("calls", 1)
             _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in feeds})
+        elif job["job"] == "timed_run":  # a whole run, its denoiser and VAE times, and its first image
+            _reply(variant.timed_run(start_latents(constants, h, w), h, w, job["steps"], job.get("out")))
         elif job["job"] == "e2e":
             _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
         elif job["job"] == "vae_decode":

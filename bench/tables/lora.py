@@ -234,12 +234,11 @@ def _call_rows(what: str, got: dict, computing: str) -> list[list[str]]:
 
 def _openvino_rows(run, adapter: Path) -> list[list[str]]:
     """The two OpenVINO designs on openvino-bf16 and -int8 (built as the openvino table builds them)."""
-    from bench.accuracy import CALIBRATION_PROMPTS
+    from bench.accuracy import calibration
     from bench.tables.openvino import build_openvino
 
     a = run.args
-    calibration = {"prompts": CALIBRATION_PROMPTS, "steps": a.calibration_steps, "size": a.calibration_size}
-    built = in_child(build_openvino, run.build, calibration, a.size, a.lora_openvino.split(","))
+    built = in_child(build_openvino, run.build, calibration(a), a.size, a.lora_openvino.split(","))
     rows = []
     for label, artifact in built.items():
         log(f"lora: the OpenVINO designs on {label}")

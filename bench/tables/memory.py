@@ -163,4 +163,4 @@ def _arguments(group) -> None:
 # `make bench` measures it on sd3-bench and sd15-bench. Not sdxl: its memory artifact's U-Net build
 # costs the smoke test minutes, and the table's code is the same for both U-Net families.
 TABLE = Table("memory", "Activation memory", "ort-fp32 with the memory profile (`--memory`)", ("sd3", "sd15"),
-              measure, _arguments, smoke=("--memory-size", "128"))
+              measure, _arguments, smoke=("--memory-size", "128", "--memory-submodules", "vae_decoder"))

@@ -42,7 +42,6 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
 
     settings = CalibrationSettings(**calibration)
     dynamic = OpenVinoOptions(shapes="dynamic")
-    int8 = build_artifact(build, "openvino", "int8", calibration=settings)  # first: its recordings are shared
     builds = {"ort-int8": lambda: build_artifact(build, "ort", "int8"),
               "openvino-fp32": lambda: build_artifact(build, "openvino", "fp32"),
               "openvino-bf16, no passes, dynamic shapes": lambda: build_artifact(
@@ -52,7 +51,7 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
               "openvino-bf16": lambda: build_artifact(build, "openvino", "bf16"),
               "openvino-int8, dynamic shapes": lambda: build_artifact(
                   _sibling(build, "dynamic"), "openvino", "int8", calibration=settings, options=dynamic),
-              "openvino-int8": lambda: int8,
+              "openvino-int8": lambda: build_artifact(build, "openvino", "int8", calibration=settings),
               f"openvino-int8, compiled for CPU at {size}x{size}": lambda: build_artifact(
                   _sibling(build, "compiled-cpu"), "openvino", "int8", calibration=settings,
                   options=OpenVinoOptions(device="CPU", sizes=((size, size),)))}
@@ -134,8 +133,7 @@ def measure(run) -> list[dict]:
                   "the CPU at build (`--ov-device CPU --ov-sizes`). Each step from plain OpenVINO (our export, "
                   "no passes, dynamic shapes) to our default changes one thing. Errors as in the "
                   f"precision table: the same 4 prompts and starting latents; int8 is calibrated on "
-                  f"{accuracy.CALIBRATION_PROMPTS} prompts x {a.calibration_steps} steps at "
-                  f"{a.calibration_size}x{a.calibration_size}.", *notes]}]
+                  f"{accuracy.calibration_text(a)}.", *notes]}]
 
 
 def _arguments(group) -> None:

@@ -1,0 +1,142 @@
+"""The Flux table's variants (bench/tables/flux.py). Each makes whole images from the same packed
+starting latents and times the parts inside its own run: the transformer's seconds per step and
+the VAE decode. diffusers' and optimum-intel's pipelines are timed by wrapping their transformer
+and VAE, ours by the pipeline's stage timings, openvino.genai's by its performance metrics. Every
+variant runs at its defaults (FLUX.1-dev's: 512 T5 tokens, guidance embedding 3.5, no negative
+prompt), so each does the same work."""
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+
+from bench.variants import PROMPT
+
+
+def _result(seconds: float, steps: int, denoise: float, vae: float, image: np.ndarray, out: str | None) -> dict:
+    """A `timed_run` reply; the image (in [0, 1], HWC) is saved in a new file in the folder `out`."""
+    result = {"seconds": seconds, "step": denoise / steps, "vae": vae}
+    if out:
+        with tempfile.NamedTemporaryFile(dir=out, suffix=".npy", delete=False) as f:
+            np.save(f, image)
+        result["image"] = f.name
+    return result
+
+
+def _timed_calls(owner, attr: str, seconds: list) -> None:
+    """Make `owner.attr(...)` append the seconds of each of its calls to `seconds`."""
+    call = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = call(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    setattr(owner, attr, timed)
+
+
+class FluxOurs:
+    """An artifact run by our runner; `cache`: a step cache as `Pipeline.__call__` takes it."""
+
+    def __init__(self, artifact: str, cache: str | None = None):
+        from runners import Pipeline
+
+        self.pipe, self.cache = Pipeline.load(artifact), cache
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        from runners.flux import pack
+
+        t0 = time.perf_counter()
+        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=pack(latents),
+                          output_type="np", cache=self.cache)[0]
+        seconds, timings = time.perf_counter() - t0, self.pipe.timings
+        return _result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out)
+
+
+class _FluxDiffusersCall:
+    """A diffusers-style FluxPipeline (`self.pipe`, its transformer and VAE timed)."""
+
+    def _time_parts(self) -> None:
+        self.step_seconds, self.vae_seconds = [], []
+        _timed_calls(self.pipe.transformer, "forward", self.step_seconds)
+        _timed_calls(self.pipe.vae, "decode", self.vae_seconds)
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        import torch
+
+        self.step_seconds.clear()
+        self.vae_seconds.clear()
+        packed = self.pipe._pack_latents(torch.from_numpy(latents), *latents.shape)
+        t0 = time.perf_counter()
+        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=packed,
+                          output_type="np").images[0]
+        return _result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out)
+
+
+class FluxDiffusers(_FluxDiffusersCall):
+    """diffusers' FluxPipeline in fp32, eager."""
+
+    def __init__(self, folder: str):
+        import torch
+        from diffusers import FluxPipeline
+
+        torch.set_grad_enabled(False)
+        self.pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._time_parts()
+
+
+class FluxOptimumIntel(_FluxDiffusersCall):
+    """optimum-intel's OVFluxPipeline on its own export (in .venv-optimum-intel), at its defaults: CPU,
+    dynamic shapes, every model compiled at load."""
+
+    def __init__(self, folder: str):
+        from optimum.intel import OVFluxPipeline
+
+        self.pipe = OVFluxPipeline.from_pretrained(folder)
+        self.pipe.set_progress_bar_config(disable=True)
+        self._time_parts()
+
+
+class FluxGenAI:
+    """openvino.genai's Text2ImagePipeline on optimum-intel's export (in .venv-optimum-intel), on the
+    CPU, at its defaults; `cache=False` turns its default step cache (TaylorSeer) off."""
+
+    def __init__(self, folder: str, cache: bool = True):
+        import openvino_genai
+
+        self.genai = openvino_genai
+        self.pipe = openvino_genai.Text2ImagePipeline(folder, "CPU")
+        if not cache:
+            config = self.pipe.get_generation_config()
+            config.taylorseer_config = None
+            self.pipe.set_generation_config(config)
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        import openvino
+
+        class Given(self.genai.Generator):  # the pipeline draws its starting latents from it: ours
+            def next(self):
+                raise RuntimeError("the Flux table's runs draw only their starting latents")
+
+            def randn_tensor(self, shape):
+                if tuple(shape) != latents.shape:
+                    raise ValueError(f"openvino.genai asked for latents of shape {tuple(shape)}, not {latents.shape}")
+                return openvino.Tensor(latents)
+
+        t0 = time.perf_counter()
+        images = self.pipe.generate(PROMPT, height=height, width=width, num_inference_steps=steps, generator=Given())
+        seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
+        image = images.data[0].astype(np.float32) / 255  # uint8 HWC
+        return _result(seconds, steps, sum(metrics.raw_metrics.transformer_inference_durations) / 1e6,
+                       metrics.get_vae_decoder_infer_duration() / 1e3, image, out)
+
+
+def make_flux_variant(kind: str, path: str, **options):
+    kinds = {"flux-ours": FluxOurs, "flux-diffusers": FluxDiffusers, "flux-optimum-intel": FluxOptimumIntel,
+             "flux-genai": FluxGenAI}
+    if kind not in kinds:
+        raise ValueError(f"unknown Flux variant kind {kind!r}: choose from {', '.join(kinds)}")
+    return kinds[kind](path, **options)
