@@ -181,7 +181,11 @@ def main(argv=None) -> int:
         if args.true_cfg_scale is not None and "true_cfg_scale" not in inspect.signature(pipe.generate).parameters:
             raise ValueError(f"--true-cfg-scale is Flux's (classifier-free guidance with a negative prompt); this "
                              f"artifact is {pipe.family}'s, whose guidance is --guidance")
-        given = {"num_inference_steps": args.steps, "guidance_scale": args.guidance,
+        control = _control_arguments(args)
+        if control and "control_image" not in inspect.signature(pipe.generate).parameters:
+            raise ValueError(f"--control-image, --canny and the --control-* options are the U-Net families' "
+                             f"ControlNets; this artifact is {pipe.family}'s")
+        given = {**control, "num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image, "mask_image": mask,
                  "strength": args.strength, "true_cfg_scale": args.true_cfg_scale}  # unset: the family's defaults
         images = pipe(args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
