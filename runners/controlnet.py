@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runners.images import to_model_input
-from runners.text_to_image import task_of
+from runners.text_to_image import IMAGE, INPAINT, TEXT, task_of
 
 def _per_net(name: str, value, count: int) -> list[float]:
     """A number for every ControlNet, or one per ControlNet."""
@@ -29,6 +29,15 @@ def _per_net(name: str, value, count: int) -> list[float]:
         raise ValueError(f"{name}={value!r} is not allowed: pass a number, or a list of {count} numbers "
                          f"(one per ControlNet of this artifact)")
     return [float(v) for v in values]
+
+
+def _check_image(value) -> None:
+    from PIL import Image
+
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(i, (Image.Image, np.ndarray)) for i in items):
+        raise ValueError(f"control_image must be a PIL image, a numpy array (H, W, 3) in [0, 1], or a list of them "
+                         f"(one per prompt), for each ControlNet; got {type(value).__name__}")
 
 
 @dataclass
@@ -48,6 +57,8 @@ class ControlRequest:
                              "`python -m export MODEL --controlnet FOLDER_OR_HUB_ID` and build it again")
         count = len(engines)
         images = list(control_image) if count > 1 and isinstance(control_image, (list, tuple)) else [control_image]
+        for image in images:
+            _check_image(image)
         if len(images) != count:
             raise ValueError(f"control_image: this artifact has {count} ControlNets ({', '.join(engines)}); pass a "
                              f"list of {count} control images, one per ControlNet, in that order")
@@ -125,17 +136,21 @@ class ControlNets:
     _control: ControlRun | None = None
     # {task: Defaults} of diffusers' ControlNet pipelines where they differ from the family's others
     control_defaults: dict = {}
+    # {task: controlnet_conditioning_scale} by default: diffusers' ControlNet pipelines' (SD1.5's)
+    control_scales = {TEXT: 1.0, IMAGE: 0.8, INPAINT: 0.5}
 
     def _controlled_text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                   *args, image=None, mask_image=None, strength=None, control_image=None,
-                                  controlnet_conditioning_scale=1.0, control_guidance_start=0.0,
+                                  controlnet_conditioning_scale=None, control_guidance_start=0.0,
                                   control_guidance_end=1.0, guess_mode=False, **kwargs):
         """`_text_to_image` with ControlNets: the size a request leaves None is the control image's, and the
-        steps, guidance and strength left None are diffusers' ControlNet pipeline's for the task."""
+        steps, guidance, strength and conditioning scale left None are diffusers' ControlNet pipeline's for
+        the task."""
+        task = task_of(image, mask_image)
         control = self._control_request(control_image, controlnet_conditioning_scale, control_guidance_start,
-                                        control_guidance_end, guess_mode)
+                                        control_guidance_end, guess_mode, self.control_scales[task])
         height, width = self._control_size(control, height, width, image)
-        defaults = self.control_defaults.get(task_of(image, mask_image)) if control is not None else None
+        defaults = self.control_defaults.get(task) if control is not None else None
         if defaults is not None:
             num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
             guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
@@ -157,9 +172,9 @@ class ControlNets:
         inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]
         return [t for t in inputs if t["name"].endswith("_residual") or "_residual_" in t["name"]]
 
-    def _control_request(self, control_image, scale, start, end, guess_mode) -> ControlRequest | None:
+    def _control_request(self, control_image, scale, start, end, guess_mode, default_scale) -> ControlRequest | None:
         if control_image is None:
-            given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, 1.0),
+            given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, None),
                                            ("control_guidance_start", start, 0.0),
                                            ("control_guidance_end", end, 1.0), ("guess_mode", guess_mode, False))
                      if v != unset]
@@ -169,7 +184,8 @@ class ControlNets:
         if not self._residual_inputs():
             raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
                              "is not its family's real one): control_image= cannot be used")
-        return ControlRequest.of(self.controlnets(), control_image, scale, start, end, guess_mode)
+        return ControlRequest.of(self.controlnets(), control_image, default_scale if scale is None else scale, start,
+                                 end, guess_mode)
 
     def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
         """diffusers' ControlNet pipelines take the control image's size when the request gives none."""

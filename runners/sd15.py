@@ -20,7 +20,7 @@ class SD15Pipeline(ControlNets, TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  vae_tiling=None, image=None, mask_image=None, strength=None, noise=None, encoder_noise=None,
-                 control_image=None, controlnet_conditioning_scale=1.0, control_guidance_start=0.0,
+                 control_image=None, controlnet_conditioning_scale=None, control_guidance_start=0.0,
                  control_guidance_end=1.0, guess_mode=False):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
@@ -28,7 +28,8 @@ class SD15Pipeline(ControlNets, TextToImage):
         `seed` seeds numpy's generator; pass `latents` (standard normal, before the scheduler's
         initial noise scale) for exact comparison with diffusers. `vae_tiling`: see `vae_decode`.
         `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
-        diffusers' StableDiffusionControlNet pipelines (runners/controlnet.py)."""
+        diffusers' StableDiffusionControlNet pipelines (runners/controlnet.py):
+        `controlnet_conditioning_scale` defaults to 1, 0.8 for image to image and 0.5 for inpainting."""
         return self._controlled_text_to_image(
             prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
             latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,

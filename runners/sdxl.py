@@ -20,12 +20,13 @@ class SDXLPipeline(ControlNets, TextToImage):
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
     control_defaults = {IMAGE: Defaults(50, 5.0, 0.8), INPAINT: Defaults(50, 5.0, 0.9999)}
+    control_scales = {TEXT: 1.0, IMAGE: 0.8, INPAINT: 1.0}
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  original_size=None, crops_coords_top_left=(0, 0), target_size=None, vae_tiling=None, image=None,
                  mask_image=None, strength=None, noise=None, encoder_noise=None, aesthetic_score=6.0,
-                 negative_aesthetic_score=2.5, control_image=None, controlnet_conditioning_scale=1.0,
+                 negative_aesthetic_score=2.5, control_image=None, controlnet_conditioning_scale=None,
                  control_guidance_start=0.0, control_guidance_end=1.0, guess_mode=False):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
@@ -36,7 +37,8 @@ class SDXLPipeline(ControlNets, TextToImage):
         in place of the target size. `seed` seeds numpy's generator; pass `latents` for exact
         comparison with diffusers. `control_image` (one per ControlNet of the artifact) and the other
         ControlNet settings are those of diffusers' StableDiffusionXLControlNet pipelines (runners/controlnet.py),
-        whose defaults differ for image to image (strength 0.8) and inpainting (guidance 5)."""
+        whose defaults differ for image to image (strength 0.8) and inpainting (guidance 5).
+        `controlnet_conditioning_scale` defaults to 1, and 0.8 for image to image."""
         return self._controlled_text_to_image(
             prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
             latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,

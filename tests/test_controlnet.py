@@ -19,13 +19,14 @@ ONE_LEVEL = 1 / 255
 STEPS = 5
 
 
-def _with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str):
-    """`build`'s export with `controlnets` added (its other graphs taken as they are), built for ort-fp32."""
+def _with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str, start=None):
+    """`build`'s export with `controlnets` (its other graphs, and those of `start`'s export when given, taken
+    as they are), built for ort-fp32."""
     from engines.api import build_artifact
     from export.api import export_model
 
     folder = tmp_path_factory.mktemp(name)
-    shutil.copytree(build.folder / "onnx", folder / "onnx", copy_function=os.link)
+    shutil.copytree((start or build.folder) / "onnx", folder / "onnx", copy_function=os.link)
     export_model(build.source, folder, controlnets=[str(_controlnet_folder(n)) for n in controlnets])
     build_artifact(folder, "ort", "fp32")
     return folder
@@ -37,9 +38,9 @@ def sd15_one(tmp_path_factory, sd15_tiny_build):
 
 
 @pytest.fixture(scope="module")
-def sd15_two(tmp_path_factory, sd15_tiny_build):
+def sd15_two(tmp_path_factory, sd15_tiny_build, sd15_one):
     return _with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
-                             "sd15-cn2")
+                             "sd15-cn2", start=sd15_one)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +226,7 @@ def test_calibration_records_controlnet_calls(sd15_one):
 @pytest.mark.parametrize("kwargs, said", [
     (dict(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale are ControlNet settings: pass "
                                               "control_image= too"),
-    (dict(control_image="edges.png"), "control_image must be a PIL image, a numpy array"),
+    (dict(control_image=["edges.png", "pose.png"]), "control_image must be a PIL image, a numpy array"),
     (dict(control_image=[np.zeros((64, 64, 3))] * 3), r"control_image: this artifact has 2 ControlNets"),
     (dict(control_image=[np.zeros((64, 64, 3))] * 2, controlnet_conditioning_scale=[1.0]),
      r"controlnet_conditioning_scale=\[1.0\] is not allowed: pass a number, or a list of 2 numbers"),
