@@ -211,7 +211,7 @@ def test_int8_stays_close_to_fp32(loaded, sd15_one):
                 latents=_latents(64, 64, seed=1), control_image=_edges(64, 64, seed=0))
     value = psnr(int8(**args), fp32(**args))
     print(f"int8 vs fp32: {value:.1f} dB")
-    assert value > 25, value
+    assert value > 40, value  # measured 62 dB (the tiny UNet is mostly convolutions, which stay float)
 
 
 def test_calibration_records_controlnet_calls(sd15_one):
