@@ -37,6 +37,7 @@ MIN_PSNR = {"bf16": 34.0, "int8": 31.0}
 INT8_COUNTS = {
     "text_encoder": {"int8_weights": 20}, "text_encoder_2": {"int8_weights": 20}, "text_encoder_3": {"int8_weights": 20},
     "transformer": {"fake_quantize": 22, "linear_kept_float": 7},
+    "transformer_first_block": {"fake_quantize": 10, "linear_kept_float": 7},  # First-Block Cache's: block 0 of 2
     "vae_decoder": {"fake_quantize": 33, "linear_kept_float": 0},
     "vae_encoder": {"int8_weights": 40},
 }
