@@ -7,8 +7,9 @@ from runners.manifest import read_manifest
 
 
 def measure(run) -> list[dict]:
-    artifacts = sorted(d for d in run.build.iterdir()
-                       if d.is_dir() and d.name not in ("onnx", "optimum") and (d / "manifest.json").exists())
+    # Hidden folders are a build's temporary or replaced ones (runners.manifest.atomic_folder).
+    artifacts = sorted(d for d in run.build.iterdir() if d.is_dir() and not d.name.startswith(".")
+                       and d.name not in ("onnx", "optimum") and (d / "manifest.json").exists())
     built = {a.name: read_manifest(a, verify=False)["submodules"] for a in artifacts}
     rows = [[name, f"{sub['export']['export_seconds']:.1f}", f"{sub['export']['seconds_with_checks']:.1f}",
              f"{sub['export']['bytes'] / 2**20:.0f}",
