@@ -12,7 +12,8 @@ from engines.targets import TargetError
 from runners.manifest import FORMAT_VERSION, sha256_file
 from conftest import manifest
 
-SUBMODULES = {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder", "vae_encoder"}
+SUBMODULES = {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "transformer_first_block",
+              "vae_decoder", "vae_encoder"}
 
 
 def test_manifest_describes_the_artifact(tiny_artifact):
@@ -23,7 +24,7 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     assert set(m["submodules"]) == SUBMODULES
     tr = m["submodules"]["transformer"]
     assert [t["name"] for t in tr["inputs"]] == ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"]
-    assert [t["name"] for t in tr["outputs"]] == ["noise_pred"]
+    assert [t["name"] for t in tr["outputs"]] == ["noise_pred", "tail_residual"]  # the First-Block Cache's residual
     assert {t["dtype"] for t in tr["inputs"]} == {"float32"}
     assert m["submodules"]["text_encoder"]["inputs"][0]["dtype"] == "int64"
     # dynamic dims with min/opt/max: 64..512 px images, opt 128, latents 8x smaller

@@ -17,7 +17,7 @@ SUBMODULES = [s.name for s in SD3.submodules]
 # A third setting of the dims, unlike both export probes: batch 3, a wide image with odd patch
 # counts (5 x 7: an exporter once cropped SD3's position embedding wrong there), 40 T5 tokens.
 THIRD = {"batch": 3, "latent_height": 10, "latent_width": 14, "t5_length": 40,
-         "image_height": 80, "image_width": 112, "joint_length": 117}
+         "image_height": 80, "image_width": 112, "joint_length": 117, "image_tokens": 35}  # 5 x 7 patches
 
 
 def test_every_submodule_is_exported_and_checked_at_two_shapes(tiny_build):
