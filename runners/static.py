@@ -40,12 +40,15 @@ class StaticRequest:
         latent = {"height": self.height // scale, "width": self.width // scale}
         # latent_height_S: the latent side over S (a UNet's ControlNet residuals, down to 1/32)
         residual_sides = {f"latent_{axis}_{2 ** k}": side // 2 ** k for axis, side in latent.items() for k in range(1, 6)}
+        patch = pipeline.get("patch_size", 1)  # a transformer's image tokens are its latent patches
         return {"batch": self.batch(submodule, pipeline), "image_height": self.height, "image_width": self.width,
-                "latent_height": latent["height"], "latent_width": latent["width"], **residual_sides}
+                "latent_height": latent["height"], "latent_width": latent["width"], **residual_sides,
+                "image_tokens": (latent["height"] // patch) * (latent["width"] // patch)}
 
     def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
         """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
-        if "image_tokens" in dims:  # Flux: dims of each request that the static request does not fix
+        # Flux: its T5 length follows each request (SD3's runs at the export's own), which a static request does not fix
+        if "image_tokens" in dims and "t5_length" in dims and pipeline.get("t5_max_length") is None:
             raise ValueError("--static is not supported for Flux: its transformer's image token count and T5 length "
                              "follow each request, and a static request fixes only the batch and image size; build "
                              "without --static")
