@@ -151,7 +151,8 @@ def test_variant_and_defaults_come_from_the_transformer(pipes, builds):
 
 def test_export_checks_every_graph_at_two_shapes(builds):
     m = manifest(builds["dev"].folder / "onnx")
-    assert sorted(m["submodules"]) == ["text_encoder", "text_encoder_2", "transformer", "vae_decoder", "vae_encoder"]
+    assert sorted(m["submodules"]) == ["text_encoder", "text_encoder_2", "transformer", "transformer_first_block",
+                                       "vae_decoder", "vae_encoder"]
     for name, sub in m["submodules"].items():
         parity = sub["export"]["parity"]
         assert len(parity) == 2 and parity[0]["dims"] != parity[1]["dims"], name

@@ -79,7 +79,8 @@ def test_components_without_weights_are_configs_only(tmp_path):
     assert index["text_encoder"] == [None, None] and index["transformer"][1] == "SD3Transformer2DModel"
     assert not list((tmp_path / "vae").glob("*.safetensors")) and (tmp_path / "vae" / "config.json").exists()
     src = ModelSource(ModelEntry("only-transformer", "sd3"), tmp_path, "x")
-    assert [s.name for s in src.family.submodules if src.has(s.component)] == ["transformer"]
+    # the transformer's graphs: the denoiser and the First-Block Cache's first block
+    assert [s.name for s in src.family.submodules if src.has(s.component)] == ["transformer", "transformer_first_block"]
     assert src.family.constants(src)["clip_width"] == SD3_TINY["text_encoder"]["hidden_size"]  # shapes from configs
 
 
