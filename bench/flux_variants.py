@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from bench.variants import PROMPT
+from bench.workload import PROMPT
 
 
 def _result(seconds: float, steps: int, denoise: float, vae: float, image: np.ndarray, out: str | None) -> dict:

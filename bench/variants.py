@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.workload import T5_LENGTH
+from bench.workload import PROMPT, T5_LENGTH
 
-PROMPT = "a photo of an astronaut riding a horse on the moon, detailed, golden light"
 NEGATIVE = "blurry, low quality"
 
 

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+PROMPT = "a photo of an astronaut riding a horse on the moon, detailed, golden light"  # every variant's
 T5_LENGTH = 256  # diffusers' default max_sequence_length: a call's text length where the family has one
 DENOISER_BATCH = 2  # the denoiser runs the prompt and the negative prompt together (guidance)
 

@@ -72,7 +72,8 @@ DISTRIBUTION = {"PIL": "pillow", "onnx_ir": "onnx-ir", "onnx_graphsurgeon": "onn
                 "huggingface_hub": "huggingface-hub", "tensorrt_rtx": "tensorrt-rtx", "cuda": "cuda-python",
                 "optimum": None,  # optimum: imported only in the peer's own venv (bench/optimum.py)
                 "triton_python_backend_utils": None,  # Triton's Python backend provides it to its models
-                "google": "protobuf"}
+                "google": "protobuf", "cv2": "opencv-python-headless",
+                "openvino_genai": None}  # openvino.genai: imported only in the optimum-intel venv (bench/flux_variants.py)
 
 
 def test_every_import_is_declared():
