@@ -24,7 +24,7 @@ def test_pipeline_saved_without_t5(tmp_path, reference_pipeline):
     export_model(str(folder), tmp_path / "build", image_size=(64, 128, 512))
     artifact = build_artifact(tmp_path / "build", "ort", "fp32")
     assert "text_encoder_3" not in manifest(artifact)["submodules"]
-    assert len(manifest(artifact)["submodules"]) == 5
+    assert len(manifest(artifact)["submodules"]) == 6  # no T5; the First-Block Cache's graph beside the transformer
 
     latents = np.random.default_rng(0).standard_normal((1, 16, 8, 8), dtype=np.float32)
     kwargs = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=4, max_sequence_length=32)
