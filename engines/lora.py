@@ -43,6 +43,9 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
     manifest = read_manifest(artifact, verify=False)
     if manifest.get("stage") != "artifact":
         raise ManifestError(f"{artifact} is not a built artifact (its stage is {manifest.get('stage')!r})")
+    missing = [str(p) for p in loras if not Path(p).is_file()]  # before its checksum is read
+    if missing:
+        raise LoraError(f"adapter {missing[0]} does not exist")
     record = [{"file": Path(p).name, "sha256": sha256_file(p), "scale": float(s)} for p, s in loras.items()]
     if get_backend(manifest["backend"]).lora_branches:
         return _with_branches(artifact, manifest, loras, record, out, ignore_unmatched)

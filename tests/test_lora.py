@@ -188,9 +188,9 @@ def test_offline_artifact_shares_unchanged_files_and_records_the_adapters(tiny_a
     data, source = manifest(sd3_lora_artifact), manifest(tiny_artifact)
     assert data["loras"] == [{"file": sd3_adapters["a"].name, "sha256": sha256_file(sd3_adapters["a"]), "scale": 0.8}]
     new = set(data["files"]) - set(source["files"])
-    assert {f.split(".lora-")[0] for f in new} == {"transformer", "text_encoder"} and all(
-        f.endswith(".data") for f in new)
-    written = {f"{s}.{kind}" for s in ("transformer", "text_encoder") for kind in ("onnx", "weights.json")}
+    touched = ("transformer", "transformer_first_block", "text_encoder")  # the first-block graph holds block 0's
+    assert {f.split(".lora-")[0] for f in new} == set(touched) and all(f.endswith(".data") for f in new)
+    written = {f"{s}.{kind}" for s in touched for kind in ("onnx", "weights.json")}
     for f in source["files"]:
         same_inode = os.stat(sd3_lora_artifact / f).st_ino == os.stat(tiny_artifact / f).st_ino
         assert same_inode == (f not in written), f
