@@ -31,7 +31,7 @@ def _silus(submodule: str, cfg: dict) -> int:
     if submodule in ("vae_decoder", "vae_encoder"):
         per_block = cfg["layers_per_block"] + (submodule == "vae_decoder")
         return 2 * (2 + len(cfg["block_out_channels"]) * per_block) + 1
-    if submodule == "transformer":
+    if submodule in ("transformer", "transformer_first_block"):
         return 3
     if submodule == "unet":
         return 2 * unet_blocks(cfg)[1] + 3 + (cfg.get("addition_embed_type") == "text_time")
@@ -40,7 +40,15 @@ def _silus(submodule: str, cfg: dict) -> int:
     return 0  # T5: ReLU or GELU
 
 
+def _first_block(cfg: dict) -> dict:
+    """The First-Block Cache's graph holds the transformer's embeddings, block 0 and its output
+    layers: the transformer's counts at one layer."""
+    return {**cfg, "num_layers": 1, "dual_attention_layers": [i for i in cfg.get("dual_attention_layers") or () if i == 0]}
+
+
 def _fusions(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
+    if submodule == "transformer_first_block":
+        return _fusions("transformer", _first_block(cfg))
     if submodule == "transformer":
         layers, dual = cfg["num_layers"], len(cfg.get("dual_attention_layers") or ())
         # Per block: image q/k/v, context q/k/v, and q/k/v of the second attention where present.

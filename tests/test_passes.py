@@ -19,7 +19,7 @@ from export.onnx_export import example_inputs
 from passes_oracle import expected_counts
 
 PASS_RTOL = 1e-5
-COMPONENT = {"vae_decoder": "vae", "vae_encoder": "vae"}
+COMPONENT = {"vae_decoder": "vae", "vae_encoder": "vae", "transformer_first_block": "transformer"}
 
 
 def _run(model: ir.Model, feeds: dict, tmp_path) -> list[np.ndarray]:
@@ -72,13 +72,14 @@ LIBRARY_PASS_COUNTS = {
         "text_encoder_2": {"nodes_removed": 6, "constants_added": 5},
         "text_encoder_3": {"nodes_removed": 0, "constants_added": 0},
         "transformer": {"nodes_removed": 2, "constants_added": 2},
+        "transformer_first_block": {"nodes_removed": 1, "constants_added": 1},
         "vae_decoder": {"nodes_removed": 1, "constants_added": 0},
         "vae_encoder": {"nodes_removed": 1, "constants_added": 0}},
     "infer_shapes": {sub: {"shapes_added": 0, "shapes_refined": n} for sub, n in
                      {"text_encoder": 18, "text_encoder_2": 18, "text_encoder_3": 0, "transformer": 12,
-                      "vae_decoder": 94, "vae_encoder": 62}.items()},
+                      "transformer_first_block": 6, "vae_decoder": 94, "vae_encoder": 62}.items()},
     "remove_dead_nodes": {sub: _NONE for sub in ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
-                                                 "vae_decoder", "vae_encoder")},
+                                                 "transformer_first_block", "vae_decoder", "vae_encoder")},
 }
 
 
@@ -86,7 +87,7 @@ LIBRARY_PASS_COUNTS = {
 def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
     counts = _check(tiny_build / "onnx", tiny_source, [name], tmp_path)
     assert set(counts) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
-                           "vae_decoder", "vae_encoder"}
+                           "transformer_first_block", "vae_decoder", "vae_encoder"}
     for sub, c in counts.items():
         for key, value in expected_counts(sub, c["config"], c["outputs"])[name].items():
             assert c[name][key] == value, (sub, name, key)
