@@ -217,7 +217,8 @@ def test_inspect_prints_every_submodule(tiny_build, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["dims"]["latent_height"] == 8 and result["dims"]["image_width"] == 96
     rows = result["submodules"]
-    assert set(rows) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder", "vae_encoder"}
+    assert set(rows) == {"text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "transformer_first_block",
+                         "vae_decoder", "vae_encoder"}
     for name, row in rows.items():
         assert row["parameters"] > 0 and row["flops"] > 0 and row["peak_bytes"] > 0, name
         assert row["unknown_shapes"] == 0, name  # every activation's size is resolved, none guessed

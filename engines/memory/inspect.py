@@ -5,7 +5,7 @@ Columns: parameters, FLOPs (2 x multiply-adds), weight bytes, the planned activa
 the node order and in-place rules ONNX Runtime will use, the bytes moved off-chip when only
 `--sram` fits on chip, and the largest tensors live at the peak. `--plot` draws live bytes over
 the schedule before and after the memory passes. Shapes: the export's opt dims, with `--height`,
-`--width` (pixels) and `--batch` replacing the image, latent and batch dims.
+`--width` (pixels) and `--batch` replacing the batch and every dim that follows the image size.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from engines.memory.graph import graph_of
 from engines.memory.planner import plan
 from engines.memory.sizes import format_size, parse_size
+from runners.static import StaticRequest
 
 TOP = 5
 
@@ -34,10 +35,12 @@ def inspect_dims(manifest: dict, height: int | None, width: int | None, batch: i
     dims = {**constants, **{d: v[1] for d, v in manifest["dims"].items()}}
     scale = constants.get("vae_scale_factor", 8)
     for axis, pixels in (("height", height), ("width", width)):
-        if pixels is not None:
-            if pixels % scale:
-                raise ValueError(f"--{axis} {pixels} is not a multiple of the VAE's scale factor {scale}")
-            dims.update({f"image_{axis}": pixels, f"latent_{axis}": pixels // scale})
+        if pixels is not None and pixels % scale:
+            raise ValueError(f"--{axis} {pixels} is not a multiple of the VAE's scale factor {scale}")
+    if height is not None or width is not None:  # every dim that follows the size: latents, image tokens, ...
+        size = StaticRequest(height or dims["image_height"], width or dims["image_width"])
+        sized = size.dims(manifest["pipeline"]["denoiser"], manifest["pipeline"])
+        dims.update({d: v for d, v in sized.items() if d != "batch"})
     if batch is not None:
         dims["batch"] = batch
     return dims

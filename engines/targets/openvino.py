@@ -17,6 +17,7 @@ the pipeline's recordings (`engines.targets._openvino_int8`), with what stays in
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
@@ -26,6 +27,7 @@ from typing import ClassVar
 from engines.precisions import TargetRecipe
 from engines.targets import BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument
 from engines.targets import _openvino_int8, _openvino_lora
+from runners.static import StaticRequest
 
 # What OpenVINO 2026.4's ONNX reader accepts, measured on every sd3-tiny submodule (convert_model,
 # then compile_model on the CPU, then outputs against ONNX Runtime at both export shapes): all of
@@ -68,6 +70,9 @@ class OpenVinoOptions(TargetOptions):
     # shapes at its first call, cached per size); None: the target's default (DENOISER_SHAPES).
     shapes: str | None = None
     sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
+    # The export's pipeline constants (filled in by `resolved`): how a size sets every dim the denoiser's
+    # graphs take (image tokens, a U-Net's ControlNet residual sides), as the runner will call them.
+    pipeline: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def add_arguments(cls, group) -> None:
@@ -95,7 +100,7 @@ class OpenVinoOptions(TargetOptions):
             raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
         if self.shapes not in (None, *SHAPES):
             raise TargetError(f"--ov-shapes {self.shapes}: the openvino target takes {' or '.join(SHAPES)}")
-        return self
+        return dataclasses.replace(self, pipeline=source["pipeline"])
 
 
 def compiled_name(name: str, device: str, size: tuple[int, int] | None = None) -> str:
@@ -110,12 +115,13 @@ def check_device(core, device: str) -> None:
                           f"{', '.join(core.available_devices)}")
 
 
-def _size_dims(sub: BuildInput, size: tuple[int, int]) -> dict[str, int]:
-    """The dims of a `height x width` request, checked against the export's ranges."""
+def _size_dims(sub: BuildInput, size: tuple[int, int], pipeline: dict) -> dict[str, int]:
+    """The dims of a `height x width` request (the batch stays at its opt value), checked against the
+    export's ranges."""
     c = sub.constants
     step = c["vae_scale_factor"] * c.get("latent_multiple", 1)
-    dims = {"image_height": size[0], "image_width": size[1],
-            "latent_height": size[0] // c["vae_scale_factor"], "latent_width": size[1] // c["vae_scale_factor"]}
+    dims = StaticRequest(*size).dims(sub.name, pipeline)
+    del dims["batch"]
     lo, hi = (sub.entry["dims"]["latent_height"][i] * c["vae_scale_factor"] for i in (0, 2))
     if any(side % step or not lo <= side <= hi for side in size):
         raise TargetError(f"--ov-sizes {size[0]}x{size[1]}: this export takes sides from {lo} to {hi} "
@@ -174,7 +180,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
     static = []
     for size in sizes:  # the denoiser reshaped to each listed request and compiled: static blobs
         model = core.read_model(out_dir / files[0])
-        at = sub.shapes_at(_size_dims(sub, size))
+        at = sub.shapes_at(_size_dims(sub, size, options.pipeline))
         model.reshape({name: ov.PartialShape(shape) for name, shape in at.items()})
         files.append(compiled_name(sub.name, options.device, size))
         _export_compiled(core, model, options.device, config, out_dir / files[-1])
