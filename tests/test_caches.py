@@ -66,11 +66,13 @@ def _with_diffusers_taylorseer(reference_pipeline, config: TaylorSeerCacheConfig
 
     transformer.forward = in_context
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.invalidate_child_registries_cache()  # the hook just added is among them (the pipeline is the session's)
     try:
         return reference_pipeline(latents=torch.from_numpy(latents), **SD3_CALL).images, len(calls)
     finally:
         del transformer.forward  # the class's own again
         registry.remove_hook("taylorseer_cache", recurse=True)
+        registry.invalidate_child_registries_cache()
 
 
 @pytest.mark.parametrize("case", SD3_CASES)

@@ -74,13 +74,18 @@ def _sd3_reference(reference_pipeline, threshold: float, latents):
 
     last.forward, transformer.forward = text_passed_on, in_context
     apply_first_block_cache(transformer, Reference(threshold=threshold))
+    # The transformer's registry caches its children's registries when a context is first set (the
+    # session's pipeline may have had other hooks): rebuilt, it reaches the block hooks just added.
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.invalidate_child_registries_cache()
     try:
         with _decisions() as seen:
             images = reference_pipeline(latents=torch.from_numpy(latents), **SD3_CALL).images
         return images, seen
     finally:
-        HookRegistry.check_if_exists_or_initialize(transformer).remove_hook("fbc_leader_block_hook", recurse=True)
-        HookRegistry.check_if_exists_or_initialize(transformer).remove_hook("fbc_block_hook", recurse=True)
+        registry.remove_hook("fbc_leader_block_hook", recurse=True)
+        registry.remove_hook("fbc_block_hook", recurse=True)
+        registry.invalidate_child_registries_cache()
         del last.forward, transformer.forward  # the classes' own again
 
 
