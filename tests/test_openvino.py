@@ -31,7 +31,8 @@ ONE_LEVEL = 1 / 255
 # Images against the openvino-fp32 artifact's, same prompts and latents, 128x128, 6 steps, on
 # sd3-tiny over these four prompts: bf16 measured 43.6 to 44.4 dB, its bound about 10 dB under;
 # int8 (NNCF 3.4) measured 36.1 to 36.8 dB, its bound 5 dB under the worst (the floor is 30).
-MIN_PSNR = int8_bounds({"bf16": 34.0, "int8": 31.0}, {"int8": -1.0})
+# Without VNNI (conftest.int8_bounds), int8 measured 28.7 to 28.9 dB (the image tasks 28.3, 28.1).
+MIN_PSNR = int8_bounds({"bf16": 34.0, "int8": 31.0}, {"int8": 23.0})
 # What NNCF 3.4 does to sd3-tiny: FakeQuantize nodes where it quantizes activations, int8 weight
 # constants (weights and their zero points) where it compresses weights only.
 INT8_COUNTS = {
