@@ -229,11 +229,17 @@ def test_default_artifact_records_every_pass(tiny_artifact, tiny_source):
 # (OpenVINO 2026.4.1): relative L2 error 0.7% (text encoders) to 1.9% (VAE decoder), at the first
 # export probe. Bounds: 2x the measured worst, and 0.2% from below: the graph really is bf16.
 BF16_MAX_REL_ERR, BF16_MIN_REL_ERR = 4e-2, 2e-3
+# First-Block Cache's residual outputs are one hidden stream minus another: the streams' bf16 error over
+# the smaller norm of their difference. Measured: tail_residual 11.5% (6.3% on a CPU without bf16, where
+# OpenVINO computes the bf16 graph in fp32), first_block_residual 5.1% there. Bound: about 2x the worst.
+BF16_RESIDUAL_MAX_REL_ERR = 0.25
+RESIDUALS = ("tail_residual", "first_block_residual")
 # Per submodule: weights and activations made bf16, and the nodes kept fp32 (T5's RMS norms'
 # ReduceMean, the VAE's group norms, the attentions' Softmax).
 TO_BF16_COUNTS = {
     "text_encoder": {"weights_bf16": 20, "fp32_nodes": 2}, "text_encoder_2": {"weights_bf16": 19, "fp32_nodes": 2},
     "text_encoder_3": {"weights_bf16": 22, "fp32_nodes": 7}, "transformer": {"weights_bf16": 47, "fp32_nodes": 2},
+    "transformer_first_block": {"weights_bf16": 31, "fp32_nodes": 1},
     "vae_decoder": {"weights_bf16": 65, "fp32_nodes": 23}, "vae_encoder": {"weights_bf16": 51, "fp32_nodes": 15},
 }
 
@@ -260,7 +266,8 @@ def test_to_bf16_parity_and_counts(tiny_build, tmp_path):
         path = tmp_path / f"{spec.name}-bf16.onnx"
         ir.save(model, path, external_data=f"{spec.name}-bf16.onnx.data")
         out = ov.Core().compile_model(ov.convert_model(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(feeds)
-        for i, r in enumerate(ref):  # the graph's outputs stay float32, in the export's order
+        for i, (output, r) in enumerate(zip(spec.outputs, ref)):  # float32 still, in the export's order
             assert out[i].dtype == np.float32 and out[i].shape == r.shape
             err = float(np.linalg.norm(out[i] - r) / np.linalg.norm(r))
-            assert BF16_MIN_REL_ERR < err <= BF16_MAX_REL_ERR, (spec.name, i, err)
+            bound = BF16_RESIDUAL_MAX_REL_ERR if output.name in RESIDUALS else BF16_MAX_REL_ERR
+            assert BF16_MIN_REL_ERR < err <= bound, (spec.name, output.name, err)
