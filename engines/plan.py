@@ -6,6 +6,7 @@ ONNX Runtime artifact it measures. It writes nothing: `engines.api.execute` carr
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +149,9 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     calibrated = None
     if any(PassPipeline(names).needs_calibration for names in lists.values()) or (own and own.quantize):
         fp32 = plan(build_dir, "ort", "fp32")  # the precision is measured on this artifact's own engine calls
-        calibrated = Calibration(fp32, calibration, recordings_folder(fp32.dest, fp32.cache_key, calibration))
+        # The model's default size named, so that leaving it out and naming it are the same recordings.
+        sized = dataclasses.replace(calibration, size=calibration.size or source["pipeline"]["default_image_size"])
+        calibrated = Calibration(fp32, sized, recordings_folder(fp32.dest, fp32.cache_key, sized))
     settings = {"target": target, "precision": precision, "backend": tgt.backend,
                 "backend_version": tgt.backend_version(),
                 **({"build_options": options.settings()} if options.settings() else {}),

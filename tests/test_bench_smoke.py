@@ -4,9 +4,11 @@ harness fails here, not on the next benchmark run. (The Optimum-ONNX, optimum-in
 peers need venvs of their own, `make optimum-venv` and `make optimum-intel-venv`, and are not part of
 this run: the flux table's notes say so.)
 
-The bench's build folder links the session's export and every artifact the session built of the
-tiny model (conftest), which the bench then finds up to date: nothing is built twice in a suite run.
-sd3-tiny's memory artifact is the session's fixture (test_memory and test_runner_parity use it)."""
+The bench's build folder links the session's export, its calibration recordings and every artifact the
+session built of the tiny model (conftest runs this module last, after the tests that build them), which
+the bench then finds up to date: the smoke options keep the tests' calibration settings (the default), so
+that its int8 artifacts are the tests' own. Nothing is built twice in a suite run. sd3-tiny's memory
+artifact is the session's fixture (test_memory and test_runner_parity use it)."""
 from __future__ import annotations
 
 import os
@@ -46,7 +48,7 @@ def _linked_build(root, model: str, tiny_build) -> None:
     build = root / model
     build.mkdir(parents=True)
     for shared in tiny_build.folder.iterdir():
-        if shared.is_dir() and (shared / "manifest.json").exists():
+        if shared.is_dir() and ((shared / "manifest.json").exists() or shared.name == "calibration"):
             os.symlink(shared, build / shared.name)
 
 
