@@ -217,14 +217,22 @@ def options_from_args(name: str, args, flags: dict[type[TargetOptions], list[arg
     return target.options.from_args(args)
 
 
+# A TargetOptions field with this metadata is filled in by `resolved` from the export, not given by a user.
+RESOLVED = {"resolved": True}
+
+
+def _option_names(options: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(options) if not f.metadata.get("resolved")}
+
+
 def target_options(name: str, **kwargs) -> TargetOptions:
     """Target `name`'s options from keyword arguments (`target_options("trt-rtx", workspace_mib=512)`);
     an argument of another target's options is refused, naming the targets it belongs to."""
     target = get_target_named(name)
-    fields = {f.name for f in dataclasses.fields(target.options)}
+    fields = _option_names(target.options)
     foreign = {}
     for key in sorted(set(kwargs) - fields):
-        holders = [t.options for t in registry().values() if key in {f.name for f in dataclasses.fields(t.options)}]
+        holders = [t.options for t in registry().values() if key in _option_names(t.options)]
         if not holders:
             raise TargetError(f"{key} is no option of any target; target '{name}' takes: {', '.join(sorted(fields)) or 'none'}")
         foreign.setdefault(holders[0], []).append(key)

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from engines.precisions import TargetRecipe
-from engines.targets import BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument
+from engines.targets import (RESOLVED, BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions,
+                             sizes_argument)
 from engines.targets import _openvino_int8, _openvino_lora
 from runners.static import StaticRequest
 
@@ -72,7 +73,7 @@ class OpenVinoOptions(TargetOptions):
     sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
     # The export's pipeline constants (filled in by `resolved`): how a size sets every dim the denoiser's
     # graphs take (image tokens, a U-Net's ControlNet residual sides), as the runner will call them.
-    pipeline: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    pipeline: dict | None = dataclasses.field(default=None, compare=False, repr=False, metadata=RESOLVED)
 
     @classmethod
     def add_arguments(cls, group) -> None:
