@@ -44,9 +44,13 @@ def cpu_name(cpuinfo: str) -> str:
     return f"{name} (family {family}, model {model}{f': {arch}' if arch else ''})"
 
 
+def _flags(cpuinfo: str) -> set[str]:
+    return set(_cpu_fields(cpuinfo).get("flags", "").split())
+
+
 def cpu_line(cpuinfo: str) -> str:
     """The CPU and the matrix instructions it has, named by their /proc/cpuinfo flags."""
-    flags = set(_cpu_fields(cpuinfo).get("flags", "").split())
+    flags = _flags(cpuinfo)
     units = [(label, [f for f in names if f in flags]) for label, names in MATRIX_FLAGS]
     has = ", ".join(f"{label} ({' '.join(found)})" for label, found in units if found) or "none"
     missing = "".join(f", no {label}" for label, found in units if not found)
@@ -56,8 +60,7 @@ def cpu_line(cpuinfo: str) -> str:
 def has_vnni(cpuinfo: str | None = None) -> bool:
     """Whether the CPU multiplies int8 with VNNI. Without it (AVX2's vpmaddubsw), the u8 x s8 products of
     ONNX Runtime's and OpenVINO's int8 kernels saturate at 16 bits: int8 artifacts lose accuracy there."""
-    flags = set(_cpu_fields(_cpuinfo() if cpuinfo is None else cpuinfo).get("flags", "").split())
-    return bool(flags & set(dict(MATRIX_FLAGS)["VNNI"]))
+    return bool(_flags(_cpuinfo() if cpuinfo is None else cpuinfo) & set(dict(MATRIX_FLAGS)["VNNI"]))
 
 
 def _cpuinfo() -> str:
