@@ -11,15 +11,13 @@ import shutil
 import time
 from pathlib import Path
 
-import onnx_ir as ir
-
 from engines.calibration import CalibrationFeeds, CalibrationSettings, collect
 from engines.calibration import describe as describe_calibration
 from engines.passes import PassContext, PassPipeline
 from engines.passes.ort_tools import request_session_options
 from engines.plan import BuildPlan, passes_fingerprint, plan, submodule_entry
 from engines.targets import BuildInput, SubmoduleBuildFailed, TargetOptions, target_options
-from runners.manifest import atomic_folder, write_manifest
+from runners.manifest import atomic_folder, load_onnx, write_manifest
 from runners.provenance import WeightTable, table_path
 
 # plan and target_options are the Python API's, as the CLI's --dry-run and target flags;
@@ -77,7 +75,7 @@ def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None
     t0 = time.perf_counter()
     sub = p.source["submodules"][name]
     onnx_file = p.build_dir / "onnx" / sub["file"]
-    model = ir.load(onnx_file)  # weights in external data stay on disk (memory-mapped)
+    model = load_onnx(onnx_file)  # weights in external data stay on disk (memory-mapped)
     feeds = recordings and CalibrationFeeds(recordings, name)
     weights = WeightTable.load(table_path(onnx_file))
     plan_dims = {**p.source["constants"], **{d: v[1] for d, v in p.source["dims"].items()}}

@@ -116,6 +116,24 @@ def link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
+def load_onnx(path: Path):
+    """`onnx_ir.load`, for a graph whose external data file may be one of our hard links (a LoRA
+    artifact and a Triton repository share the files they leave unchanged that way). onnx-ir
+    refuses to read a file with more than one link, its guard against a link planted in a model
+    folder someone else can write to; ours are made by our own stages, so each external tensor is
+    pointed at its file by absolute path instead: the same bytes, memory-mapped as before. Save
+    the result with its weights written out (`save_graph`, `ir.save(..., external_data=...)`)."""
+    import onnx_ir as ir
+
+    model = ir.load(path)
+    for value in model.graph.initializers.values():
+        t = value.const_value
+        if isinstance(t, ir.ExternalTensor):
+            value.const_value = ir.ExternalTensor(os.path.abspath(t.path), t.offset, t.length, t.dtype,
+                                                  shape=t.shape, name=t.name)
+    return model
+
+
 ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights in NAME.onnx.data
 SMALL_INLINE_BYTES = 1024
 

@@ -70,6 +70,12 @@ def fp32_tasks(build):
     return image_task_outputs(Pipeline.load(build.folder / "ort-fp32"))
 
 
+@pytest.fixture(scope="module")
+def fp32_images(build):
+    """The fp32 artifact's text to image, the reference of every precision."""
+    return _images(build.folder / "ort-fp32")
+
+
 def _images(artifact, prompts=("a photo of a cat", "")):
     pipe = Pipeline.load(artifact)
     latents = np.random.default_rng(1).standard_normal(LATENTS[pipe.family], dtype=np.float32)
@@ -82,7 +88,7 @@ def _denoiser_passes(artifact) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("build, label", CASES, indirect=["build"])
-def test_precisions_against_fp32(build, fp32_tasks, label):
+def test_precisions_against_fp32(build, fp32_images, fp32_tasks, label):
     from engines.api import build_artifact
 
     target, precision = label.split("-") if "-" in label else ("ort", label)
@@ -96,7 +102,7 @@ def test_precisions_against_fp32(build, fp32_tasks, label):
         scoped = export["submodules"][export["pipeline"]["denoiser"]]["quantization"].get("fp32_scopes")
         assert (_denoiser_passes(artifact)["to_fp16"]["counts"]["fp32_by_scope"] > 0) == bool(scoped)
     bounds = MIN_PSNR[build.source.entry.family][label]
-    for ref, image, bound in zip(_images(build.folder / "ort-fp32"), _images(artifact), bounds):
+    for ref, image, bound in zip(fp32_images, _images(artifact), bounds):
         psnr = _psnr(ref, image)
         print(f"{build.source.entry.family} {target}-{precision}: PSNR {psnr:.1f} dB")
         assert np.isfinite(image).all() and psnr >= bound, psnr
@@ -107,13 +113,13 @@ def test_precisions_against_fp32(build, fp32_tasks, label):
         assert np.isfinite(got[task]).all() and psnr >= bound, (task, psnr)
 
 
-def test_memory_artifact_keeps_the_images(build, fp32_tasks):
+def test_memory_artifact_keeps_the_images(build, fp32_images, fp32_tasks):
     from engines.api import build_artifact
 
     artifact = build_artifact(build.folder, "ort", "fp32", memory=True)
     denoiser = _denoiser_passes(artifact)
     assert denoiser["fuse_elementwise"]["counts"]["silus"] > 0 and "remat" in denoiser
-    for ref, image in zip(_images(build.folder / "ort-fp32"), _images(artifact)):
+    for ref, image in zip(fp32_images, _images(artifact)):
         assert np.abs(ref - image).max() <= 1e-5
     got = image_task_outputs(Pipeline.load(artifact))
     for task, ref in fp32_tasks.items():
@@ -126,7 +132,7 @@ RTX_CASES = [("sd15", "fp16"), ("sdxl", "fp16"), ("flux", "fp16"), ("flux", "bf1
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
 @pytest.mark.parametrize("build, precision", RTX_CASES, indirect=["build"])
-def test_tensorrt_rtx_builds_every_submodule(build, precision, monkeypatch):
+def test_tensorrt_rtx_builds_every_submodule(build, fp32_images, precision, monkeypatch):
     """Real engines for every submodule, with the export's ranges as their profiles; and the pipeline on
     them through the GPU stand-in (tests/gpu_double.py: ONNX Runtime's graphs held to the engines'
     profiles, with reused output buffers), which must give ONNX Runtime's images exactly."""
@@ -144,9 +150,8 @@ def test_tensorrt_rtx_builds_every_submodule(build, precision, monkeypatch):
                                                 if w], (name, t["name"])
     if precision == "fp8":
         assert _denoiser_passes(folder)["quantize_fp8"]["counts"]["linear_fp8"] > 0
-    ref = _images(build.folder / "ort-fp32", prompts=("a photo of a cat",))
     double = SharedBuffers.install(monkeypatch, build.folder / "ort-fp32")
-    assert np.array_equal(_images(folder, prompts=("a photo of a cat",))[0], ref[0])
+    assert np.array_equal(_images(folder, prompts=("a photo of a cat",))[0], fp32_images[0])
     assert double.opened and all(s.profile for s in double.opened)
 
 

@@ -135,3 +135,29 @@ def test_a_graph_with_external_weights_keeps_its_small_constants_inline(tiny_bui
     assert (artifact / "transformer.onnx.data").exists()
     image = Pipeline.load(artifact)("a cat", num_inference_steps=2, output_type="np")
     assert image.shape[-1] == 3 and os.path.getsize(artifact / "transformer.onnx") < 2**20
+
+
+def test_weights_in_a_hard_linked_file_are_read(tmp_path):
+    """A LoRA artifact and a Triton repository share the files they leave unchanged by hard links.
+    onnx-ir refuses to read a file with two links (`ir.load` alone fails here); the build and the
+    memory planner read it through `load_onnx`, the same bytes."""
+    import numpy as np
+    import onnx_ir as ir
+
+    from engines.memory.graph import load_graph
+    from runners.manifest import load_onnx, save_graph
+
+    weight = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    x = ir.Value(name="x", shape=ir.Shape(["n", 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", const_value=ir.tensor(weight, name="w"))
+    node = ir.node("MatMul", [x, w], num_outputs=1)
+    node.outputs[0].name = "y"
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17})
+    (tmp_path / "a").mkdir()
+    assert save_graph(ir.Model(graph, ir_version=8), tmp_path / "a" / "m.onnx", external={"w"}) == ["m.onnx", "m.onnx.data"]
+    (tmp_path / "b").mkdir()
+    os.link(tmp_path / "a" / "m.onnx.data", tmp_path / "b" / "m.onnx.data")
+    with pytest.raises(ValueError, match="hard link"):
+        ir.load(tmp_path / "a" / "m.onnx").graph.initializers["w"].const_value.numpy()
+    assert np.array_equal(load_onnx(tmp_path / "a" / "m.onnx").graph.initializers["w"].const_value.numpy(), weight)
+    assert load_graph(tmp_path / "a" / "m.onnx", {"n": 2}).parameters == weight.size

@@ -3,8 +3,8 @@
 A table module declares a `TABLE`: its name (what `--tables` takes), the start of its section
 title in BENCHMARKS.md, what it builds besides the model's export and ort-fp32 artifact, the
 model families it applies to, its own command-line arguments, and the arguments that make it
-tiny for the smoke test (tests/test_bench_smoke.py runs every table on the tiny model of each of
-its families). `measure(run)` returns its tables, each a dict of title, columns, rows and notes
+tiny for the smoke test (tests/test_bench_smoke.py runs every table on the tiny model of the first
+of its families). `measure(run)` returns its tables, each a dict of title, columns, rows and notes
 (bench/report.py renders them). Adding a table is one module here and one line in `_MODULES`."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from bench.harness import in_child, log
 from bench.tables import Table
 from bench.tables.passes import what_changed
 from bench.workload import call_dims
-from runners.manifest import read_manifest
+from runners.manifest import load_onnx, read_manifest
 
 
 def _rss_mib(field: str) -> float:
@@ -63,7 +63,7 @@ def graph_without(onnx_dir: Path, artifact: Path, submodule: str, drop: str, out
     names = [r["name"] for r in built["submodules"][submodule]["passes"] if r["name"] != drop]
     dims = {**source["constants"], **{d: v[1] for d, v in source["dims"].items()}}
     context = PassContext(submodule, source["submodules"][submodule], None, dims, built["memory"]["budget"])
-    model, _ = PassPipeline(names)(ir.load(onnx_dir / source["submodules"][submodule]["file"]), submodule,
+    model, _ = PassPipeline(names)(load_onnx(onnx_dir / source["submodules"][submodule]["file"]), submodule,
                                    context=context)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{submodule}.onnx"

@@ -34,10 +34,9 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
                       labels: list[str] | None = None) -> dict[str, tuple[Path, list]]:
     """label -> (graph path, pass reports), one folder per pass list under `out_root` (the lists
     of `pass_lists()`, or only `labels`)."""
-    import onnx_ir as ir
-
     from engines.api import passes_fingerprint, submodule_entry
     from engines.passes import run_passes
+    from runners.manifest import load_onnx
     from engines.targets import BuildInput
     from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
 
@@ -52,7 +51,7 @@ def build_with_passes(onnx_dir: Path, out_root: Path, submodule: str,
         if not is_current(dest, key):
             log(f"{submodule} with passes [{', '.join(names)}]")
             with atomic_folder(dest) as tmp:
-                model, reports = run_passes(ir.load(onnx_dir / f"{submodule}.onnx"), names, submodule)
+                model, reports = run_passes(load_onnx(onnx_dir / f"{submodule}.onnx"), names, submodule)
                 built = BuildInput(model, submodule, submodule_entry(export, submodule), export["constants"])
                 files, _ = target.build_submodule(built, tmp, target.options())
                 write_manifest(tmp, {"cache_key": key, "passes": reports, "file": files[0]})

@@ -125,9 +125,9 @@ def load_graph(source: onnx.ModelProto | Path | str, dims: dict[str, int]) -> Op
     """The graph at `dims` ({dim name: value} for the inputs' symbolic dims). A proto is changed
     in place (its large weights become inputs): pass a copy you still need."""
     if not isinstance(source, onnx.ModelProto):  # weights as shapes; the small ones a >2 GB file keeps outside as data
-        import onnx_ir as ir
+        from runners.manifest import load_onnx
 
-        return graph_of(ir.load(source), dims)
+        return graph_of(load_onnx(source), dims)
     model = source
     weights = {i.name: (list(i.dims), onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize)
                for i in model.graph.initializer}

@@ -48,9 +48,9 @@ def inspect_dims(manifest: dict, height: int | None, width: int | None, batch: i
 
 def inspect_submodule(path: Path, dims: dict, sram: int, with_passes: bool, budget: int | None) -> dict:
     """One row of the table; with `with_passes`, the live bytes after the memory passes too."""
-    import onnx_ir as ir
+    from runners.manifest import load_onnx
 
-    model = ir.load(path)
+    model = load_onnx(path)
     graph = graph_of(model, dims)
     p = plan(graph)
     at_peak = p.live_at(p.peak_step)[:TOP]
