@@ -6,22 +6,12 @@ variant runs at its defaults (FLUX.1-dev's: 512 T5 tokens, guidance embedding 3.
 prompt), so each does the same work."""
 from __future__ import annotations
 
-import tempfile
 import time
 
 import numpy as np
 
+from bench.variants import Ours, timed_result
 from bench.workload import PROMPT
-
-
-def _result(seconds: float, steps: int, denoise: float, vae: float, image: np.ndarray, out: str | None) -> dict:
-    """A `timed_run` reply; the image (in [0, 1], HWC) is saved in a new file in the folder `out`."""
-    result = {"seconds": seconds, "step": denoise / steps, "vae": vae}
-    if out:
-        with tempfile.NamedTemporaryFile(dir=out, suffix=".npy", delete=False) as f:
-            np.save(f, image)
-        result["image"] = f.name
-    return result
 
 
 def _timed_calls(owner, attr: str, seconds: list) -> None:
@@ -37,22 +27,14 @@ def _timed_calls(owner, attr: str, seconds: list) -> None:
     setattr(owner, attr, timed)
 
 
-class FluxOurs:
-    """An artifact run by our runner; `cache`: a step cache as `Pipeline.__call__` takes it."""
+class FluxOurs(Ours):
+    """An artifact run by our runner (bench.variants.Ours), from packed starting latents at Flux's defaults."""
 
-    def __init__(self, artifact: str, cache: str | None = None):
-        from runners import Pipeline
-
-        self.pipe, self.cache = Pipeline.load(artifact), cache
-
-    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+    def text_to_image(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> np.ndarray:
         from runners.flux import pack
 
-        t0 = time.perf_counter()
-        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=pack(latents),
-                          output_type="np", cache=self.cache)[0]
-        seconds, timings = time.perf_counter() - t0, self.pipe.timings
-        return _result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out)
+        return self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=pack(latents),
+                         output_type="np", **options)
 
 
 class _FluxDiffusersCall:
@@ -72,7 +54,7 @@ class _FluxDiffusersCall:
         t0 = time.perf_counter()
         image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=packed,
                           output_type="np").images[0]
-        return _result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out)
+        return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out)
 
 
 class FluxDiffusers(_FluxDiffusersCall):
@@ -130,7 +112,7 @@ class FluxGenAI:
         images = self.pipe.generate(PROMPT, height=height, width=width, num_inference_steps=steps, generator=Given())
         seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
         image = images.data[0].astype(np.float32) / 255  # uint8 HWC
-        return _result(seconds, steps, sum(metrics.raw_metrics.transformer_inference_durations) / 1e6,
+        return timed_result(seconds, steps, sum(metrics.raw_metrics.transformer_inference_durations) / 1e6,
                        metrics.get_vae_decoder_infer_duration() / 1e3, image, out)
 
 

@@ -28,21 +28,47 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-class Ours:
-    """An artifact folder run by our numpy runner."""
+def timed_result(seconds: float, steps: int, denoise: float, vae: float, image: np.ndarray, out: str | None,
+                 **extra) -> dict:
+    """A `timed_run` reply; the image (in [0, 1], HWC) is saved in a new file in the folder `out`."""
+    import tempfile
 
-    def __init__(self, artifact: str):
+    result = {"seconds": seconds, "step": denoise / steps, "vae": vae, **extra}
+    if out:
+        with tempfile.NamedTemporaryFile(dir=out, suffix=".npy", delete=False) as f:
+            np.save(f, image)
+        result["image"] = f.name
+    return result
+
+
+class Ours:
+    """An artifact folder run by our numpy runner; `cache`: a step cache as `Pipeline.__call__`
+    takes it, for `timed_run`."""
+
+    def __init__(self, artifact: str, cache: str | None = None):
         from runners import Pipeline
 
-        self.pipe = Pipeline.load(artifact)
+        self.pipe, self.cache = Pipeline.load(artifact), cache
 
     def call(self, name: str, feeds: dict) -> float:
         return _timed(lambda: self.pipe.run(name, release=False, **feeds))  # steady state, as in the loop
 
+    def text_to_image(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> np.ndarray:
+        """The one text-to-image call every job of this variant makes."""
+        return self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width, num_inference_steps=steps,
+                         latents=latents, output_type="np", max_sequence_length=T5_LENGTH, **options)
+
     def e2e(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> float:
-        return _timed(lambda: self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width,
-                                        num_inference_steps=steps, latents=latents, output_type="np",
-                                        max_sequence_length=T5_LENGTH, **options))
+        return _timed(lambda: self.text_to_image(latents, height, width, steps, **options))
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        """A whole run with the variant's cache: its denoiser and VAE times, what the cache evaluated
+        (`Pipeline.cache_stats`), and its image."""
+        t0 = time.perf_counter()
+        image = self.text_to_image(latents, height, width, steps, cache=self.cache)[0]
+        seconds, timings = time.perf_counter() - t0, self.pipe.timings
+        return timed_result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out,
+                            cache=self.pipe.cache_stats)
 
     def images(self, prompts, latents, height: int, width: int, steps: int, out: str) -> list[str]:
         return _save([self.pipe(p, height=height, width=width, num_inference_steps=steps, latents=latents,
@@ -186,7 +212,7 @@ def make_variant(kind: str, path: str, **options):
 
         return make_flux_variant(kind, path, **options)
     if kind == "ours":
-        return Ours(path)
+        return Ours(path, **options)
     if kind == "graph":
         return Graph(path)
     if kind == "ours-profiled":
