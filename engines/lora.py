@@ -19,12 +19,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from runners.backends import get_backend
 from runners.lora import LoraError, adapted_submodules, parse_lora_spec, submodule_tables
 from runners.lora_branches import branch_factors
 from runners.manifest import (
     ManifestError, atomic_folder, digest, link_or_copy, read_manifest, sha256_file, write_manifest,
 )
+from runners.quantized import FLOAT8_E4M3FN
 
 
 def _log(msg: str) -> None:
@@ -99,11 +102,20 @@ def _rewrite_graph(source: Path, dest: Path, weights: dict, data_file: str, tabl
     model = ir.load(source)
     values = [model.graph.initializers[name] for name in weights]
     tensors = ir.external_data.convert_tensors_to_external(
-        [ir.tensor(weights[v.name], name=v.name) for v in values], dest.parent, data_file)
+        [_tensor(weights[v.name], v.name) for v in values], dest.parent, data_file)
     for value, tensor in zip(values, tensors):
         value.const_value = tensor
         table[value.name]["location"] = {"file": data_file, "offset": tensor.offset, "length": tensor.length}
     ir.save(model, dest)
+
+
+def _tensor(array: np.ndarray, name: str):
+    """An onnx-ir tensor of `array`; fp8 bytes (runners.quantized.FLOAT8_E4M3FN) as FLOAT8E4M3FN."""
+    import onnx_ir as ir
+
+    if array.dtype == FLOAT8_E4M3FN:
+        return ir.tensor(array.view(np.uint8), dtype=ir.DataType.FLOAT8E4M3FN, name=name)
+    return ir.tensor(array, name=name)
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,8 @@ An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh
   diffusers' in runners/lora_flux.py.
 
 The changed weight of every initializer an adapter touches is computed from the artifact's own
-(an fp16 one in float32, rounded once), each fused slice at its place. Numpy only: a deployed
+(an fp16 one in float32, rounded once; an int8 or fp8 one dequantized, then quantized again with its
+scales computed afresh: runners/quantized.py), each fused slice at its place. Numpy only: a deployed
 runner applies adapters without torch.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from runners.lora_flux import to_diffusers_names as flux_original_names
 from runners.provenance import WeightTable
+from runners.quantized import STORAGE, dequantize, quantize
 
 # kohya's prefixes: the component each names (SD1.5's one text encoder is lora_te, SDXL's are te1/te2).
 KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_transformer_": "transformer", "lora_te_": "text_encoder",
@@ -210,14 +212,19 @@ def adapted(table: WeightTable, deltas: dict, base) -> dict[str, np.ndarray]:
         touched = [p for p in record["parts"] if (p["component"], p["key"]) in deltas]
         if not touched:
             continue
-        if record.get("quantized"):
-            raise LoraError(f"{name} is quantized ({record['dtype']}): adapters apply to float artifacts; "
-                            f"apply the adapter to the fp32 artifact's export and build the quantized one from it")
         whole = [p for p in record["parts"] if "axis" not in p]
         if len(whole) > 1:  # the exporter merged equal parameters into one initializer
             raise LoraError(f"{name} holds {', '.join(p['key'] for p in whole)}, which were equal and share it: "
                             f"an adapter cannot change one of them alone")
-        value = np.array(base(name, record), dtype=np.float32)
+        quantized = record.get("quantized")
+        if quantized:  # dequantized, changed, and quantized again with its scales computed afresh
+            scale = quantized["scale"]
+            if scale not in table:
+                raise LoraError(f"{name} is quantized ({record['dtype']}) and its scales are not tracked (built "
+                                f"before adapters reached quantized artifacts): rebuild it with `python -m engines`")
+            value = dequantize(base(name, record), base(scale, table[scale]), quantized["axis"], record["dtype"])
+        else:
+            value = np.array(base(name, record), dtype=np.float32)
         for part in touched:
             change = deltas[(part["component"], part["key"])]
             if part.get("perm"):
@@ -227,7 +234,10 @@ def adapted(table: WeightTable, deltas: dict, base) -> dict[str, np.ndarray]:
                 raise LoraError(f"{part['component']}.{part['key']}: the adapter's change has shape {change.shape}, "
                                 f"the weight {value[index].shape}: the adapter is for another model")
             value[index] += change
-        out[name] = value.astype(np.dtype(record["dtype"]))
+        if quantized:
+            out[name], out[quantized["scale"]] = quantize(value, quantized["axis"], record["dtype"])
+        else:
+            out[name] = value.astype(np.dtype(record["dtype"]))
     return out
 
 
@@ -239,7 +249,7 @@ def artifact_weights(folder: Path):
         if location is None:
             raise LoraError(f"{folder}: weight {name} is not in an external data file, where adapters reach weights: "
                             f"adapters apply to ONNX Runtime artifacts, which keep every tracked weight there")
-        return np.fromfile(Path(folder) / location["file"], dtype=np.dtype(record["dtype"]),
+        return np.fromfile(Path(folder) / location["file"], dtype=STORAGE.get(record["dtype"], record["dtype"]),
                            count=int(np.prod(record["shape"])), offset=location["offset"]).reshape(record["shape"])
 
     return base

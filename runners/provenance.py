@@ -6,6 +6,7 @@ A `WeightTable` maps an initializer's name to its record:
      "parts": [{"component": "transformer", "key": "transformer_blocks.0.attn.to_q.weight",
                 "perm": [1, 0], "axis": 1, "start": 0, "stop": 64}, ...],
      "quantized": {"scale": "<initializer>", "zero_point": "<initializer>", "axis": 1}}   # int8 / fp8 only
+    {"dtype": "float32", "shape": [192], "parts": [], "scale_of": "<initializer>"}       # its scale
 
 Each part says: the checkpoint tensor `key` of pipeline `component`, transposed by `perm` (none:
 as stored), is the slice `start:stop` of the initializer along `axis` (no axis: all of it), in the

@@ -336,3 +336,27 @@ def test_list_passes_names_the_openvino_target_and_bf16():
     assert "; bf16: no passes, runtime INFERENCE_PRECISION_HINT=bf16;" in line
     assert line.endswith("; int8: no passes, runtime INFERENCE_PRECISION_HINT=bf16, int8 by its own quantizer")
     assert "precision int8: passes quantize_int8\n" in listed.stdout  # the precision's list names no target
+
+
+# Each step cache on openvino bf16 and int8 against ort-fp32 with the same cache, sd3-tiny at SD3_CACHE_CALL
+# (test_first_block_cache's call: first-block 0.38 caches 7 of 10 steps there). Measured: see CACHE_MIN_PSNR.
+SD3_CACHE_CALL = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=10, max_sequence_length=32,
+                      guidance_scale=5.0, output_type="np")
+CACHES = {"taylorseer": "taylorseer:interval=2,before=2,order=1", "first-block": "first-block:0.38"}
+CACHE_MIN_PSNR = int8_bounds({"bf16": 34.0, "int8": 31.0}, {"int8": 23.0})
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_caches_against_ort_fp32_with_the_same_cache(tiny_artifact, precision, cache, request):
+    reference, ours = Pipeline.load(tiny_artifact), Pipeline.load(request.getfixturevalue(f"ov_{precision}"))
+    call = dict(SD3_CACHE_CALL, latents=_latents(0, 1, 64, 64))
+    uncached = ours(**call)
+    ref, image = reference(**call, cache=CACHES[cache]), ours(**call, cache=CACHES[cache])
+    stats, ref_stats = ours.cache_stats, reference.cache_stats
+    psnr, change = _psnr(ref, image), _psnr(uncached, image)
+    print(f"openvino-{precision} {cache}: {stats['full']} full, {stats['cached']} cached (ort-fp32 "
+          f"{ref_stats['full']}, {ref_stats['cached']}); PSNR {psnr:.1f} dB against ort-fp32 with the cache, "
+          f"{change:.1f} dB against itself uncached")
+    assert stats["cached"] > 0 and change < 80  # the cache ran and changed the image
+    assert psnr >= CACHE_MIN_PSNR[precision], psnr

@@ -3,27 +3,37 @@ the pipeline with vae="tiny" against diffusers' with `pipe.vae = AutoencoderTiny
 previews through the tiny decoder."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import TinyBuild, assert_real_image, smooth_image
+from conftest import TinyBuild, assert_real_image, manifest, smooth_image
 from runners import Pipeline
 
 ONE_LEVEL = 1 / 255
 TINY = "taesd3-tiny"
 
 
-@pytest.fixture(scope="module")
-def sd3_tiny_vae_build(tmp_path_factory, tiny_source) -> TinyBuild:
-    """sd3-tiny exported with the random taesd3-tiny beside its VAE, and built for ort-fp32."""
+def _with_tiny_vae(tmp_path_factory, build: TinyBuild, tiny: str) -> TinyBuild:
+    """`build`'s export with the random AutoencoderTiny `tiny` beside its VAE, built for ort-fp32. The
+    export starts from a linked copy of the session's, so only the tiny autoencoder is traced."""
     from engines.api import build_artifact
     from export.api import export_model
 
-    folder = tmp_path_factory.mktemp("sd3-tiny-taesd3")
-    export_model(tiny_source, folder, tiny_vae=TINY)
+    folder = tmp_path_factory.mktemp(f"{build.source.entry.name}-{tiny}")
+    shutil.copytree(build.folder / "onnx", folder / "onnx", copy_function=os.link)
+    export_model(build.source, folder, tiny_vae=tiny)
     build_artifact(folder, "ort", "fp32")
-    return TinyBuild(tiny_source, folder)
+    return TinyBuild(build.source, folder)
+
+
+@pytest.fixture(scope="module")
+def sd3_tiny_vae_build(tmp_path_factory, sd3_tiny_build) -> TinyBuild:
+    """sd3-tiny exported with the random taesd3-tiny beside its VAE, and built for ort-fp32."""
+    return _with_tiny_vae(tmp_path_factory, sd3_tiny_build, TINY)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +126,41 @@ def test_tiny_vae_refusals(tiny_artifact):
         Pipeline.load(tiny_artifact, vae="small")
     with pytest.raises(SourceError, match="4 latent channels; this model's latents have 16"):
         tiny_vae_source("taesd-tiny", 16)
+
+
+# The other families' random tiny autoencoders, and their starting latents at 64x96 (Flux's packed).
+FAMILY_TINY = {"sd15": ("taesd-tiny", (1, 4, 8, 12)), "sdxl": ("taesdxl-tiny", (1, 4, 8, 12)),
+               "flux": ("taef1-tiny", (1, 24, 64))}
+
+
+@pytest.mark.parametrize("family", FAMILY_TINY)
+def test_each_familys_tiny_vae_matches_diffusers(family, tmp_path_factory, request):
+    """Decode parity with AutoencoderTiny, and the pipeline with vae="tiny" against diffusers' with
+    `pipe.vae = AutoencoderTiny(...)`, on SD1.5, SDXL and Flux; the tiny VAE must change the image."""
+    import diffusers
+    from diffusers import AutoencoderTiny
+
+    from export.families.tiny_vae import COMPONENT, tiny_vae_source
+
+    tiny, shape = FAMILY_TINY[family]
+    build = _with_tiny_vae(tmp_path_factory, request.getfixturevalue(f"{family}_tiny_build"), tiny)
+    channels = manifest(build.folder / "onnx")["constants"]["latent_channels"]
+    autoencoder = AutoencoderTiny.from_pretrained(tiny_vae_source(tiny, channels).folder / COMPONENT).eval()
+    reference = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.vae = autoencoder
+    call = dict(prompt="a photo of a cat", height=64, width=96, num_inference_steps=4, output_type="np")
+    latents = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)
+    ref = reference(latents=torch.from_numpy(latents), **call).images
+    with Pipeline.load(build.folder / "ort-fp32", vae="tiny") as pipe:
+        z = np.random.default_rng(0).standard_normal((2, channels, 10, 12), dtype=np.float32)
+        with torch.no_grad():
+            decoded = autoencoder.decode(torch.from_numpy(z)).sample.numpy()
+        assert np.abs(pipe.vae_decode(z) - decoded).max() / 2 <= ONE_LEVEL
+        ours = pipe(latents=latents, **call)
+    with Pipeline.load(build.folder / "ort-fp32") as pipe:
+        full_vae = pipe(latents=latents, **call)
+    error, changed = float(np.abs(ours - ref).max()), float(np.abs(ours - full_vae).max())
+    print(f"{family} with {tiny}: |ours - diffusers| {error:.2e}; the tiny VAE changed the image by {changed:.2f}")
+    assert error <= ONE_LEVEL and changed > 10 * ONE_LEVEL
+    assert_real_image(ref)

@@ -35,14 +35,20 @@ def _select(proto, context) -> tuple[list[str], list[str]]:
 def _record_quantized(table, proto) -> None:
     """ONNX Runtime's quantizers replace a weight W by W_quantized, with W_scale and W_zero_point:
     its provenance follows it and names them. The channel axis is the DequantizeLinear's (the fp8
-    Q/DQ pairs); MatMulInteger's weights (int8) are per output channel, axis 1 of (in, out)."""
-    names = {i.name for i in proto.graph.initializer}
+    Q/DQ pairs); MatMulInteger's weights (int8) are per output channel, axis 1 of (in, out). W_scale
+    is tracked too (a record without parts: it holds no parameter), so that it is saved where an
+    adapter reaches it, and replaced with the weight (runners/quantized.py)."""
+    from onnx import helper
+
+    initializers = {i.name: i for i in proto.graph.initializer}
     axes = {n.input[0]: next((a.i for a in n.attribute if a.name == "axis"), 1)
             for n in proto.graph.node if n.op_type == "DequantizeLinear"}
-    for name in [n for n in table if n not in names and f"{n}_quantized" in names]:
-        quantized = f"{name}_quantized"
+    for name in [n for n in table if n not in initializers and f"{n}_quantized" in initializers]:
+        quantized, scale = f"{name}_quantized", initializers[f"{name}_scale"]
         table[quantized] = {**table.pop(name), "quantized": {
-            "scale": f"{name}_scale", "zero_point": f"{name}_zero_point", "axis": axes.get(quantized, 1)}}
+            "scale": scale.name, "zero_point": f"{name}_zero_point", "axis": axes.get(quantized, 1)}}
+        table[scale.name] = {"dtype": helper.tensor_dtype_to_np_dtype(scale.data_type).name,
+                             "shape": list(scale.dims), "parts": [], "scale_of": quantized}
 
 
 @contextlib.contextmanager

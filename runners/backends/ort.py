@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from runners.backends import Backend
+from runners.quantized import FLOAT8_E4M3FN
+
+FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runner does not import onnx)
 
 
 def session_settings(options, config: dict[str, str] | None, settings: dict | None) -> dict:
@@ -54,7 +57,7 @@ class OrtSession:
         extra = session_settings(options, session_config, session_options)
         initializers = initializers or {}
         # The session reads these buffers for as long as it lives: they are kept with it.
-        self._initializers = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for v in initializers.values()]
+        self._initializers = [_ortvalue(v) for v in initializers.values()]
         for name, value in zip(initializers, self._initializers):
             options.add_initializer(name, value)
         if any(v.ndim >= 3 for v in initializers.values()):
@@ -104,6 +107,14 @@ class OrtSession:
         """`release=True` on a stage's last call frees the working memory it leaves behind."""
         outputs = self.session.run(self.output_names, feeds, self._release if release else None)
         return dict(zip(self.output_names, outputs))
+
+
+def _ortvalue(array: np.ndarray):
+    """`array` as an OrtValue; fp8 bytes (runners.quantized.FLOAT8_E4M3FN) as ONNX's float8e4m3fn."""
+    array = np.ascontiguousarray(array)
+    if array.dtype == FLOAT8_E4M3FN:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), FLOAT8E4M3FN)
+    return ort.OrtValue.ortvalue_from_numpy(array)
 
 
 def _open(path, device=None, **options) -> OrtSession:
