@@ -97,7 +97,7 @@ class Pipeline:
         self._branches = get_backend(manifest["backend"]).lora_branches
         # Adapters `python -m engines lora` gave a branch artifact: applied under every set of `loras`.
         self._baked = {folder / e["file"]: e["scale"] for e in manifest.get("lora_branches", [])}
-        self._adapted, self._factors = self._adapter_inputs(self.loras)
+        self._adapted, self._factors = self.adapter_inputs(self.loras)
         # From the first adapter on, every engine runs its branched model (none: rank 0), so that a set
         # of adapters gives the same images whichever sets came before it.
         self._branched = bool(self._factors)
@@ -112,7 +112,7 @@ class Pipeline:
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))
 
-    def _adapter_inputs(self, loras: dict, ignore_unmatched: bool = False) -> tuple[dict, dict]:
+    def adapter_inputs(self, loras: dict, ignore_unmatched: bool = False) -> tuple[dict, dict]:
         """(adapted weights, branch factors) of `loras` on this artifact: one of the two is empty."""
         if self._branches:
             return {}, branch_factors(self.folder, self.manifest, {**self._baked, **loras}, ignore_unmatched)
@@ -140,14 +140,15 @@ class Pipeline:
             raise
         return sessions
 
-    def set_loras(self, loras: dict, ignore_unmatched: bool = False) -> None:
+    def set_loras(self, loras: dict, ignore_unmatched: bool = False, inputs: tuple | None = None) -> None:
         """Switch to `loras` ({adapter path: scale}; {} for none) before the next call. The adapted
         weights are computed from the artifact's own each time, so switching back to an adapter gives
-        exactly its images again. Only the engines whose weights change are reopened, one at a time;
-        an engine with branches (OpenVINO) is not reopened: its branches' inputs change."""
+        exactly its images again (or given: `inputs`, what `adapter_inputs(loras)` returned, kept by
+        a server that switches back and forth). Only the engines whose weights change are reopened,
+        one at a time; an engine with branches (OpenVINO) is not reopened: its branches' inputs change."""
         if self.closed:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again")
-        adapted, factors = self._adapter_inputs(dict(loras), ignore_unmatched)
+        adapted, factors = inputs or self.adapter_inputs(dict(loras), ignore_unmatched)
         reopen = (set(adapted) | set(self._adapted)) & set(self.sessions)
         self._branched = self._branched or bool(factors)
         if self._branched:

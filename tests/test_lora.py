@@ -44,22 +44,6 @@ def _reference(pipeline_cls, folder, adapters: dict, latents, **kwargs) -> np.nd
 
 
 @pytest.fixture(scope="module")
-def sd3_adapters(tiny_source, tmp_path_factory):
-    """A: the transformer's attention and the first CLIP's; B: the transformer's feed-forward and
-    adaLN projections (fused by fuse_qkv with others) and the second CLIP's attention (diffusers
-    saves SD3 adapters for the transformer and the two CLIPs)."""
-    from diffusers import StableDiffusion3Pipeline
-
-    folder = tmp_path_factory.mktemp("sd3-loras")
-    a = make_adapter(StableDiffusion3Pipeline, tiny_source.folder, folder / "a",
-                     {"transformer": ATTENTION, "text_encoder": CLIP_ATTENTION}, seed=1)
-    b = make_adapter(StableDiffusion3Pipeline, tiny_source.folder, folder / "b",
-                     {"transformer": ["ff.net.2", "norm1.linear", "add_q_proj"], "text_encoder_2": ["q_proj", "v_proj"]},
-                     seed=2, rank=2, alpha=2.0)
-    return {"a": a, "b": b}
-
-
-@pytest.fixture(scope="module")
 def sd3_lora_artifact(tiny_artifact, sd3_adapters, tmp_path_factory):
     return apply_loras(tiny_artifact, {sd3_adapters["a"]: 0.8}, tmp_path_factory.mktemp("sd3-a") / "art")
 

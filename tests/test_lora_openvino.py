@@ -18,7 +18,7 @@ from engines.lora import apply_loras  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
 from runners import Pipeline  # noqa: E402
 from runners.lora import LoraError  # noqa: E402
-from test_lora import CALL, ONE_LEVEL, _latents, _reference, sd3_adapters  # noqa: E402,F401 (a fixture)
+from test_lora import CALL, ONE_LEVEL, _latents, _reference  # noqa: E402
 
 SD3 = dict(max_sequence_length=32)
 # PSNR (dB) against ort-fp32 with adapter a at 0.4, 64x64, 4 steps, latents seed 0. Measured: bf16 40.1 and

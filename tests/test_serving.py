@@ -241,8 +241,8 @@ def test_python_layout_config_and_files(tiny_artifact, tmp_path):
     config = _model_config(model / "config.pbtxt")
     assert (config.name, config.backend, config.max_batch_size) == (model.name, "python", 3)
     assert [i.name for i in config.input] == ["prompt", "negative_prompt", "height", "width", "num_inference_steps",
-                                              "guidance_scale", "seed", "num_images_per_prompt", "cache", "image",
-                                              "mask_image", "strength"]
+                                              "guidance_scale", "seed", "num_images_per_prompt", "cache", "loras",
+                                              "image", "mask_image", "strength"]
     assert [i.name for i in config.input if not i.optional] == ["prompt"]
     (output,) = config.output
     assert (output.name, list(output.dims)) == ("images", [-1, -1, -1, 3])
@@ -437,3 +437,102 @@ def _connect(port: int) -> None:
     import socket
 
     socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# Adapters per request (--lora-dir): two adapters of sd3_adapters in a folder, a link that leaves it.
+MAX_LORAS = 2
+
+
+@pytest.fixture(scope="module")
+def lora_served(tiny_artifact, sd3_adapters, tmp_path_factory):
+    import shutil
+
+    scratch = tmp_path_factory.mktemp("served-loras")
+    folder = scratch / "loras"
+    folder.mkdir()
+    for name, path in sd3_adapters.items():
+        shutil.copy(path, folder / f"{name}.safetensors")
+    shutil.copy(sd3_adapters["a"], scratch / "outside.safetensors")
+    (folder / "escape.safetensors").symlink_to(scratch / "outside.safetensors")
+    model = write_repository(tiny_artifact, scratch / "repository", lora_dir=str(folder), max_loras=MAX_LORAS)
+    with server_for(scratch / "repository") as server:
+        yield server, model.name, folder
+
+
+def _lora_field(loras: dict) -> str:
+    return json.dumps([{"name": name, "scale": scale} for name, scale in loras.items()])
+
+
+def _adapter_image(client, model, loras: dict, seed: int) -> np.ndarray:
+    fields = {"seed": (np.int64, seed), **({"loras": (object, _lora_field(loras).encode())} if loras else {})}
+    return client.infer(model, _inputs(tritonclient_http, **fields)).as_numpy("images")[0, 0]
+
+
+def test_adapters_chosen_per_request_by_four_clients(lora_served, tiny_artifact):
+    """4 concurrent clients, each alternating adapter set A, set B (both adapters) and none: every image is the
+    Pipeline's with that set (no blend of sets), and A's and B's differ from none's."""
+    server, model, folder = lora_served
+    sets = {"a": {"a": 0.8}, "ab": {"a": 0.5, "b": 1.0}, "none": {}}
+    references = {}
+    for label, loras in sets.items():
+        with Pipeline.load(tiny_artifact, loras={str(folder / f"{n}.safetensors"): s for n, s in loras.items()}) as pipe:
+            references[label] = {seed: _reference(pipe, seed=seed) for seed in range(4)}
+    assert all(not np.array_equal(references[label][0], references["none"][0]) for label in ("a", "ab"))
+    jobs = [(client, list(sets)[(client + r) % 3]) for client in range(4) for r in range(3)]
+    results, errors = {}, []
+
+    def client(c):
+        http = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=120)
+        for label in [label for owner, label in jobs if owner == c]:
+            try:
+                results[(c, label)] = _adapter_image(http, model, sets[label], seed=c)
+            except Exception as e:  # counted: a lost or failed request fails the test below
+                errors.append((c, label, e))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    wrong = [(c, label) for (c, label), image in results.items() if not np.array_equal(image, references[label][c])]
+    assert len(results) == len(jobs) and not wrong, f"images that are not the Pipeline's with their set: {wrong}"
+    switches = [line for line in server.log.read_text().splitlines() if "[serve] adapters" in line]
+    assert switches and all("sets kept in" in line for line in switches)
+
+
+BAD_ADAPTERS = {  # name: (the loras field, what the error must say)
+    "a path up": ('[{"name": "../outside", "scale": 1}]', "not an adapter name"),
+    "an absolute path": ('[{"name": "/etc/passwd", "scale": 1}]', "not an adapter name"),
+    "a link that leaves the folder": ('[{"name": "escape", "scale": 1}]', "a link that leaves"),
+    "an unknown name": ('[{"name": "nope", "scale": 1}]', "no adapter 'nope' in the server's --lora-dir; it has: a, b"),
+    "a NaN scale": ('[{"name": "a", "scale": NaN}]', "scale nan of 'a' is not allowed"),
+    "a huge scale": ('[{"name": "a", "scale": 1e9}]', "scale 1000000000.0 of 'a' is not allowed"),
+    "too many adapters": ('[{"name": "a"}, {"name": "b"}, {"name": "escape"}]', "at most 2 at once"),
+    "not JSON": ("a:0.8", "loras[0] is not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ADAPTERS)
+def test_bad_adapter_requests_are_refused_and_the_next_succeeds(lora_served, pipe, case):
+    server, model, _ = lora_served
+    field, said = BAD_ADAPTERS[case]
+    client = tritonclient_http.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(model, _inputs(tritonclient_http, loras=(object, field.encode())))
+    assert (error.value.status(), said in error.value.message()) == ("400", True), error.value.message()
+    assert np.array_equal(_adapter_image(client, model, {}, seed=3), _reference(pipe, seed=3))
+
+
+def test_fifty_switches_keep_the_servers_memory_bounded(lora_served):
+    """Switching between two sets 50 times: the adapted weights of both stay cached (--lora-cache-mib),
+    and the server's RSS does not grow from the first 25 switches to the next 25."""
+    server, model, _ = lora_served
+    client = tritonclient_http.InferenceServerClient(server.http_url)
+    rss = []
+    for i in range(50):
+        _adapter_image(client, model, {"a": 0.8} if i % 2 else {"b": 1.0}, seed=i)
+        if i in (24, 49):
+            rss.append(server.rss_bytes())
+    print(f"server RSS {rss[0] / 2**20:.1f} MiB after 25 switches, {(rss[1] - rss[0]) / 2**20:+.2f} MiB after 50")
+    assert rss[1] - rss[0] < 0.05 * rss[0]

@@ -111,6 +111,8 @@ class OrtSession:
 
 def _ortvalue(array: np.ndarray):
     """`array` as an OrtValue; fp8 bytes (runners.quantized.FLOAT8_E4M3FN) as ONNX's float8e4m3fn."""
+    import onnxruntime as ort
+
     array = np.ascontiguousarray(array)
     if array.dtype == FLOAT8_E4M3FN:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), FLOAT8E4M3FN)

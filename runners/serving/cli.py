@@ -24,11 +24,17 @@ def _repository_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-delay-us", type=int, default=2000,
                    help="how long Triton's dynamic batcher waits to fill a batch, in microseconds")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
+    p.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (.safetensors) that each request may "
+                   "name in its `loras` field, e.g. '[{\"name\": \"style\", \"scale\": 0.8}]'")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters a request may name at once")
+    p.add_argument("--lora-cache-mib", type=int, default=2048,
+                   help="memory for the adapted weights of recently used adapter sets (the current set's is kept)")
 
 
 def _repository_kwargs(args) -> dict:
     return {"model_name": args.model_name, "max_batch_size": args.max_batch_size, "instances": args.instances,
-            "batch_requests": args.batch_requests, "queue_delay_us": args.queue_delay_us, "threads": args.threads}
+            "batch_requests": args.batch_requests, "queue_delay_us": args.queue_delay_us, "threads": args.threads,
+            "lora_dir": args.lora_dir, "max_loras": args.max_loras, "lora_cache_mib": args.lora_cache_mib}
 
 
 def triton(argv) -> int:

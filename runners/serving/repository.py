@@ -101,12 +101,15 @@ def _runners_copy(dest: Path) -> None:
 def write_repository(artifact, out, *, layout: str = "python", model_name: str | None = None,
                      max_batch_size: int | None = None, instances: int = 1, queue_delay_us: int = 2000,
                      batch_requests: bool = False, reference_artifact: bool = False,
-                     threads: int | None = None) -> Path:
+                     threads: int | None = None, lora_dir: str | None = None, max_loras: int = 4,
+                     lora_cache_mib: int = 2048) -> Path:
     """Write the repository `out` for `artifact`; returns the pipeline model's folder.
     `max_batch_size`: prompts per Triton batch (default: what one denoiser call of the artifact takes
     with guidance); `instances`: Pipeline copies per device; `batch_requests`: run queued requests
     with equal settings as one Pipeline call; `reference_artifact`: the config names the artifact's
-    absolute path instead of holding a copy (python layout)."""
+    absolute path instead of holding a copy (python layout); `lora_dir`: the folder whose adapters a
+    request may name (at most `max_loras` at once; the adapted weights of recent sets kept within
+    `lora_cache_mib`, runners/serving/adapters.py), referenced by its absolute path."""
     artifact = Path(artifact).resolve()
     manifest = read_manifest(artifact)
     if layout not in LAYOUTS:
@@ -115,7 +118,8 @@ def write_repository(artifact, out, *, layout: str = "python", model_name: str |
         raise ValueError("--reference-artifact is the python layout's: the native layout splits the artifact into "
                          "one model per engine")
     for name, value, least in (("max_batch_size", max_batch_size, 1), ("instances", instances, 1),
-                               ("queue_delay_us", queue_delay_us, 0)):
+                               ("queue_delay_us", queue_delay_us, 0), ("max_loras", max_loras, 1),
+                               ("lora_cache_mib", lora_cache_mib, 0)):
         if value is not None and (not isinstance(value, int) or value < least):
             raise ValueError(f"{name}={value!r} is not allowed: use an integer >= {least}")
     name = model_name or manifest["model"]["name"]
@@ -124,6 +128,13 @@ def write_repository(artifact, out, *, layout: str = "python", model_name: str |
               "batch_requests": "true" if batch_requests else "false"}
     if threads:
         params["threads"] = str(threads)
+    if lora_dir:
+        if not Path(lora_dir).is_dir():
+            raise ValueError(f"--lora-dir {lora_dir}: not a folder (the adapters' .safetensors files go there)")
+        if layout != "python":
+            raise ValueError("--lora-dir is the python layout's: the native layout's engines are Triton's own models")
+        params.update(lora_dir=str(Path(lora_dir).resolve()), max_loras=str(max_loras),
+                      lora_cache_mib=str(lora_cache_mib))
     with atomic_folder(Path(out)) as repo:
         model = repo / name
         version = model / "1"

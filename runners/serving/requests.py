@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from runners.serving import adapters
+
 
 class Tensor(NamedTuple):
     """One input or output of the model's config.pbtxt: dims after Triton's batch dimension."""
@@ -29,6 +31,8 @@ TEXT_INPUTS = (
     Tensor("num_images_per_prompt", "TYPE_INT32"),
     # A step cache for this request, spelled as the CLI's --cache: "taylorseer:interval=3,before=6,after=-2".
     Tensor("cache", "TYPE_STRING"),
+    # LoRA adapters of the server's --lora-dir for this request, as JSON: '[{"name": "style", "scale": 0.8}]'.
+    Tensor("loras", "TYPE_STRING"),
 )
 # With a VAE encoder in the artifact: image to image, and inpainting with a mask (white: repaint).
 IMAGE_INPUTS = (
@@ -40,6 +44,7 @@ IMAGE_INPUTS = (
 OUTPUT = Tensor("images", "TYPE_UINT8", (-1, -1, -1, 3), optional=False)
 
 _STRINGS = ("prompt", "negative_prompt", "cache")
+_BEFORE_THE_RUN = ("loras",)  # what the model applies to its Pipeline before a run: not an argument of the call
 _IMAGES = ("image", "mask_image")
 _FLOATS = ("guidance_scale", "strength")
 
@@ -72,6 +77,9 @@ def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
                 call[name] = Image.fromarray(np.ascontiguousarray(value), "RGB" if name == "image" else "L")
             elif name in _STRINGS:
                 call[name] = _text(name, row, value.reshape(-1)[0])
+            elif name == "loras":  # none named is no field: such a call batches with those that leave it out
+                pairs = adapters.parse(_text(name, row, value.reshape(-1)[0]), row)
+                call.update({name: pairs} if pairs else {})
             elif name in _FLOATS:
                 call[name] = float(value.reshape(-1)[0])
             else:
@@ -111,7 +119,9 @@ def groups(all_calls: list[dict], max_images: int, batched: bool) -> list[list[i
 def run(pipe, group: list[dict]) -> list[np.ndarray]:
     """Each call's images as uint8 (num_images_per_prompt, H, W, 3). One call runs as itself, so its
     image is exactly the Pipeline's for its seed; several (one batch key) run as one Pipeline call,
-    each prompt's starting latents drawn from its own seed as it would be alone."""
+    each prompt's starting latents drawn from its own seed as it would be alone. The adapters a call
+    names are the model's to apply before (`AdapterSets.activate`)."""
+    group = [{k: v for k, v in call.items() if k not in _BEFORE_THE_RUN} for call in group]
     if len(group) == 1:
         return [np.stack([np.asarray(image) for image in pipe(**group[0], output_type="pil")])]
     first = group[0]

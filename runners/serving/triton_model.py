@@ -5,8 +5,10 @@ what a request means is `runners.serving.requests`'s, which the tests drive with
 
 With dynamic batching, Triton hands `execute` every request queued together; requests that share
 their settings then run as one Pipeline call when the repository was written with batching on
-(`parameters: batch_requests`). A bad request is answered with INVALID_ARG naming its field, an
-unexpected failure with INTERNAL: either way that request alone fails, and the server goes on."""
+(`parameters: batch_requests`); requests that name different adapter sets never run together, and
+the model switches sets between runs (runners/serving/adapters.py). A bad request is answered with
+INVALID_ARG naming its field, an unexpected failure with INTERNAL: either way that request alone
+fails, and the server goes on."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from runners import Pipeline
 from runners.manifest import ManifestError, read_manifest
 from runners.serving import requests as rq
+from runners.serving.adapters import AdapterSets
 
 
 class TritonPythonModel:
@@ -32,6 +35,8 @@ class TritonPythonModel:
             manifest = read_manifest(artifact, verify=False)
             device_map = {sub: int(args["model_instance_device_id"]) for sub in manifest["submodules"]}
         self.pipe = Pipeline.load(artifact, threads=threads, device_map=device_map)
+        self.adapters = AdapterSets(params.get("lora_dir"), int(params.get("max_loras", "4")),
+                                    int(params.get("lora_cache_mib", "2048")) * 2**20, log=lambda m: print(m, flush=True))
         self.batched = params.get("batch_requests", "false") == "true"
         self.names = [t.name for t in rq.inputs_for(self.pipe.manifest)]
         guidance_batch = self.pipe.dims["batch"][2]
@@ -57,7 +62,9 @@ class TritonPythonModel:
             if any(answers[r] is not None for r in owners):
                 return  # a row of the same request already failed
             try:
-                for k, image in zip(run, rq.run(self.pipe, [rows[k][2] for k in run])):
+                calls = [rows[k][2] for k in run]  # one adapter set: the batching never mixes sets
+                self.adapters.activate(self.pipe, self.adapters.paths(calls[0].get("loras", ())))
+                for k, image in zip(run, rq.run(self.pipe, calls)):
                     images.setdefault(rows[k][0], {})[rows[k][1]] = image
             except (ValueError, ManifestError) as e:
                 if len(run) > 1:  # a bad row among several requests: each alone, so that only its own fails
