@@ -207,10 +207,7 @@ class Graph:
 
 
 def make_variant(kind: str, path: str, **options):
-    if kind.startswith("flux-"):
-        from bench.flux_variants import make_flux_variant
-
-        return make_flux_variant(kind, path, **options)
+    """The variant of `kind` (the Flux table's, "flux-...", are bench.flux_variants')."""
     if kind == "ours":
         return Ours(path, **options)
     if kind == "graph":

@@ -27,12 +27,13 @@ def peak_rss_mib() -> float:
 
 
 def main() -> None:
+    from bench.flux_variants import make_flux_variant
     from bench.variants import make_variant
     from bench.workload import make_inputs, start_latents
 
     kind, path, constants, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     t0 = time.perf_counter()
-    variant = make_variant(kind, path, **options)
+    variant = (make_flux_variant if kind.startswith("flux-") else make_variant)(kind, path, **options)
     loaded = time.perf_counter() - t0
     _reply({"loaded_seconds": loaded})
     for line in sys.stdin:

@@ -63,7 +63,7 @@ def test_every_table_runs(family, tmp_path, request):
         request.getfixturevalue(fixture)
     _linked_build(tmp_path / "build", model, request.getfixturevalue(f"{family}_tiny_build"))
     out = tmp_path / "BENCHMARKS.md"
-    args = ["--model", model, "--tables", ",".join(names), *COMMON, *_smoke_options(names),
+    args = ["--model", model, *COMMON, *_smoke_options(names), "--tables", ",".join(names),
             "--out", str(out), "--build-dir", str(tmp_path / "build")]
     # The timeout is a hang guard only: on a loaded 2-core machine sd3-tiny's tables took 17 minutes.
     run = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=1800)

@@ -339,11 +339,13 @@ def test_list_passes_names_the_openvino_target_and_bf16():
 
 
 # Each step cache on openvino bf16 and int8 against ort-fp32 with the same cache, sd3-tiny at SD3_CACHE_CALL
-# (test_first_block_cache's call: first-block 0.38 caches 7 of 10 steps there). Measured: see CACHE_MIN_PSNR.
+# (test_first_block_cache's call: first-block 0.38 caches 7 of 10 steps there). Measured here (a CPU without
+# VNNI or AVX-512 BF16): bf16 71.4 and 70.0 dB (TaylorSeer, First-Block Cache), int8 27.5 and 27.6; the
+# caches changed the images to 44.8, 51.9, 35.6 and 36.5 dB. The bounds with VNNI are the image test's.
 SD3_CACHE_CALL = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=10, max_sequence_length=32,
                       guidance_scale=5.0, output_type="np")
 CACHES = {"taylorseer": "taylorseer:interval=2,before=2,order=1", "first-block": "first-block:0.38"}
-CACHE_MIN_PSNR = int8_bounds({"bf16": 34.0, "int8": 31.0}, {"int8": 23.0})
+CACHE_MIN_PSNR = int8_bounds({"bf16": 34.0, "int8": 31.0}, {"int8": 22.5})
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
