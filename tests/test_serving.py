@@ -214,19 +214,20 @@ def test_faults_leave_the_server_answering_without_growing(served, pipe):
     for fault in faults:  # warm-up: every kind once, so that what is cached is in the baseline
         fault()
         _good_request(server, model, good)
-    # Two rounds: the first may still fill caches (the allocator's, Triton's) under a loaded machine;
-    # a leak grows in every round, so the second is held to the bound.
+    # Three rounds: the first may still fill caches (the allocator's, Triton's) under a loaded machine, and
+    # one round's RSS moves by a few MiB either way (measured: -2.0, +4.0 and +13.5 MiB on a 2-core machine);
+    # a leak grows in every round, so the smaller growth of the last two is held to the bound.
     rss = [server.rss_bytes()]
-    for _ in range(2):
+    for _ in range(3):
         for i in range(30):
             faults[i % 3]()
             _good_request(server, model, good)
         rss.append(server.rss_bytes())
     assert server.ready()
-    print(f"server RSS {rss[0] / 2**20:.1f} MiB before 60 faults (each followed by a good request), "
-          f"{(rss[1] - rss[0]) / 2**20:+.2f} MiB after 30, {(rss[2] - rss[1]) / 2**20:+.2f} MiB over the next 30")
-    growth = rss[2] - rss[1]  # shown by `pytest -s -k faults tests/test_serving.py`
-    assert growth < 0.05 * rss[1], f"RSS grew {growth / 2**20:.1f} MiB over the second 30 faults"
+    print(f"server RSS {rss[0] / 2**20:.1f} MiB before 90 faults (each followed by a good request), then per 30: "
+          + ", ".join(f"{(b - a) / 2**20:+.2f} MiB" for a, b in zip(rss, rss[1:])))
+    growth = min(rss[2] - rss[1], rss[3] - rss[2])  # shown by `pytest -s -k faults tests/test_serving.py`
+    assert growth < 0.05 * rss[1], f"RSS grew {growth / 2**20:.1f} MiB over each of the last two rounds of 30 faults"
 
 
 def _model_config(path: Path):
