@@ -18,6 +18,8 @@ BUILD := build/$(NAME)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 BENCH_ARGS ?=
+# `make test` runs the suite on this many processes (tests/conftest.py groups what shares builds).
+TEST_WORKERS ?= 2
 
 .PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test test-fast bench serve-bench scale-check clean
 venv: $(VENV)/.installed
@@ -72,7 +74,7 @@ image: engines
 	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The tests that need no export (conftest.py marks the others `export`): a developer's inner loop.
 test-fast: venv

@@ -17,7 +17,7 @@ from engines.passes import PassContext, PassPipeline
 from engines.passes.ort_tools import request_session_options
 from engines.plan import BuildPlan, passes_fingerprint, plan, submodule_entry
 from engines.targets import BuildInput, SubmoduleBuildFailed, TargetOptions, target_options
-from runners.manifest import atomic_folder, load_onnx, write_manifest
+from runners.manifest import atomic_folder, exclusive, is_current, load_onnx, write_manifest
 from runners.provenance import WeightTable, table_path
 
 # plan and target_options are the Python API's, as the CLI's --dry-run and target flags;
@@ -53,9 +53,14 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
 def execute(p: BuildPlan) -> Path:
     """Carry out the plan `p`: its calibration first (the fp32 artifact's plan executed, then recorded),
     then every submodule's passes and engine, the tokenizers and scheduler, and the manifest."""
-    if p.up_to_date:
-        _log(f"{p.dest} is up to date (same graphs, settings and {p.target.backend_module} version): reusing it")
-        return p.dest
+    with exclusive(p.dest):  # a build of the same artifact elsewhere finishes first, then this reuses it
+        if p.up_to_date or is_current(p.dest, p.cache_key):
+            _log(f"{p.dest} is up to date (same graphs, settings and {p.target.backend_module} version): reusing it")
+            return p.dest
+        return _write(p)
+
+
+def _write(p: BuildPlan) -> Path:
     recordings = p.calibration and collect(execute(p.calibration.artifact), p.calibration.settings)
     assert not recordings or recordings == p.calibration.folder, (recordings, p.calibration.folder)
     with atomic_folder(p.dest) as tmp:

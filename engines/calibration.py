@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.caches.first_block import FIRST_BLOCK
-from runners.manifest import atomic_folder, digest, is_current, read_manifest, write_manifest
+from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
 
 PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -87,14 +87,18 @@ def recordings_folder(artifact: Path, artifact_key: str, settings: CalibrationSe
 def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings()) -> Path:
     """Record every engine call of the fp32 ORT `artifact` (its caller builds it) over the
     calibration prompts, and return the folder beside it that holds them."""
+    dest = recordings_folder(artifact, read_manifest(artifact, verify=False)["cache_key"], settings)
+    with exclusive(dest):  # the same recordings made elsewhere at once: made once, then reused
+        if is_current(dest, dest.name):
+            _log(f"{dest} is up to date: reusing it")
+            return dest
+        return _record(artifact, settings, dest)
+
+
+def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
     from runners.pipeline import Pipeline
 
-    prompts = PROMPTS[:settings.prompts]
-    dest = recordings_folder(artifact, read_manifest(artifact, verify=False)["cache_key"], settings)
-    key = dest.name
-    if is_current(dest, key):
-        _log(f"{dest} is up to date: reusing it")
-        return dest
+    prompts, key = PROMPTS[:settings.prompts], dest.name
     with atomic_folder(dest) as tmp:
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)

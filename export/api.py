@@ -22,7 +22,8 @@ from export.families.controlnet import controlnet_sources, specs_and_constants a
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
 from export.versions import package_versions
-from runners.manifest import ManifestError, atomic_folder, digest, is_current, read_manifest, write_manifest
+from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, read_manifest,
+                              write_manifest)
 
 EXPORT_FORMAT = 5  # bump when the graphs this code writes change for the same inputs
 
@@ -87,6 +88,11 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     export/families/controlnet.py) add engines `controlnet`, `controlnet_1`, ... after those a ControlNet
     pipeline folder holds. A submodule exported before from the same inputs (an export that only adds
     ControlNets) is taken from the existing folder, not exported again."""
+    with exclusive(Path(out) / "onnx"):  # a second export into `out` waits, then reuses this one
+        return _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets)
+
+
+def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets) -> Path:
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()

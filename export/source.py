@@ -14,7 +14,7 @@ from pathlib import Path
 from export.families import FAMILIES
 from export.registry import MODELS, ModelEntry
 from export.versions import package_versions
-from runners.manifest import atomic_folder, digest
+from runners.manifest import digest, write_once
 
 
 class SourceError(RuntimeError):
@@ -83,12 +83,12 @@ def _build_random(entry: ModelEntry) -> Path:
     """Build (once) the random-weight pipeline folder of a registry entry, atomically."""
     key = _random_key(entry)
     folder = cache_root() / "models" / f"{entry.name}-{key}"
-    if (folder / "model_index.json").exists():
-        return folder
-    print(f"[export] building {entry.name} with random seeded weights -> {folder}", flush=True)
-    with atomic_folder(folder) as tmp:
+
+    def build(tmp: Path) -> None:
+        print(f"[export] building {entry.name} with random seeded weights -> {folder}", flush=True)
         FAMILIES[entry.family].build_random(entry.random_configs, tmp)
-    return folder
+
+    return write_once(folder, "model_index.json", build)
 
 
 def _hub_snapshot(entry: ModelEntry) -> Path:

@@ -107,6 +107,29 @@ def atomic_folder(dest: Path):
         raise
 
 
+@contextlib.contextmanager
+def exclusive(dest: Path):
+    """Hold `dest`'s lock (a file beside it) while deciding whether to write `dest` and writing it:
+    a second process producing the same folder (two builds, or test workers, at once) waits here,
+    then finds it current instead of writing it again or replacing it under the first one's readers."""
+    from filelock import FileLock  # the build side's: a deployed runner only reads folders
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(dest.parent / f".{dest.name}.lock"):
+        yield
+
+
+def write_once(dest: Path, marker: str, write) -> Path:
+    """`dest`, written by `write(tmp)` into a temporary folder unless it holds `marker` already: one
+    writer at a time, and a complete folder or none."""
+    with exclusive(dest):
+        if not (Path(dest) / marker).exists():
+            with atomic_folder(dest) as tmp:
+                write(tmp)
+    return Path(dest)
+
+
 def link_or_copy(src: Path, dest: Path) -> None:
     """`dest` as a hard link to `src` (the same bytes, no space), or a copy across filesystems."""
     dest.parent.mkdir(parents=True, exist_ok=True)

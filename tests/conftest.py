@@ -4,6 +4,8 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +50,26 @@ def pytest_configure(config):
 RUN_LAST = ("test_bench_smoke.py",)
 
 
+# `make test` runs on every core (pytest-xdist, `--dist loadgroup`): the tests of one module and family
+# (sd15, sdxl, flux, ... when a test's parameters name one) go to one worker, which makes their module
+# fixtures once. The session's builds are shared by all
+# workers (`shared_root`): a worker needing one another is making waits for it (runners.manifest.exclusive).
+FAMILY = re.compile(r"(?:^|[-_\[])(sd3|sd15|sdxl|flux)(?=$|[-_\]])")
+
+
+def _family(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    found = FAMILY.search(f"[{callspec.id}]") if callspec else None
+    return found and found.group(1)
+
+
+def _worker_groups(items) -> dict[pytest.Item, str]:
+    return {t: f"{t.path.name}::{_family(t)}" if _family(t) else t.path.name for t in items}
+
+
 def pytest_collection_modifyitems(items):
-    for item in items:
+    for item, group in _worker_groups(items).items():
+        item.add_marker(pytest.mark.xdist_group(group))
         if needs_export(item):
             item.add_marker("export")
     items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: the order within each part is kept
@@ -63,15 +83,16 @@ def tiny_source():
 
 
 @pytest.fixture(scope="session")
-def tiny_build(tmp_path_factory, tiny_source):
-    """build/ folder with onnx/ and ort-fp32/ for sd3-tiny."""
-    from engines.api import build_artifact
-    from export.api import export_model
+def shared_root(tmp_path_factory) -> Path:
+    """The folder of the session's builds: the run's own, which every xdist worker of it shares."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    build = tmp_path_factory.mktemp("sd3-tiny")
-    export_model(tiny_source, build)
-    build_artifact(build, "ort", "fp32")
-    return build
+
+@pytest.fixture(scope="session")
+def tiny_build(shared_root, tiny_source):
+    """build/ folder with onnx/ and ort-fp32/ for sd3-tiny."""
+    return _tiny_build(shared_root, tiny_source).folder
 
 
 @pytest.fixture(scope="session")
@@ -127,41 +148,43 @@ def sd3_tiny_build(tiny_source, tiny_build) -> TinyBuild:
     return TinyBuild(tiny_source, tiny_build)
 
 
-def _tiny_build(tmp_path_factory, name: str) -> TinyBuild:
+def _tiny_build(shared_root: Path, source) -> TinyBuild:
+    """`source` (a registry name or ModelSource) exported and built for ort-fp32 into the shared root,
+    or found there up to date."""
     from engines.api import build_artifact
     from export.api import export_model
     from export.source import resolve
 
-    source = resolve(name)
-    folder = tmp_path_factory.mktemp(name)
+    source = resolve(source) if isinstance(source, str) else source
+    folder = shared_root / source.entry.name
     export_model(source, folder)
     build_artifact(folder, "ort", "fp32")
     return TinyBuild(source, folder)
 
 
 @pytest.fixture(scope="session")
-def sd15_tiny_build(tmp_path_factory):
-    return _tiny_build(tmp_path_factory, "sd15-tiny")
+def sd15_tiny_build(shared_root):
+    return _tiny_build(shared_root, "sd15-tiny")
 
 
 @pytest.fixture(scope="session")
-def sd15_inpaint_tiny_build(tmp_path_factory):
-    return _tiny_build(tmp_path_factory, "sd15-inpaint-tiny")
+def sd15_inpaint_tiny_build(shared_root):
+    return _tiny_build(shared_root, "sd15-inpaint-tiny")
 
 
 @pytest.fixture(scope="session")
-def sdxl_tiny_build(tmp_path_factory):
-    return _tiny_build(tmp_path_factory, "sdxl-tiny")
+def sdxl_tiny_build(shared_root):
+    return _tiny_build(shared_root, "sdxl-tiny")
 
 
 @pytest.fixture(scope="session")
-def flux_tiny_build(tmp_path_factory):
-    return _tiny_build(tmp_path_factory, "flux-tiny")
+def flux_tiny_build(shared_root):
+    return _tiny_build(shared_root, "flux-tiny")
 
 
 @pytest.fixture(scope="session")
-def flux_schnell_tiny_build(tmp_path_factory):
-    return _tiny_build(tmp_path_factory, "flux-schnell-tiny")
+def flux_schnell_tiny_build(shared_root):
+    return _tiny_build(shared_root, "flux-schnell-tiny")
 
 
 def manifest(folder) -> dict:

@@ -17,7 +17,7 @@ import torch
 from export.families.unet import LAYOUTS, SDXL_ADDED, has_layout, residual_specs
 from export.registry import ModelEntry
 from export.spec import SubmoduleSpec, TensorSpec as T
-from runners.manifest import atomic_folder, digest
+from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
 # Random-weight ControlNets for tests: {name: (base model, seed)}. ControlNetModel.from_unet of the base
@@ -91,21 +91,21 @@ def _random_folder(name: str) -> Path:
     base = resolve(base_name)
     key = digest([name, base.fingerprint, seed, Path(__file__).read_text(),
                   package_versions(("torch", "diffusers"))])
-    folder = cache_root() / "models" / f"{name}-{key}"
-    if not (folder / "config.json").exists():
-        with atomic_folder(folder) as tmp:
-            torch.manual_seed(seed)  # from_unet draws the control image encoder's other layers from torch's generator
-            controlnet = ControlNetModel.from_unet(UNet2DConditionModel.from_pretrained(base.folder / "unet"))
-            generator = torch.Generator().manual_seed(seed)
-            zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
-                          controlnet.controlnet_cond_embedding.conv_out]
-            with torch.no_grad():
-                for conv in zero_convs:
-                    fan_in = conv.weight[0].numel()
-                    conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) / fan_in ** 0.5)
-                    conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * 0.1)
-            controlnet.save_pretrained(tmp, safe_serialization=True)
-    return folder
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(seed)  # from_unet draws the control image encoder's other layers from torch's generator
+        controlnet = ControlNetModel.from_unet(UNet2DConditionModel.from_pretrained(base.folder / "unet"))
+        generator = torch.Generator().manual_seed(seed)
+        zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                      controlnet.controlnet_cond_embedding.conv_out]
+        with torch.no_grad():
+            for conv in zero_convs:
+                fan_in = conv.weight[0].numel()
+                conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) / fan_in ** 0.5)
+                conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * 0.1)
+        controlnet.save_pretrained(tmp, safe_serialization=True)
+
+    return write_once(cache_root() / "models" / f"{name}-{key}", "config.json", build)
 
 
 def _folder_of(given: str) -> Path:
@@ -142,11 +142,13 @@ def controlnet_source(folder: Path, given: str, base):
                           "not supported: use a ControlNet without it")
     fingerprint = _folder_fingerprint(folder)
     staged = cache_root() / "controlnets" / f"{folder.name}-{fingerprint}"  # as a one-component pipeline
-    if not (staged / "model_index.json").exists():
-        with atomic_folder(staged) as tmp:
-            (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
-            (tmp / "model_index.json").write_text(json.dumps({"_class_name": "ControlNetModel",
-                                                              COMPONENT: ["diffusers", "ControlNetModel"]}))
+
+    def stage(tmp: Path) -> None:
+        (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
+        (tmp / "model_index.json").write_text(json.dumps({"_class_name": "ControlNetModel",
+                                                          COMPONENT: ["diffusers", "ControlNetModel"]}))
+
+    write_once(staged, "model_index.json", stage)
     entry = ModelEntry(name=str(given), family=COMPONENT, description=f"ControlNet {given}")
     return ModelSource(entry, staged, fingerprint)
 

@@ -18,7 +18,7 @@ import torch
 
 from export.families.parts import VAE_DECODER, VAE_ENCODER
 from export.registry import ModelEntry
-from runners.manifest import atomic_folder, digest
+from runners.manifest import digest, write_once
 
 COMPONENT = "vae_tiny"
 _TINY_WIDTHS = {"encoder_block_out_channels": [8, 8, 8, 8], "decoder_block_out_channels": [8, 8, 8, 8],
@@ -63,14 +63,14 @@ def _random_folder(name: str) -> Path:
 
     # This file's code draws the weights: a change to it builds the folder anew.
     key = digest([TINY_VAES[name], RANDOM_SEED, Path(__file__).read_text(), package_versions(("torch", "diffusers"))])
-    folder = cache_root() / "models" / f"{name}-{key}"
-    if not (folder / "config.json").exists():
-        with atomic_folder(folder) as tmp:
-            torch.manual_seed(RANDOM_SEED)
-            vae = AutoencoderTiny(**TINY_VAES[name]).eval()
-            _spread_output(vae)
-            vae.save_pretrained(tmp, safe_serialization=True)
-    return folder
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(RANDOM_SEED)
+        vae = AutoencoderTiny(**TINY_VAES[name]).eval()
+        _spread_output(vae)
+        vae.save_pretrained(tmp, safe_serialization=True)
+
+    return write_once(cache_root() / "models" / f"{name}-{key}", "config.json", build)
 
 
 def _spread_output(vae) -> None:
@@ -110,11 +110,13 @@ def tiny_vae_source(given: str, latent_channels: int):
                           "taesd3/taef1 16)")
     fingerprint = _folder_fingerprint(folder)
     staged = cache_root() / "tiny-vae" / f"{folder.name}-{fingerprint}"  # the folder as a one-component pipeline
-    if not (staged / "model_index.json").exists():
-        with atomic_folder(staged) as tmp:
-            shutil.copytree(folder, tmp / COMPONENT, ignore=shutil.ignore_patterns(".*"))
-            (tmp / "model_index.json").write_text(json.dumps({"_class_name": "AutoencoderTiny",
-                                                              COMPONENT: ["diffusers", "AutoencoderTiny"]}))
+
+    def stage(tmp: Path) -> None:
+        shutil.copytree(folder, tmp / COMPONENT, ignore=shutil.ignore_patterns(".*"))
+        (tmp / "model_index.json").write_text(json.dumps({"_class_name": "AutoencoderTiny",
+                                                          COMPONENT: ["diffusers", "AutoencoderTiny"]}))
+
+    write_once(staged, "model_index.json", stage)
     entry = ModelEntry(name=str(given), family="tiny_vae", description=f"tiny autoencoder {given}")
     return ModelSource(entry, staged, fingerprint)
 
