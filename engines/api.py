@@ -54,7 +54,7 @@ def execute(p: BuildPlan) -> Path:
     """Carry out the plan `p`: its calibration first (the fp32 artifact's plan executed, then recorded),
     then every submodule's passes and engine, the tokenizers and scheduler, and the manifest."""
     with exclusive(p.dest):  # a build of the same artifact elsewhere finishes first, then this reuses it
-        if p.up_to_date or is_current(p.dest, p.cache_key):
+        if p.up_to_date or (not p.forced and is_current(p.dest, p.cache_key)):  # or made while this one waited
             _log(f"{p.dest} is up to date (same graphs, settings and {p.target.backend_module} version): reusing it")
             return p.dest
         return _write(p)

@@ -50,8 +50,12 @@ def apply_loras(artifact: Path, loras: dict, out: Path, ignore_unmatched: bool =
     if missing:
         raise LoraError(f"adapter {missing[0]} does not exist")
     record = [{"file": Path(p).name, "sha256": sha256_file(p), "scale": float(s)} for p, s in loras.items()]
-    if get_backend(manifest["backend"]).lora_branches:
+    backend = get_backend(manifest["backend"])
+    if backend.lora_branches:
         return _with_branches(artifact, manifest, loras, record, out, ignore_unmatched)
+    if backend.gpu:
+        raise LoraError(f"{artifact} holds {backend.title} engines, whose weights are inside them: apply adapters at "
+                        "load (loras=, set_loras, --lora) to an artifact built with --refittable")
     changed = adapted_submodules(artifact, manifest, loras, ignore_unmatched)
     tables = submodule_tables(artifact, manifest)
     with atomic_folder(out) as tmp:

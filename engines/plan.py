@@ -48,6 +48,7 @@ class BuildPlan:
     cache_key: str
     dest: Path
     up_to_date: bool  # `dest` holds this cache key (and no rebuild was forced)
+    forced: bool = False  # built again even when `dest` holds this cache key
 
     def entry(self, name: str) -> dict:
         """Submodule `name`'s artifact manifest entry, as the target's options build it."""
@@ -162,7 +163,7 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
                         passes_fingerprint(lists)])
     dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{options.variant()}"
     return BuildPlan(build_dir, tgt, precision, options, source, lists, base, own, memory_passes, memory_budget,
-                     fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key))
+                     fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key), force)
 
 
 def describe(p: BuildPlan) -> str:

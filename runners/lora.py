@@ -247,12 +247,22 @@ def artifact_weights(folder: Path):
     def base(name: str, record: dict) -> np.ndarray:
         location = record.get("location")
         if location is None:
-            raise LoraError(f"{folder}: weight {name} is not in an external data file, where adapters reach weights: "
-                            f"adapters apply to ONNX Runtime artifacts, which keep every tracked weight there")
+            raise LoraError(f"{folder}: the values of weight {name} are not kept beside its engine, where adapters "
+                            f"change them: a TensorRT artifact takes adapters when built with --refittable")
         return np.fromfile(Path(folder) / location["file"], dtype=STORAGE.get(record["dtype"], record["dtype"]),
                            count=int(np.prod(record["shape"])), offset=location["offset"]).reshape(record["shape"])
 
     return base
+
+
+def base_values(folder: Path, manifest: dict, submodule: str, names) -> dict[str, np.ndarray]:
+    """{name: the artifact's own values} of weights `names` of `submodule`: what a refit puts back
+    where an adapter no longer changes a weight."""
+    if not names:
+        return {}
+    table = submodule_tables(folder, {"submodules": {submodule: manifest["submodules"][submodule]}})[submodule]
+    base = artifact_weights(folder)
+    return {name: base(name, table[name]) for name in names}
 
 
 def submodule_tables(folder: Path, manifest: dict) -> dict[str, WeightTable]:

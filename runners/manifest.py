@@ -109,14 +109,15 @@ def atomic_folder(dest: Path):
 
 @contextlib.contextmanager
 def exclusive(dest: Path):
-    """Hold `dest`'s lock (a file beside it) while deciding whether to write `dest` and writing it:
-    a second process producing the same folder (two builds, or test workers, at once) waits here,
-    then finds it current instead of writing it again or replacing it under the first one's readers."""
+    """Hold `dest`'s lock while deciding whether to write `dest` and writing it: a second process
+    producing the same folder (two builds, or test workers, at once) waits here, then finds it current
+    instead of writing it again or replacing it under the first one's readers. The lock file is in the
+    system's temporary folder, named by `dest`'s absolute path: nothing is added beside the outputs."""
     from filelock import FileLock  # the build side's: a deployed runner only reads folders
 
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(dest.parent / f".{dest.name}.lock"):
+    locks = Path(tempfile.gettempdir()) / "diffusion-aot-locks"
+    locks.mkdir(exist_ok=True)
+    with FileLock(locks / f"{digest(str(Path(dest).resolve()))}.lock"):
         yield
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from runners.caches import CacheConfig, StepCache, parse_cache
 from runners.backends import backend_of, get_backend, open_session, thread_backends
-from runners.lora import adapted_submodules, submodule_tables
+from runners.lora import adapted_submodules, base_values, submodule_tables
 from runners.lora_branches import branch_factors, branch_layers
 from runners.manifest import ManifestError, read_manifest
 from runners.preview import Previews
@@ -145,18 +145,23 @@ class Pipeline:
         weights are computed from the artifact's own each time, so switching back to an adapter gives
         exactly its images again (or given: `inputs`, what `adapter_inputs(loras)` returned, kept by
         a server that switches back and forth). Only the engines whose weights change are reopened,
-        one at a time; an engine with branches (OpenVINO) is not reopened: its branches' inputs change."""
+        one at a time; an engine with branches (OpenVINO) is not reopened: its branches' inputs change;
+        a TensorRT engine is refitted (the adapted weights, and the artifact's own where an adapter left)."""
         if self.closed:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again")
         adapted, factors = inputs or self.adapter_inputs(dict(loras), ignore_unmatched)
-        reopen = (set(adapted) | set(self._adapted)) & set(self.sessions)
+        changed = (set(adapted) | set(self._adapted)) & set(self.sessions)
         self._branched = self._branched or bool(factors)
         if self._branched:
             for name, session in self.sessions.items():
                 if getattr(session, "lora_layers", None):
                     session.set_lora_factors(factors.get(name, {}))
-        self._adapted, self._factors, self.loras = adapted, factors, dict(loras)
-        for name in reopen:
+        before, self._adapted, self._factors, self.loras = self._adapted, adapted, factors, dict(loras)
+        for name in changed:
+            if hasattr(self.sessions[name], "refit"):  # TensorRT: the weights change in the loaded engine
+                restored = base_values(self.folder, self.manifest, name, before.get(name, {}))
+                self.sessions[name].refit({**restored, **adapted.get(name, {})})
+                continue
             self.sessions.pop(name).close()  # one copy of the engine's weights in memory at a time
             self.sessions[name] = self._open_session(name)
 

@@ -1,8 +1,9 @@
 """A CPU stand-in for polygraphy's TrtRunner, where it matters to the pipeline: every call returns
 views of one host buffer per output, refilled on the next call (and poisoned with NaN when a larger
 output makes it reallocate, as `resize(refcheck=False)` may move it), and a TensorRT artifact's
-engines accept only the shapes of their optimization profile. It runs the ONNX Runtime artifact's
-graph of the same submodule, so its images must equal ONNX Runtime's exactly."""
+engines accept only the shapes of their optimization profile and refit as TensorRT's Refitter does.
+It runs the ONNX Runtime artifact's graph of the same submodule, so its images must equal ONNX
+Runtime's exactly."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import numpy as np
 
 import runners.pipeline
 from runners.backends import get_backend, open_session
+from runners.provenance import WeightTable
 
 
 class SharedBufferSession:
@@ -45,6 +47,29 @@ class SharedBufferSession:
         self.inner.close()
 
 
+class RefitSession(SharedBufferSession):
+    """A TensorRT engine's stand-in with TensorRT's refit contract: only the weights its build marked
+    refittable (those with values kept beside the engine), each at its recorded dtype and shape; a
+    refitted value stays until refitted again. The ONNX Runtime graph runs with every refitted value."""
+
+    def __init__(self, reopen, profile: dict, refittable: dict, initializers: dict | None):
+        self.reopen, self.refittable, self.weights = reopen, refittable, {}
+        super().__init__(reopen({}), profile)
+        if initializers:
+            self.refit(initializers)
+
+    def refit(self, weights: dict[str, np.ndarray]) -> None:
+        if not self.refittable:
+            raise ValueError("this engine was built without --refittable")
+        for name, values in weights.items():
+            record = self.refittable.get(name)
+            assert record is not None, f"{name} is not a refittable weight of this engine"
+            assert (values.dtype.name, list(values.shape)) == (record["dtype"], record["shape"]), name
+        self.weights.update(weights)
+        self.inner.close()
+        self.inner = self.reopen(dict(self.weights))
+
+
 class SharedBuffers:
     """Installed with `install(monkeypatch, ort_artifact)`: every session the pipeline opens is a
     SharedBufferSession. An ONNX Runtime artifact's engines run as they are; a TensorRT artifact's run
@@ -56,13 +81,17 @@ class SharedBuffers:
 
     def open(self, backend, path, device=None, **options):
         path = Path(path)
-        profile = None
         if get_backend(backend).gpu:
             name = path.name.split(".trt")[0]
-            profile = json.loads((path.parent / "manifest.json").read_text())["submodules"][name]["engine"]["profile"]
-            backend, path, device = "ort", self.ort_artifact / f"{name}.onnx", None
-            options = {k: v for k, v in options.items() if k in ("threads", "profile")}
-        session = SharedBufferSession(open_session(backend, path, device=device, **options), profile)
+            sub = json.loads((path.parent / "manifest.json").read_text())["submodules"][name]
+            table = WeightTable.load(path.parent / sub["weights_file"]) if sub.get("weights_file") else {}
+            refittable = {n: r for n, r in table.items() if r.get("location", {}).get("file", "").endswith(".refit.data")}
+            kept = {k: v for k, v in options.items() if k in ("threads", "profile")}
+            session = RefitSession(lambda weights: open_session("ort", self.ort_artifact / f"{name}.onnx",
+                                                                initializers=weights, **kept),
+                                   sub["engine"]["profile"], refittable, options.get("initializers"))
+        else:
+            session = SharedBufferSession(open_session(backend, path, device=device, **options))
         self.opened.append(session)
         return session
 

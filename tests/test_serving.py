@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from runners import Pipeline
 from runners.serving.repository import write_repository
-from runners.serving.server import Server, free_ports
+from runners.serving.server import Server, free_port_block, free_ports
 
 SIZE, STEPS = 64, 2  # the smallest sd3-tiny image, so that a request takes tens of ms
 RAISE = "raise inside execute"
@@ -403,7 +403,7 @@ def test_serve_command_serves_until_stopped(tiny_artifact):
     import sys
     import time
 
-    (port,) = free_ports(1)  # gRPC and metrics take the next two
+    port = free_port_block(3)  # gRPC and metrics take the next two
     command = [sys.executable, "-m", "runners", "serve", str(tiny_artifact), "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     printed = ""

@@ -4,7 +4,9 @@ fallback to ONNX Runtime; the device map; and the GPU-only checks, which skip wi
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -419,11 +421,192 @@ def test_close_returns_device_memory(rtx):
     assert used() <= start + 2**20  # the CUDA context's own allocations may stay
 
 
+def _linked_export(tiny_build, folder):
+    """A build folder of its own holding the session's export (hard links)."""
+    shutil.copytree(tiny_build / "onnx", folder / "onnx", copy_function=os.link)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def refittable(tiny_build, tmp_path_factory):
+    """trt-rtx-fp32 built --refittable, and {submodule: the weights its TensorRT network marked}. Without
+    a GPU TensorRT-RTX cannot compile refittable engines (test_without_a_gpu_...): every step before the
+    compile is the real one (each graph parsed by TensorRT-RTX, the map's weights marked on its network),
+    and the compile is a stand-in that returns a placeholder engine, which the GPU double never reads."""
+    import engines.targets.trt as trt_target
+    from engines.api import build_artifact
+
+    folder = _linked_export(tiny_build, tmp_path_factory.mktemp("sd3-tiny-refittable"))
+    marked, mark = {}, trt_target._mark_refittable
+
+    def spy(network, names, sub_name):
+        mark(network, names, sub_name)
+        marked[sub_name] = [n for n in names if network.are_weights_marked_refittable(n)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trt_target, "_mark_refittable", spy)
+        if GPUS == 0:
+            patch.setattr(trt_target, "_compile", lambda *args: b"placeholder: compiled only where a GPU is")
+        artifact = build_artifact(folder, "trt-rtx", "fp32", options=rtx_options(refittable=True))
+    return artifact, marked
+
+
 @needs_rtx
-def test_adapters_on_a_tensorrt_artifact_are_refused_with_the_reason(rtx, tmp_path):
-    """A TensorRT engine would take an adapter through a refit, which is not built: its weight table
-    names the engine's weights (the ONNX initializers the parser names them after), and an adapter is
-    refused, saying where adapters apply."""
+def test_a_refittable_build_marks_every_weight_adapters_change(refittable, tiny_artifact):
+    """--refittable marks every Linear and Conv weight of the provenance table refittable on TensorRT's
+    network (its parser names engine weights after the graph's initializers: the table is the refit map),
+    and keeps their values beside the engine, equal to the graph's (the ONNX Runtime artifact's: the same
+    passes make the same initializers)."""
+    from runners.lora import artifact_weights, submodule_tables
+
+    folder, marked = refittable
+    m = manifest(folder)
+    assert folder.name == "trt-rtx-fp32-refittable" and m["refittable"]
+    ort_tables, ort_values = submodule_tables(tiny_artifact, manifest(tiny_artifact)), artifact_weights(tiny_artifact)
+    tables, values = submodule_tables(folder, m), artifact_weights(folder)
+    assert sorted(tables) == sorted(marked) == SUBMODULES
+    for name, table in tables.items():
+        mapped = {n: r for n, r in table.items() if len(r["shape"]) >= 2}
+        assert mapped and sorted(marked[name]) == sorted(mapped), name  # every one, on the real network
+        assert m["submodules"][name]["engine"]["refittable_weights"] == len(mapped), name
+        assert all(r["location"]["file"] == f"{name}.refit.data" for r in mapped.values()), name
+        for weight, record in mapped.items():
+            assert weight in ort_tables[name], f"{name}: {weight} is not the ONNX Runtime graph's"
+            assert np.array_equal(values(weight, record), ort_values(weight, ort_tables[name][weight])), weight
+
+
+@needs_rtx
+@no_gpu
+def test_without_a_gpu_a_refittable_build_says_it_needs_one(tiny_build, tmp_path):
+    """TensorRT-RTX 1.7 fails to compile a refittable engine without CUDA (every refit flag; the same graph
+    builds plain): the build checks the weights map, then stops in one line that says so, and writes nothing."""
+    _refittable_build_refused(tiny_build, tmp_path, r"builds refittable engines only where an NVIDIA GPU is present "
+                                                    r".*weights map was checked here")
+
+
+def _refittable_build_refused(tiny_build, tmp_path, said: str) -> None:
+    """A --refittable build of the session's export stops with `said`, and leaves the export alone."""
+    from engines.api import build_artifact
+    from engines.targets import TargetError
+
+    folder = _linked_export(tiny_build, tmp_path / "build")
+    with pytest.raises(TargetError, match=said):
+        build_artifact(folder, "trt-rtx", "fp32", options=rtx_options(refittable=True, cache_dir=tmp_path / "cache"))
+    assert sorted(p.name for p in folder.iterdir()) == ["onnx"]
+
+
+@needs_rtx
+def test_a_weight_the_network_lacks_stops_the_refittable_build(tiny_build, tmp_path, monkeypatch):
+    """A weight adapters change that TensorRT's network does not hold could never be refitted: the build
+    stops and names it, and leaves no artifact."""
+    import engines.targets.trt as trt_target
+
+    listed = trt_target._refittable_weights
+    monkeypatch.setattr(trt_target, "_refittable_weights",
+                        lambda sub: [*listed(sub), f"{sub.name}.not_in_the_network.weight"])
+    _refittable_build_refused(tiny_build, tmp_path, r"--refittable: 1 weights of text_encoder that adapters change are "
+                                                    r"not weights of its TensorRT network.*text_encoder\.not_in_the_"
+                                                    r"network\.weight")
+
+
+@needs_rtx
+def test_adapters_switch_by_refitting_the_loaded_engines(refittable, tiny_artifact, sd3_adapters, monkeypatch):
+    """Through the GPU double, which refits as TensorRT's Refitter does (only marked weights, at their
+    dtype and shape): adapters A, B, A and none give the ONNX Runtime artifact's images with the same
+    adapters exactly, each engine refitted in place (never opened again), and A changed the image."""
+    from gpu_double import RefitSession
+
+    double = SharedBuffers.install(monkeypatch, tiny_artifact)
+    refittable, _ = refittable
+    a, b = {sd3_adapters["a"]: 0.8}, {sd3_adapters["b"]: 1.0}
+    latents = np.random.default_rng(5).standard_normal((1, 16, 16, 16), dtype=np.float32)
+
+    def images(pipe):
+        return pipe("a photo of a cat", latents=latents, num_inference_steps=3, output_type="np")
+
+    expected = {key: images(Pipeline.load(tiny_artifact, loras=loras)) for key, loras in (("a", a), ("b", b), ("none", {}))}
+    pipe = Pipeline.load(refittable, loras=a)
+    opened = len(double.opened)
+    assert np.array_equal(images(pipe), expected["a"])
+    for key, loras in (("b", b), ("a", a), ("none", {})):
+        pipe.set_loras(loras)
+        assert np.array_equal(images(pipe), expected[key]), key
+    assert len(double.opened) == opened  # refitted, not reopened
+    assert any(s.weights for s in double.opened if isinstance(s, RefitSession))
+    assert np.abs(expected["a"] - expected["none"]).max() > 0.05
+
+
+@needs_rtx
+@needs_gpu
+def test_refitted_engines_give_the_onnx_runtime_images_with_the_adapter(refittable, tiny_artifact, sd3_adapters):
+    """On a GPU: the refittable engines load, take adapter A by a refit and give ONNX Runtime's images
+    with A; back to none, its images without."""
+    latents = np.random.default_rng(3).standard_normal((1, 16, 16, 16), dtype=np.float32)
+    a = {sd3_adapters["a"]: 0.8}
+    kwargs = dict(latents=latents, num_inference_steps=4, output_type="np")
+    with Pipeline.load(refittable[0], loras=a) as pipe:
+        assert np.abs(pipe("a photo of a cat", **kwargs) - Pipeline.load(tiny_artifact, loras=a)(
+            "a photo of a cat", **kwargs)).max() <= 1e-3
+        pipe.set_loras({})
+        assert np.abs(pipe("a photo of a cat", **kwargs) - Pipeline.load(tiny_artifact)(
+            "a photo of a cat", **kwargs)).max() <= 1e-3
+
+
+def test_refit_sets_every_weight_by_name_and_refits_once():
+    """runners.backends.trt.refit_weights against TensorRT's Refitter contract (a stand-in here: it
+    needs an engine on a GPU): names set one by one, an unknown name, a weight TensorRT still asks for
+    and an engine built without --refittable each refused with the reason."""
+    from runners.backends.trt import refit_weights
+
+    class Refitter:
+        known, asks, calls = {"w", "v"}, [], []
+
+        def __init__(self, engine, logger):
+            pass
+
+        def set_named_weights(self, name, weights):
+            self.calls.append((name, weights.values))
+            return name in self.known
+
+        def get_missing_weights(self):
+            return self.asks
+
+        def refit_cuda_engine(self):
+            self.calls.append("refit")
+            return True
+
+    class FakeTrt:
+        class Logger:
+            ERROR = 2
+
+            def __init__(self, level):
+                pass
+
+        class Weights:
+            def __init__(self, values):
+                self.values = values
+
+    FakeTrt.Refitter = Refitter
+    engine = type("Engine", (), {"refittable": True})()
+    w = np.ones((2, 3), np.float32)
+    refit_weights(FakeTrt, engine, {"w": w, "v": w.T}, "x.plan")
+    assert [c if c == "refit" else c[0] for c in Refitter.calls] == ["w", "v", "refit"]
+    assert Refitter.calls[1][1].flags["C_CONTIGUOUS"]  # TensorRT reads the buffer as it is laid out
+    with pytest.raises(ValueError, match="u are not refittable weights"):
+        refit_weights(FakeTrt, engine, {"u": w}, "x.plan")
+    Refitter.asks = ["bias"]
+    with pytest.raises(RuntimeError, match="asks for bias too"):
+        refit_weights(FakeTrt, engine, {"w": w}, "x.plan")
+    with pytest.raises(ValueError, match="built without --refittable"):
+        refit_weights(FakeTrt, type("Engine", (), {"refittable": False})(), {"w": w}, "x.plan")
+
+
+@needs_rtx
+def test_adapters_on_a_plain_tensorrt_artifact_are_refused_with_the_reason(rtx, tmp_path):
+    """An engine built without --refittable keeps no values to adapt: an adapter is refused, saying to
+    build it --refittable; `python -m engines lora` writes no TensorRT artifact (the weights are inside
+    the engines)."""
+    from engines.lora import apply_loras
     from lora_adapters import write_raw
     from runners.lora import LoraError, adapted_submodules, submodule_tables
 
@@ -438,5 +621,8 @@ def test_adapters_on_a_tensorrt_artifact_are_refused_with_the_reason(rtx, tmp_pa
     module = part["key"][:-len(".weight")]
     adapter = write_raw(tmp_path / "a.safetensors", {f"transformer.{module}.lora_A.weight": np.ones((1, cols)),
                                                      f"transformer.{module}.lora_B.weight": np.ones((rows, 1))})
-    with pytest.raises(LoraError, match="adapters apply to ONNX Runtime artifacts"):
+    with pytest.raises(LoraError, match="a TensorRT artifact takes adapters when built with --refittable"):
         adapted_submodules(rtx["fp32"], data, {adapter: 1.0})
+    with pytest.raises(LoraError, match="TensorRT engines, whose weights are inside them"):
+        apply_loras(rtx["fp32"], {adapter: 1.0}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,7 +1,8 @@
 """The LoRA table: one adapter on the transformer applied to the built artifact (`python -m engines
 lora`) against exporting and building it again; switching adapters at run time; and the denoising
-step with and without an adapter, switched in at run time or applied offline; and on openvino-bf16
-and -int8, the two OpenVINO designs (adapted constants compiled again, or low-rank branches switched)."""
+step with and without an adapter, switched in at run time or applied offline, on ort-fp32 and ort-int8;
+and on openvino-bf16 and -int8, the two OpenVINO designs (adapted constants compiled again, or
+low-rank branches switched)."""
 from __future__ import annotations
 
 import importlib.util
@@ -250,6 +251,38 @@ def _openvino_rows(run, adapter: Path) -> list[list[str]]:
     return rows
 
 
+def _step_rows(label: str, got: dict) -> list[list[str]]:
+    """The run-time switch, and the denoising step of each variant against the step without an adapter."""
+    rows = [[f"{label}: switch adapters at run time (`set_loras`, in or out)", f"{statistics.median(got['switch']):.2f}",
+             f"range {min(got['switch']):.2f}-{max(got['switch']):.2f} s over {len(got['switch'])} switches"]]
+    base = got["step"]["no adapter"]
+    for variant, times in got["step"].items():
+        st = stats(times, None if variant == "no adapter" else base)
+        rows.append([f"{label}: denoising step, {variant}", f"{st.median:.3f}",
+                     "reference" if variant == "no adapter" else f"speed vs no adapter {st.ratio_text()}"])
+    return rows
+
+
+def _quantized_rows(run, adapter: Path, scratch: str) -> list[list[str]]:
+    """The same adapter on the quantized ONNX Runtime artifacts (built as the precision table builds
+    them): applied, switched and stepped, each changed weight quantized again."""
+    from bench.accuracy import calibration
+    from bench.tables.precision import build_precisions
+
+    a, rows = run.args, []
+    precisions = [p for p in a.lora_quantized.split(",") if p]
+    built = in_child(build_precisions, run.build, calibration(a), precisions) if precisions else {}
+    for precision, artifact in built.items():
+        log(f"lora: applying, switching and stepping on ort-{precision}")
+        offline = Path(scratch) / precision
+        offline.mkdir()
+        got = in_child(_steps, artifact, {str(adapter): 1.0}, str(offline), a.size, a.lora_steps, a.reps)
+        rows.append([f"ort-{precision}: apply the adapter (`python -m engines lora`)",
+                     f"{statistics.median(got['apply']):.2f}", "each changed weight quantized again"])
+        rows += _step_rows(f"ort-{precision}", got)
+    return rows
+
+
 def measure(run) -> list[dict]:
     from runners.manifest import read_manifest
 
@@ -266,17 +299,12 @@ def measure(run) -> list[dict]:
         log("lora: the two run-time designs, one transformer call each")
         designs = in_child(_designs, str(artifact), {str(adapter): 1.0}, scratch, size, reps)
         openvino = _openvino_rows(run, adapter) if importlib.util.find_spec("openvino") else []
+        quantized = _quantized_rows(run, adapter, scratch)
     apply = statistics.median(got["apply"])
-    rows = [["apply the adapter (`python -m engines lora`)", f"{apply:.2f}",
+    rows = [["ort-fp32: apply the adapter (`python -m engines lora`)", f"{apply:.2f}",
              f"{apply / rebuild_transformer:.1%} of the transformer's export + build ({rebuild_transformer:.1f} s); "
-             f"{apply / rebuild_all:.1%} of the whole pipeline's ({rebuild_all:.1f} s)"],
-            ["switch adapters at run time (`set_loras`, in or out)", f"{statistics.median(got['switch']):.2f}",
-             f"range {min(got['switch']):.2f}-{max(got['switch']):.2f} s over {len(got['switch'])} switches"]]
-    base = got["step"]["no adapter"]
-    for label, times in got["step"].items():
-        st = stats(times, None if label == "no adapter" else base)
-        rows.append([f"denoising step, {label}", f"{st.median:.3f}",
-                     "reference" if label == "no adapter" else f"speed vs no adapter {st.ratio_text()}"])
+             f"{apply / rebuild_all:.1%} of the whole pipeline's ({rebuild_all:.1f} s)"]]
+    rows += _step_rows("ort-fp32", got) + quantized
     rows += _call_rows("transformer call", designs, "the adapted weights") + openvino
     return [{"title": f"LoRA on a built artifact (ort-fp32; steps at {size}x{size})",
             "columns": ["what", "seconds (median)", "against"],
@@ -291,7 +319,10 @@ def measure(run) -> list[dict]:
                       f"on, {steps} steps), median of {reps} interleaved runs; the speed ratio's range is over the "
                       "runs. The last rows time one transformer call (the pipeline's first, batch 2) in three sessions "
                       "of one process: `set_loras` is design 1; design 2 would keep one session and rebind the "
-                      "weights, at the cost of feeding them as inputs on every call.",
+                      "weights, at the cost of feeding them as inputs on every call. The ort-int8 rows (and any "
+                      "other --lora-quantized precision) apply, switch and step the same adapter on the quantized "
+                      "artifact the precision table builds: each weight the adapter changes is dequantized, changed "
+                      "and quantized again with its per-channel scales computed afresh (activation scales kept).",
                       "The openvino rows time one transformer call (batch 2) of openvino-bf16 and -int8 in one "
                       "process: (b) is what `set_loras` does on OpenVINO (a low-rank branch beside every linear "
                       "layer the build recorded, A and B switched as inputs, rank 0 for none; the base weights as "
@@ -303,6 +334,9 @@ def _arguments(group) -> None:
     group.add_argument("--lora-steps", type=int, default=4, help="steps of the LoRA table's runs (at --size)")
     group.add_argument("--lora-openvino", default="openvino-bf16,openvino-int8", metavar="LABEL[,LABEL]",
                        help="the OpenVINO artifacts (the openvino table's labels) whose two LoRA designs it times")
+    group.add_argument("--lora-quantized", default="int8", metavar="PRECISION[,PRECISION]",
+                       help="the quantized ONNX Runtime artifacts (int8, fp8) it applies, switches and steps the adapter "
+                            "on ('' for none)")
 
 
 # Its adapter is made on the attention projections of SD3's transformer (`make_adapter`).

@@ -45,6 +45,9 @@ class TrtOptions(TargetOptions):
     compute_capabilities: tuple[str, ...] = ()  # TensorRT-RTX: the GPUs to build for ("SM89", ...)
     workspace_mib: int | None = None  # the builder's workspace memory pool limit
     cache_dir: Path | None = None  # engines and the timing cache, reused across builds (not in the cache key)
+    # The weights adapters change are refittable (TensorRT's REFIT_INDIVIDUAL: those only), and their
+    # values are kept beside each engine: LoRA adapters switch by refitting, without a rebuild.
+    refittable: bool = False
 
     @classmethod
     def add_arguments(cls, group) -> None:
@@ -66,6 +69,9 @@ class TrtOptions(TargetOptions):
         group.add_argument("--workspace-mib", type=int, default=None, help="the builder's workspace memory limit")
         group.add_argument("--engine-cache", type=Path, default=None,
                            help="engines and timing cache kept across builds (default: BUILD_DIR/engine-cache)")
+        group.add_argument("--refittable", action="store_true",
+                           help="engines whose LoRA-reachable weights can be refitted: adapters apply at run time "
+                                "(loras=, set_loras, --lora) without a rebuild; fp32 and fp16")
 
     @classmethod
     def from_args(cls, args) -> TrtOptions:
@@ -78,11 +84,12 @@ class TrtOptions(TargetOptions):
             raise TargetError("--static-size takes one size (HxW): a static build runs one request")
         static = args.static and StaticRequest(*(args.static_size or [(None, None)])[0], args.static_prompts,
                                                args.static_images_per_prompt, not args.static_no_guidance)
-        return cls(static or None, tuple(args.compute_capability), args.workspace_mib, args.engine_cache)
+        return cls(static or None, tuple(args.compute_capability), args.workspace_mib, args.engine_cache,
+                   args.refittable)
 
     def settings(self) -> dict:
         return {"static": self.static and self.static.record(), "compute_capabilities": list(self.compute_capabilities),
-                "workspace_mib": self.workspace_mib}
+                "workspace_mib": self.workspace_mib, **({"refittable": True} if self.refittable else {})}
 
     def resolved(self, build_dir: Path, source: dict) -> TrtOptions:
         cache_dir = self.cache_dir or build_dir / "engine-cache"
@@ -95,7 +102,7 @@ class TrtOptions(TargetOptions):
         return dataclasses.replace(self, static=static, cache_dir=cache_dir)
 
     def variant(self) -> str:
-        return "-static" if self.static else ""
+        return ("-static" if self.static else "") + ("-refittable" if self.refittable else "")
 
     def entry(self, name: str, entry: dict, source: dict) -> dict:
         """Static: the entry narrowed to one shape per input, the request's dims fixed and every other dim
@@ -109,7 +116,8 @@ class TrtOptions(TargetOptions):
         return {**entry, "static_shapes": {name: opt for name, (_, opt, _) in shapes.items()}}
 
     def record(self) -> dict:
-        return {"static": self.static.record()} if self.static else {}
+        return {**({"static": self.static.record()} if self.static else {}),
+                **({"refittable": True} if self.refittable else {})}
 
 
 def _log(msg: str) -> None:
@@ -147,6 +155,7 @@ def _builder(rtx: bool):
         import onnx_ir as ir
 
         trt = use_tensorrt(rtx)
+        refit = _refittable_weights(sub) if options.refittable else []
         shapes = sub.input_shapes()
         capabilities = _capabilities(trt, rtx, options.compute_capabilities)
         settings = {**options.settings(), "compute_capabilities": capabilities, "shapes": shapes}
@@ -162,18 +171,57 @@ def _builder(rtx: bool):
             if cached.exists():
                 _log(f"{sub.name}: engine cache hit ({cached.name}): reusing it")
             else:
-                _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, cached, sub.name)
+                _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, cached, sub.name, refit)
         shutil.copy(cached, out_dir / engine_name)
-        return [engine_name], {"engine": {"tensorrt": trt.__version__, "rtx": rtx, "cache_key": key,
+        files = [engine_name, *([_write_refit_values(sub, refit, out_dir)] if refit else [])]
+        return files, {"engine": {"tensorrt": trt.__version__, "rtx": rtx, "cache_key": key,
                                           "compute_capabilities": capabilities, "static": bool(options.static),
+                                          **({"refittable_weights": len(refit)} if refit else {}),
                                           "profile": {n: {"min": s[0], "opt": s[1], "max": s[2]}
                                                       for n, s in shapes.items()}}}
 
     return build_submodule
 
 
-def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, dest, name) -> None:
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
+def _refittable_weights(sub: BuildInput) -> list[str]:
+    """The initializers an adapter can change (the Linear and Conv weights of the provenance table,
+    runners/provenance.py): the TensorRT ONNX parser names each engine weight after its initializer, so
+    the table is the refit map. Quantized weights are refused: codes and scales would refit as one."""
+    if not sub.weights:
+        raise TargetError(f"--refittable: {sub.name}'s graph records no weight provenance (exported before adapters "
+                          "were supported): export it again")
+    quantized = sorted(name for name, record in sub.weights.items() if record.get("quantized") or "scale_of" in record)
+    if quantized:
+        raise TargetError(f"--refittable builds fp32 and fp16 engines: {sub.name} holds quantized weights "
+                          f"({quantized[0]}, ...), whose codes and scales TensorRT cannot refit as one")
+    return sorted(name for name, record in sub.weights.items() if len(record["shape"]) >= 2)  # Linear and Conv
+
+
+def _mark_refittable(network, names: list[str], sub_name: str) -> None:
+    """Mark exactly `names` refittable; a name the network has no weights of stops the build, named."""
+    unmapped = [n for n in names if not network.mark_weights_refittable(n)]
+    if unmapped:
+        shown = ", ".join(unmapped[:5]) + (f" and {len(unmapped) - 5} more" if len(unmapped) > 5 else "")
+        raise TargetError(f"--refittable: {len(unmapped)} weights of {sub_name} that adapters change are not weights "
+                          f"of its TensorRT network, so a refit could not reach them: {shown}")
+
+
+def _write_refit_values(sub: BuildInput, names: list[str], out_dir: Path) -> str:
+    """The refittable weights' values as the engine was built with them, in one file beside it: what
+    an adapter's change is added to, and what switching it off refits again. Each record gets its place."""
+    file = f"{sub.name}.refit.data"
+    offset = 0
+    with open(out_dir / file, "wb") as f:
+        for name in names:
+            data = sub.model.graph.initializers[name].const_value.tobytes()
+            f.write(data)
+            sub.weights[name]["location"] = {"file": file, "offset": offset, "length": len(data)}
+            offset += len(data)
+    return file
+
+
+def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, dest, name, refit=()) -> None:
+    from polygraphy.backend.trt import CreateConfig, NetworkFromOnnxPath, Profile
     from polygraphy.exception import PolygraphyException
     from polygraphy.logger import G_LOGGER
 
@@ -205,16 +253,45 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
             raise SubmoduleBuildFailed(f"TensorRT could not parse {name}: {_parser_errors(trt, onnx_path) or e}") from e
         recorder = _error_recorder(trt)
         network[0].error_recorder = recorder  # the builder's
-        try:
-            engine = EngineBytesFromNetwork(network, config, **timing)()
-        except PolygraphyException:
-            engine = None
+        if refit:
+            _mark_refittable(network[1], refit, name)
+            config = _individually_refittable(trt, config)
+        engine = _compile(trt, rtx, network, config, timing, bool(refit))
     if engine is None:
         raise _build_error(name, recorder.errors)
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.write_bytes(memoryview(engine))
     tmp.replace(dest)  # the cache never holds half an engine
     _log(f"{name}: engine built in {time.perf_counter() - t0:.1f} s, {dest.stat().st_size / 2**20:.1f} MiB")
+
+
+def _compile(trt, rtx: bool, network, config, timing: dict, refittable: bool):
+    """The builder's serialized engine of the parsed `network`; None when the builder fails (its error
+    recorder says why)."""
+    from polygraphy.backend.trt import EngineBytesFromNetwork
+    from polygraphy.exception import PolygraphyException
+
+    if refittable and rtx and gpu_count() == 0:
+        # Measured with TensorRT-RTX 1.7: every refit flag (REFIT, REFIT_INDIVIDUAL, REFIT_IDENTICAL with
+        # STRIP_PLAN) fails in its kernel compiler on a machine without CUDA, where the same graph builds plain.
+        raise TargetError(f"TensorRT-RTX {trt.__version__} builds refittable engines only where an NVIDIA GPU is "
+                          "present (its kernel compiler needs CUDA for them), and this machine has none: build "
+                          "--refittable on the GPU machine (the weights map was checked here)")
+    try:
+        return EngineBytesFromNetwork(network, config, **timing)()
+    except PolygraphyException:
+        return None
+
+
+def _individually_refittable(trt, config):
+    """polygraphy's config loader with TensorRT's REFIT_INDIVIDUAL flag set: only the marked weights are
+    refittable, and the builder optimizes the rest as in a plain engine."""
+    def create(builder, network):
+        built = config(builder, network)
+        built.set_flag(trt.BuilderFlag.REFIT_INDIVIDUAL)
+        return built
+
+    return create
 
 
 def _parser_errors(trt, onnx_path) -> str:

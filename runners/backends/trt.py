@@ -97,8 +97,10 @@ def use_tensorrt(rtx: bool):
 
 
 class TrtSession:
-    def __init__(self, path, rtx: bool, device: int = 0, providers: list[str] | None = None):
-        """`providers` are ONNX Runtime's: a TensorRT engine refuses them rather than ignore them."""
+    def __init__(self, path, rtx: bool, device: int = 0, providers: list[str] | None = None,
+                 initializers: dict[str, np.ndarray] | None = None):
+        """`providers` are ONNX Runtime's: a TensorRT engine refuses them rather than ignore them.
+        `initializers` ({weight name: values}) are refitted into the engine once it is loaded."""
         if providers:
             raise ValueError(f"{path}: providers choose ONNX Runtime's execution providers; this is a TensorRT "
                              "engine (place it on a GPU with a device map)")
@@ -114,13 +116,21 @@ class TrtSession:
             raise ValueError(f"{path}: device {device} does not exist; this machine has GPUs 0 to {gpus - 1}")
         from polygraphy.backend.common import BytesFromPath
 
-        use_tensorrt(rtx)
+        self.path, self.trt = path, use_tensorrt(rtx)
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
         self._set_device = lambda: _check(runtime, runtime.cudaSetDevice(device)[0], f"cudaSetDevice({device})")
         self._set_device()
         self.runner = TrtRunner(EngineFromBytes(BytesFromPath(str(path))))
         self.runner.activate()
+        if initializers:
+            self.refit(initializers)
+
+    def refit(self, weights: dict[str, np.ndarray]) -> None:
+        """Replace the engine's weights `weights` ({name: values}) in place, between two runs: the refit
+        of an engine built --refittable (engines/targets/trt.py marks its adapters' weights), whose
+        names are its graph's initializers."""
+        refit_weights(self.trt, self.runner.engine, weights, self.path)
 
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release` is accepted and does nothing: the runner allocates the engine's activation memory
@@ -135,13 +145,31 @@ class TrtSession:
             self.runner.deactivate()
 
 
+def refit_weights(trt, engine, weights: dict[str, np.ndarray], path) -> None:
+    """TensorRT's Refitter on `engine`: every weight set by name, none missing, then one refit."""
+    if not engine.refittable:
+        raise ValueError(f"{path}: this engine was built without --refittable, so adapters cannot change its weights: "
+                         "build it again with python -m engines ... --refittable")
+    refitter = trt.Refitter(engine, trt.Logger(trt.Logger.ERROR))
+    held = {name: np.ascontiguousarray(values) for name, values in weights.items()}  # alive until the refit
+    unknown = [name for name, values in held.items() if not refitter.set_named_weights(name, trt.Weights(values))]
+    if unknown:
+        raise ValueError(f"{path}: {', '.join(unknown[:5])} are not refittable weights of this engine")
+    missing = refitter.get_missing_weights()
+    if missing:
+        raise RuntimeError(f"{path}: TensorRT asks for {', '.join(missing[:5])} too before it refits")
+    if not refitter.refit_cuda_engine():
+        raise RuntimeError(f"{path}: TensorRT's refit failed")
+
+
 def _opener(rtx: bool):
-    def open_engine(path, device=None, providers=None, **ignored) -> TrtSession:
-        return TrtSession(path, rtx=rtx, device=device or 0, providers=providers)
+    def open_engine(path, device=None, providers=None, initializers=None, **ignored) -> TrtSession:
+        return TrtSession(path, rtx=rtx, device=device or 0, providers=providers, initializers=initializers)
 
     return open_engine
 
 
 # Both run their engines as Triton's tensorrt_plan models (TensorRT-RTX engines too).
-BACKENDS = [Backend(name, "TensorRT", _opener(rtx), gpu=True, triton='platform: "tensorrt_plan"')
+# They take adapters by refitting (engines built --refittable).
+BACKENDS = [Backend(name, "TensorRT", _opener(rtx), gpu=True, adapters=True, triton='platform: "tensorrt_plan"')
             for name, rtx in (("trt", False), ("trt-rtx", True))]

@@ -94,6 +94,27 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def free_port_block(count: int) -> int:
+    """The first of `count` consecutive ports free on 127.0.0.1 now (`runners serve --port P` takes P,
+    P+1 and P+2), below the range the system takes outgoing connections' ports from."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - count)
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports between 20000 and 32000 on 127.0.0.1")
+
+
 class Server:
     """tritonserver on `repository`: `with Server(repo, http_port=...) as server:` starts it, waits
     until every model is ready, and stops it (SIGTERM, then SIGKILL after `exit_timeout` s)."""
