@@ -52,8 +52,8 @@ RUN_LAST = ("test_bench_smoke.py",)
 
 # `make test` runs on every core (pytest-xdist, `--dist loadgroup`): the tests of one module and family
 # (sd15, sdxl, flux, ... when a test's parameters name one) go to one worker, which makes their module
-# fixtures once. The session's builds are shared by all
-# workers (`shared_root`): a worker needing one another is making waits for it (runners.manifest.exclusive).
+# fixtures once. The session's builds are shared by every worker (`shared_root`): a worker that needs a
+# build another worker is making waits for it (runners.manifest.exclusive).
 FAMILY = re.compile(r"(?:^|[-_\[])(sd3|sd15|sdxl|flux)(?=$|[-_\]])")
 
 
@@ -63,13 +63,10 @@ def _family(item: pytest.Item) -> str | None:
     return found and found.group(1)
 
 
-def _worker_groups(items) -> dict[pytest.Item, str]:
-    return {t: f"{t.path.name}::{_family(t)}" if _family(t) else t.path.name for t in items}
-
-
 def pytest_collection_modifyitems(items):
-    for item, group in _worker_groups(items).items():
-        item.add_marker(pytest.mark.xdist_group(group))
+    for item in items:
+        family = _family(item)
+        item.add_marker(pytest.mark.xdist_group(f"{item.path.name}::{family}" if family else item.path.name))
         if needs_export(item):
             item.add_marker("export")
     items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: the order within each part is kept
