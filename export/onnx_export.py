@@ -20,6 +20,7 @@ import torch
 from export.lazy_weights import attach_weights, checkpoint_index, defer_weight_transposes, weightless_component
 from export.shapes import concrete
 from export.spec import SubmoduleSpec
+from runners.backends import cpu_threads
 from runners.manifest import save_graph
 from runners.provenance import WeightTable, initializer_types, table_path
 
@@ -274,6 +275,7 @@ def check_parity(spec, src, dtype, constants, probes, onnx_path) -> list[ParityR
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.enable_cpu_mem_arena = False
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.intra_op_num_threads = cpu_threads(None) or 0
     session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     results = []
     for dims, inputs, ref in zip(probes, feeds, refs):

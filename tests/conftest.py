@@ -10,8 +10,16 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pytest
+# Each xdist worker gets its share of the cores, before numpy and torch are imported (they read these at
+# import) and for the subprocesses tests start: the runtimes' default of a thread per core, in two
+# processes on the same cores, spin against each other (a tiny pipeline's steps took twice as long).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _variable in ("DIFFUSION_AOT_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_variable, _share)
+
+import numpy as np  # noqa: E402 (after the thread settings above)
+import pytest  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 logging.getLogger("torch.onnx").setLevel(logging.ERROR)

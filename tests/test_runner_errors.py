@@ -195,3 +195,20 @@ def test_cli_bad_image_requests_exit_2_and_write_nothing(tiny_artifact, tmp_path
                           "--out", str(tmp_path / "x.png"), *args], capture_output=True, text=True)
     assert run.returncode == 2 and message.format(dir=tmp_path) in run.stderr, run.stderr
     assert "Traceback" not in run.stderr and set(tmp_path.iterdir()) == before
+
+
+def test_cpu_threads_from_the_environment(tiny_artifact, monkeypatch):
+    """$DIFFUSION_AOT_THREADS sets each CPU session's threads where `threads=` does not; `threads=` wins;
+    a value that is not a count is refused, naming it."""
+    from runners.backends import THREADS_VARIABLE, cpu_threads
+
+    monkeypatch.setenv(THREADS_VARIABLE, "1")
+    with Pipeline.load(tiny_artifact, submodules=["vae_decoder"]) as pipe:
+        assert pipe.sessions["vae_decoder"].session.get_session_options().intra_op_num_threads == 1
+    assert cpu_threads(2) == 2
+    monkeypatch.delenv(THREADS_VARIABLE)
+    assert cpu_threads(None) is None
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_VARIABLE, bad)
+        with pytest.raises(ValueError, match=f"DIFFUSION_AOT_THREADS='{bad}': give a number of threads, 1 or more"):
+            cpu_threads(None)

@@ -16,6 +16,7 @@ Adding a backend is one module here; nothing else names it."""
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +37,24 @@ class Backend:
     lora_branches: bool = False
     triton: str | None = None  # the config.pbtxt line of Triton's own backend for its engines (native layout)
     device_hint: str = ""  # how its engines' device is chosen instead, said when a device map names one
+
+
+THREADS_VARIABLE = "DIFFUSION_AOT_THREADS"
+
+
+def cpu_threads(threads: int | None) -> int | None:
+    """The CPU threads of one ONNX Runtime or OpenVINO session: `threads` when given, else
+    $DIFFUSION_AOT_THREADS, else None (the runtime's default: every core). For processes that share one
+    machine's cores (server instances, the test suite's workers): two sessions with a thread per core
+    each, on the same cores, spin against each other (ONNX Runtime's tiny-model steps took twice as long)."""
+    if threads:
+        return threads
+    value = os.environ.get(THREADS_VARIABLE, "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_VARIABLE}={value!r}: give a number of threads, 1 or more (or unset it: every core)")
+    return int(value)
 
 
 def registry() -> dict[str, Backend]:

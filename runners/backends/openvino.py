@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.backends import Backend
+from runners.backends import Backend, cpu_threads
 from runners.backends._openvino_lora import add_branches, branch_feeds
 
 # Compiled per-size models kept at once: each can hold its own copy of the weights (a plugin may repack them).
@@ -68,6 +68,7 @@ class OpenVinoSession:
             raise RuntimeError(f"{path}: OpenVINO device '{self.device}' is not present on this machine; it has: "
                                f"{', '.join(self.core.available_devices)}")
         self.config = dict(session_config or {})
+        threads = cpu_threads(threads)
         if threads:
             self.config["INFERENCE_NUM_THREADS"] = threads
         if profile:  # per-layer counters, read back with `session.last.request.get_profiling_info()`

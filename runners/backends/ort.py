@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.backends import Backend
+from runners.backends import Backend, cpu_threads
 from runners.quantized import FLOAT8_E4M3FN
 
 FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runner does not import onnx)
@@ -76,6 +76,7 @@ class OrtSession:
             # codes (sd3-tiny's fp8 transformer with an adapter: 26.8 dB against fp32 with it, 37.6 without
             # the fold, as the artifact written with the adapter gives).
             extra["disabled_optimizers"] = [*extra.get("disabled_optimizers", []), "ConstantFolding"]
+        threads = cpu_threads(threads)
         if threads:
             options.intra_op_num_threads = threads
         providers = list(providers or ["CPUExecutionProvider"])
