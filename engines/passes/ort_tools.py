@@ -59,17 +59,17 @@ def activation_ranges(proto, feeds) -> dict[str, float]:
                       if typed.get(name) in (TensorProto.FLOAT, TensorProto.FLOAT16) and name not in weights})
     with model_file(proto) as (path, folder):
         augmented = onnx.load(path, load_external_data=False)  # the weights stay in the file beside it
-        for i, name in enumerate(tensors):
+        names = [f"diffusion_aot.range.{i}" for i in range(len(tensors))]  # a namespace no exporter uses
+        for name, out in zip(tensors, names):
             augmented.graph.node.extend([
-                helper.make_node("Abs", [name], [f"abs_{i}"], name=f"abs_{i}"),
+                helper.make_node("Abs", [name], [f"{out}.abs"], name=f"{out}.abs"),
                 # keepdims: ONNX Runtime cannot reduce an empty axis away
-                helper.make_node("ReduceMax", [f"abs_{i}"], [f"range_{i}"], name=f"range_{i}", keepdims=1)])
-            augmented.graph.output.append(helper.make_tensor_value_info(f"range_{i}", typed[name], None))
+                helper.make_node("ReduceMax", [f"{out}.abs"], [out], name=out, keepdims=1)])
+            augmented.graph.output.append(helper.make_tensor_value_info(out, typed[name], None))
         onnx.save(augmented, folder / "augmented.onnx")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         session = ort.InferenceSession(str(folder / "augmented.onnx"), options, providers=["CPUExecutionProvider"])
-        names = [f"range_{i}" for i in range(len(tensors))]
         largest = np.zeros(len(tensors))
         for feed in feeds:
             ranges = session.run(names, feed)
