@@ -163,8 +163,8 @@ def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyn
 
 
 # onnxscript's rewrite rules that the export's optimizer skips. SlicesSplit has two output nodes, and
-# onnxscript matches such patterns by walking the whole graph for every node: quadratic, 26 s of the
-# sd15-tiny U-Net's 118 s export, for a rule that rewrites nothing in our families' graphs
+# onnxscript matches such patterns by walking the whole graph for every node: quadratic, 34 s of the
+# sd15-tiny U-Net's 136 s export, for a rule that rewrites nothing in our families' graphs
 # (test_lazy_export compares our graphs with those of the exporter's full optimizer).
 SKIPPED_REWRITE_RULES = ("SlicesSplit",)
 
