@@ -74,7 +74,7 @@ image: engines
 	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests
 
 # The tests that need no export (conftest.py marks the others `export`): a developer's inner loop.
 test-fast: venv

@@ -71,13 +71,33 @@ def _family(item: pytest.Item) -> str | None:
     return found and found.group(1)
 
 
+def _group(item: pytest.Item) -> str:
+    family = _family(item)
+    return f"{item.path.name}::{family}" if family else item.path.name
+
+
+# Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that
+# waits for a build another worker makes pays the wait). They only order the groups, longest first
+# (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by test count), so that
+# both workers end together; rough numbers do. A group not listed goes after these, as short.
+GROUP_SECONDS = {
+    "test_family_targets.py::flux": 470, "test_family_targets.py::sd15": 420, "test_family_targets.py::sdxl": 380,
+    "test_trt.py": 370, "test_lora_openvino.py": 250, "test_caches.py": 240, "test_controlnet.py::sd15": 230,
+    "test_controlnet.py::sdxl": 220, "test_passes.py": 210, "test_lazy_export.py": 190, "test_build_plan.py": 180,
+    "test_family_targets.py": 160, "test_image_to_image.py": 140, "test_lora.py": 130, "test_openvino.py": 120,
+    "test_precision.py": 110, "test_serving.py": 100, "test_flux.py": 100, "test_runner_no_t5.py": 80,
+    "test_image_to_image.py::sd15": 70, "test_tiny_vae.py": 50, "test_export.py": 30,
+    "test_bench_smoke.py::sd15": 290, "test_bench_smoke.py::sdxl": 250, "test_bench_smoke.py::sd3": 210,
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        family = _family(item)
-        item.add_marker(pytest.mark.xdist_group(f"{item.path.name}::{family}" if family else item.path.name))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
         if needs_export(item):
             item.add_marker("export")
-    items.sort(key=lambda item: item.path.name in RUN_LAST)  # stable: the order within each part is kept
+    # stable: the order within each group is kept
+    items.sort(key=lambda item: (item.path.name in RUN_LAST, -GROUP_SECONDS.get(_group(item), 0)))
 
 
 @pytest.fixture(scope="session")

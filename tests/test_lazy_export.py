@@ -5,6 +5,7 @@ the exporter's full optimizer; ours skips its quadratic rules (export.onnx_expor
 same graphs also show that those rules rewrite nothing here."""
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -51,6 +52,19 @@ def setting(tiny_source):
     return constants, set(dim_ranges(tiny_source.entry, SD3, constants)), probe
 
 
+@pytest.fixture(scope="module")
+def lazy_export(tiny_source, setting):
+    """export_weightless(name, dtype) of an sd3-tiny submodule, traced once for the tests here that read it
+    (about half a minute each)."""
+    constants, dynamic, probe = setting
+
+    @functools.cache
+    def export(name: str, dtype: str = "float32"):
+        spec = next(s for s in SD3.submodules if s.name == name)
+        return export_weightless(spec, tiny_source, dtype, constants, dynamic, probe)
+    return export
+
+
 def test_the_skipped_rewrite_rules_are_onnxscripts():
     """A rule onnxscript renames or drops would be skipped no more (or never again): say so."""
     from onnxscript import rewriter
@@ -60,10 +74,10 @@ def test_the_skipped_rewrite_rules_are_onnxscripts():
 
 
 @pytest.mark.parametrize("name", [s.name for s in SD3.submodules])
-def test_lazy_export_gives_the_ordinary_graph(tiny_source, setting, name):
+def test_lazy_export_gives_the_ordinary_graph(tiny_source, setting, lazy_export, name):
     constants, dynamic, probe = setting
     spec = next(s for s in SD3.submodules if s.name == name)
-    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    lazy, _, counts = lazy_export(name)
     component = tiny_source.load(spec.component, **spec.load_kwargs).eval()
     ordinary = trace(spec, wrapped(spec, component), constants, dynamic, probe).model
     assert counts["weights_mapped"] > 0 and counts["weights_converted"] == 0
@@ -77,19 +91,15 @@ def test_lazy_export_gives_the_ordinary_graph(tiny_source, setting, name):
         assert counts["transposes_deferred"] > 0
 
 
-def test_buffers_the_checkpoint_holds_come_from_it(tiny_source, setting):
+def test_buffers_the_checkpoint_holds_come_from_it(lazy_export):
     """As from_pretrained loads them: a checkpoint's position embedding wins over the constructor's."""
-    constants, dynamic, probe = setting
-    spec = next(s for s in SD3.submodules if s.name == "transformer")
-    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+    lazy, _, counts = lazy_export("transformer")
     assert counts["buffers_from_checkpoint"] == 1
     assert isinstance(lazy.graph.initializers["transformer.pos_embed.pos_embed"].const_value, ir.ExternalTensor)
 
 
-def test_weights_stay_in_the_checkpoint_until_written(tiny_source, setting):
-    constants, dynamic, probe = setting
-    spec = next(s for s in SD3.submodules if s.name == "text_encoder_3")
-    lazy, _, counts = export_weightless(spec, tiny_source, "float32", constants, dynamic, probe)
+def test_weights_stay_in_the_checkpoint_until_written(lazy_export):
+    lazy, _, counts = lazy_export("text_encoder_3")
     kinds = {type(v.const_value).__name__ for v in lazy.graph.initializers.values() if v.const_value.nbytes > 4096}
     assert kinds <= {"ExternalTensor", "LazyTensor"}, kinds  # nothing large is held in memory
     assert counts["weights_converted"] == 0
@@ -106,10 +116,8 @@ def test_a_parameter_missing_from_the_checkpoint_is_named(tiny_source, setting):
         attach_weights(model, module, index, spec.component, WeightTable())
 
 
-def test_fp16_export_keeps_float32_io_and_t5s_wo(tiny_source, setting):
-    constants, dynamic, probe = setting
-    spec = next(s for s in SD3.submodules if s.name == "text_encoder_3")
-    model, _, counts = export_weightless(spec, tiny_source, "float16", constants, dynamic, probe)
+def test_fp16_export_keeps_float32_io_and_t5s_wo(lazy_export):
+    model, _, counts = lazy_export("text_encoder_3", "float16")
     assert model.graph.inputs[0].dtype == ir.DataType.INT64 and model.graph.outputs[0].dtype == ir.DataType.FLOAT
     dtypes = {name: v.const_value.dtype for name, v in model.graph.initializers.items()}
     assert dtypes["t5.encoder.embed_tokens.weight"] == ir.DataType.FLOAT16
