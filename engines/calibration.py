@@ -20,8 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from runners.caches.deep_cache import FEATURE, SHALLOW
 from runners.caches.first_block import FIRST_BLOCK
 from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
+
+# The graphs a step cache runs beside the denoiser (runners/caches/), each with the denoiser output it takes:
+# recorded beside every denoiser call, so that a calibrated build calibrates them too.
+COMPANIONS = {FIRST_BLOCK: "tail_residual", SHALLOW: FEATURE}
 
 PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -103,8 +108,8 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = store.record
-        if FIRST_BLOCK in pipe.sessions:
-            pipe.run = _FirstBlockRecorder(pipe, store)
+        for graph in (g for g in COMPANIONS if g in pipe.sessions):
+            pipe.run = _CompanionRecorder(pipe, store, graph)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
         controlnets = pipe.controlnets() if hasattr(pipe, "controlnets") else []
@@ -156,21 +161,24 @@ def describe(folder: Path) -> dict:
             "seeds": data["seeds"], "calls": data["calls"]}
 
 
-class _FirstBlockRecorder:
-    """First-Block Cache's graph (runners/caches/first_block.py) takes the transformer's inputs and a tail
-    residual, which is one of the transformer's outputs: every transformer call is recorded for it too, with
-    the tail residual of the call's first step (stored once per prompt). Replaces the pipeline's `run`."""
+class _CompanionRecorder:
+    """A step cache's graph beside the denoiser (COMPANIONS) takes the denoiser's inputs (those it declares) and
+    one of the denoiser's outputs: every denoiser call is recorded for it too, with that output of the call's
+    first step (stored once per prompt). Replaces the pipeline's `run`."""
 
-    def __init__(self, pipe, store: "_FeedStore"):
-        self.pipe, self.run, self.store = pipe, pipe.run, store
-        self.call, self.tail = None, None
+    def __init__(self, pipe, store: "_FeedStore", graph: str):
+        self.pipe, self.run, self.store, self.graph = pipe, pipe.run, store, graph
+        self.output = COMPANIONS[graph]
+        self.accepted = {i["name"] for i in pipe.manifest["submodules"][graph]["inputs"]}
+        self.call, self.value = None, None
 
     def __call__(self, submodule: str, release: bool = True, **feeds):
         out = self.run(submodule, release=release, **feeds)
         if submodule == self.pipe.constants["denoiser"]:
             if self.call is not self.pipe._step_cache:  # a new pipeline call
-                self.call, self.tail = self.pipe._step_cache, np.array(out["tail_residual"])
-            self.store.record(FIRST_BLOCK, {**feeds, "tail_residual": self.tail})
+                self.call, self.value = self.pipe._step_cache, np.array(out[self.output])
+            self.store.record(self.graph, {**{k: v for k, v in feeds.items() if k in self.accepted},
+                                           self.output: self.value})
         return out
 
 

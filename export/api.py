@@ -25,7 +25,7 @@ from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, read_manifest,
                               write_manifest)
 
-EXPORT_FORMAT = 5  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 6  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, metavar="KIND[:KEY=VALUE,...]",
                    help="skip denoiser evaluations: taylorseer[:interval=5,before=3,after=None,order=1] (diffusers' "
                         "TaylorSeer lite and its defaults; openvino.genai's: taylorseer:interval=3,before=6,after=-2), "
-                        "or first-block[:THRESHOLD] (First-Block Cache, SD3 and Flux; default 0.05)")
+                        "first-block[:THRESHOLD] (First-Block Cache, SD3 and Flux; default 0.05), or "
+                        "deepcache[:INTERVAL] (DeepCache, SD1.5 and SDXL; default 3)")
     p.add_argument("--tiny-vae", action="store_true",
                    help="decode (and encode) with the tiny autoencoder the artifact carries (export --tiny-vae)")
     p.add_argument("--preview-dir", type=Path, default=None, metavar="DIR",

@@ -203,10 +203,12 @@ class ControlNets:
             self._control.step = (step, num_steps)
         return super()._evaluate(step, num_steps, x, t, conditions, context)
 
-    def _predict(self, x, t, conditions: dict, release: bool) -> dict:
-        if self._residual_inputs():
-            conditions = {**conditions, **self._residuals(x, t, conditions, release)}
-        return super()._predict(x, t, conditions, release)
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        if self._residual_inputs():  # `engine` (DeepCache's shallow branch) may take some of them only
+            accepted = {i["name"] for i in self.manifest["submodules"][engine or self.constants["denoiser"]]["inputs"]}
+            residuals = self._residuals(x, t, conditions, release)
+            conditions = {**conditions, **{name: r for name, r in residuals.items() if name in accepted}}
+        return super()._predict(x, t, conditions, release, engine, **extra)
 
     def _residuals(self, x, t, conditions: dict, release: bool) -> dict[str, np.ndarray]:
         """{residual input: array}: the scaled residuals of the ControlNets that run at this step, summed."""

@@ -240,7 +240,7 @@ class TextToImage(Pipeline):
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: the engine's outputs, its prediction
         `noise_pred` in x's layout. `engine`: another graph of the denoiser, with the same inputs and `extra`
-        (First-Block Cache's, runners/caches/first_block.py)."""
+        (First-Block Cache's and DeepCache's, runners/caches/)."""
         denoiser = self.constants["denoiser"]
         latent_input = self.manifest["submodules"][denoiser]["inputs"][0]["name"]
         return self.run(engine or denoiser, release=release, **{latent_input: x}, **conditions, **extra,

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,6 +239,31 @@ def int8_bounds(bounds: dict, without_vnni: dict) -> dict:
         return bounds
     return {k: int8_bounds(v, without_vnni[k]) if isinstance(v, dict) and k in without_vnni
             else without_vnni.get(k, v) for k, v in bounds.items()}
+
+
+@contextmanager
+def library_deep_cache(reference, interval: int):
+    """The DeepCache library's own `DeepCacheSDHelper` at branch 0 on diffusers' pipeline `reference` (the
+    reference of runners/caches/deep_cache.py). Yields a list that gains an item at each full step: the
+    mid block runs only then."""
+    from DeepCache import DeepCacheSDHelper
+
+    helper = DeepCacheSDHelper(pipe=reference)
+    helper.set_params(cache_interval=interval, cache_branch_id=0)
+    helper.enable()
+    key, full = ("mid", "mid_block", 0, 0), []
+    mid_block = helper.function_dict[key]  # what the helper's wrapper calls when the step runs in full
+
+    def counted(*args, **kwargs):
+        full.append(1)
+        return mid_block(*args, **kwargs)
+
+    helper.function_dict[key] = counted
+    try:
+        yield full
+    finally:
+        helper.function_dict[key] = mid_block
+        helper.disable()
 
 
 def rtx_options(**kwargs):

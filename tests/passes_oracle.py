@@ -23,6 +23,14 @@ def unet_blocks(cfg: dict) -> tuple[int, int]:
     return down + up + depth[-1], n * layers + n * (layers + 1) + 2
 
 
+def shallow_blocks(cfg: dict) -> tuple[int, int]:
+    """(transformer blocks, resnets) of DeepCache's shallow branch (export/families/deep_cache.py): the last
+    layer of the last up block, which takes the first transformer depth."""
+    depth = cfg.get("transformer_layers_per_block", 1)
+    first = depth if isinstance(depth, int) else depth[0]
+    return (first if cfg["up_block_types"][-1].startswith("CrossAttn") else 0), 1
+
+
 def _silus(submodule: str, cfg: dict) -> int:
     """SiLUs and quick GELUs: two per VAE resnet and one before conv_out; the transformer's timestep
     and pooled-text embedders and the silu(temb) its adaLN layers share; CLIP's quick GELU per layer;
@@ -33,8 +41,9 @@ def _silus(submodule: str, cfg: dict) -> int:
         return 2 * (2 + len(cfg["block_out_channels"]) * per_block) + 1
     if submodule in ("transformer", "transformer_first_block"):
         return 3
-    if submodule == "unet":
-        return 2 * unet_blocks(cfg)[1] + 3 + (cfg.get("addition_embed_type") == "text_time")
+    if submodule in ("unet", "unet_shallow"):
+        resnets = (unet_blocks if submodule == "unet" else shallow_blocks)(cfg)[1]
+        return 2 * resnets + 3 + (cfg.get("addition_embed_type") == "text_time")
     if submodule in ("text_encoder", "text_encoder_2"):
         return cfg["num_hidden_layers"] if cfg["hidden_act"] == "quick_gelu" else 0
     return 0  # T5: ReLU or GELU
@@ -55,11 +64,13 @@ def _fusions(submodule: str, cfg: dict) -> dict[str, dict[str, int]]:
         # One more group: every block's two adaLN projections and norm_out's read the same silu(temb).
         return {"fuse_qkv": {"groups": 2 * layers + dual + 1, "projections_fused": 6 * layers + 3 * dual + 2 * layers + 1},
                 "fuse_attention": {"attentions_fused": layers + dual}}
-    if submodule == "unet":
+    if submodule in ("unet", "unet_shallow"):
         # q/k/v of every self-attention; the k and v of every cross-attention all read the text
-        # embedding: one group; every resnet's time projection reads the same silu(temb): one more.
-        transformers, resnets = unet_blocks(cfg)
-        return {"fuse_qkv": {"groups": transformers + 2, "projections_fused": 5 * transformers + resnets},
+        # embedding: one group; every resnet's time projection reads the same silu(temb): one more
+        # (a group needs two projections).
+        transformers, resnets = (unet_blocks if submodule == "unet" else shallow_blocks)(cfg)
+        cross, times = transformers > 0, resnets > 1
+        return {"fuse_qkv": {"groups": transformers + cross + times, "projections_fused": 5 * transformers + resnets * times},
                 "fuse_attention": {"attentions_fused": 2 * transformers}}
     if submodule in ("text_encoder", "text_encoder_2"):  # CLIP: q/k/v per layer
         layers = cfg["num_hidden_layers"]

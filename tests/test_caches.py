@@ -163,6 +163,8 @@ def test_taylorseer_factors_match_diffusers_state():
     ("magcache", "cache 'magcache' is not known"),
     ("first-block:-0.1", "threshold=-0.1 is not allowed"),
     ("first-block:0.1,speed=2", "unknown option 'speed'"),
+    ("deepcache:0", "cache_interval=0 is not allowed"),
+    ("deepcache:branch=1", "cache_branch_id=1 is not allowed"),
 ])
 def test_bad_cache_values_are_refused_in_one_line(text, named, tmp_path, capsys):
     from runners.__main__ import main

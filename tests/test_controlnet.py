@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image, smooth_image, soft_mask
-from runners import Pipeline
+from conftest import assert_real_image, library_deep_cache, smooth_image, soft_mask
+from runners import DeepCacheConfig, Pipeline
 
 ONE_LEVEL = 1 / 255
 STEPS = 5
@@ -141,6 +141,25 @@ def test_text_to_image_matches_diffusers(loaded, case):
     unused = reference(image=control, latents=torch.from_numpy(latents), output_type="np",
                        **{**kwargs, "controlnet_conditioning_scale": 0.0}).images
     _compare(ours, ref, unused)
+
+
+def test_deep_cache_matches_the_library_with_a_controlnet(loaded):
+    """DeepCache with a ControlNet: the ControlNet runs at every step, as beside the library's helper, and the
+    shallow branch takes its residual for conv_in's output."""
+    pipe, reference = loaded("sd15_one")
+    kwargs = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=8)
+    control, latents = _edges(64, 64, seed=3), _latents(64, 64, seed=3)
+    with library_deep_cache(reference, 2) as library_full:
+        ref = reference(image=control, latents=torch.from_numpy(latents), output_type="np", **kwargs).images
+    ours = pipe(latents=latents, output_type="np", control_image=control, cache=DeepCacheConfig(cache_interval=2),
+                **kwargs)
+    assert (pipe.cache_stats["full"], pipe.cache_stats["cached"]) == (len(library_full), 9 - len(library_full))
+    uncached = pipe(latents=latents, output_type="np", control_image=control, **kwargs)
+    err, change = float(np.abs(ours - ref).max()), float(np.abs(ours - uncached).max())
+    print(f"max abs error {err:.1e}, the cache's effect {change:.3f}")
+    assert err <= ONE_LEVEL, err
+    assert change > 10 * ONE_LEVEL, "the cache changed nothing: the test would prove nothing"
+    assert_real_image(ref)
 
 
 def _patched_reference(monkeypatch, module, noise, encoder_noise):

@@ -19,7 +19,7 @@ from export.onnx_export import example_inputs
 from passes_oracle import expected_counts
 
 PASS_RTOL = 1e-5
-COMPONENT = {"vae_decoder": "vae", "vae_encoder": "vae", "transformer_first_block": "transformer"}
+COMPONENT = {"vae_decoder": "vae", "vae_encoder": "vae", "transformer_first_block": "transformer", "unet_shallow": "unet"}
 
 
 def _run(model: ir.Model, feeds: dict, tmp_path) -> list[np.ndarray]:

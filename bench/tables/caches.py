@@ -16,9 +16,10 @@ from bench.tables import Table
 from bench.tables.flux import GENAI_CACHE
 from bench.tables.openvino import build_openvino
 
-# Uncached first (each artifact's reference), openvino.genai's TaylorSeer schedule, and First-Block
-# Cache at ParaAttention's FLUX.1-dev threshold.
-CACHES = ("none", GENAI_CACHE, "first-block:0.08")
+# By denoiser: uncached first (each artifact's reference), openvino.genai's TaylorSeer schedule, and
+# First-Block Cache at ParaAttention's FLUX.1-dev threshold (transformers) or DeepCache at its README's
+# interval (U-Nets).
+CACHES = {"transformer": ("none", GENAI_CACHE, "first-block:0.08"), "unet": ("none", GENAI_CACHE, "deepcache:3")}
 ARTIFACTS = ("ort-fp32", "openvino-int8")
 
 
@@ -41,7 +42,7 @@ def _per_evaluation(stats: dict, kind: str) -> str:
 
 def measure(run) -> list[dict]:
     a = run.args
-    caches, names = a.caches.split(";"), a.caches_artifacts.split(",")
+    caches, names = (a.caches or ";".join(CACHES[run.denoiser])).split(";"), a.caches_artifacts.split(",")
     if caches[0] != "none":
         raise ValueError(f"caches table: --caches must start with none (each artifact's reference), not {caches[0]!r}")
     others = [n for n in names if n != "ort-fp32"]
@@ -74,20 +75,23 @@ def measure(run) -> list[dict]:
         "notes": [f"Medians of {a.caches_reps} repetitions, every variant loaded in its own process, run in turn after "
                   "a dropped warm-up run, from the same starting latents and prompt. Evaluations and their seconds "
                   "are the runner's `cache_stats` (a cached evaluation of First-Block Cache runs the first block "
-                  "and compares its residual; TaylorSeer's extrapolates without running the denoiser). openvino.genai's "
+                  "and compares its residual; DeepCache's runs the U-Net's shallow branch; TaylorSeer's extrapolates "
+                  "without running the denoiser). openvino.genai's "
                   "row is against our uncached ort-fp32. Random weights say nothing about how many steps a real "
                   "model can skip: the PSNR column measures the mechanism on these weights, not image quality. "
                   f"openvino-int8 is calibrated on {accuracy.calibration_text(a)}."]}]
 
 
 def _arguments(group) -> None:
-    group.add_argument("--caches", default=";".join(CACHES),
-                       help="';'-separated step caches of the cache table, none first (as --cache spells them)")
+    group.add_argument("--caches", default=None,
+                       help="';'-separated step caches of the cache table, none first (as --cache spells them); "
+                            f"default: a transformer's {';'.join(CACHES['transformer'])}, a U-Net's "
+                            f"{';'.join(CACHES['unet'])}")
     group.add_argument("--caches-artifacts", default=",".join(ARTIFACTS),
                        help="comma-separated artifacts of the cache table (ort-fp32 or the openvino table's labels)")
     group.add_argument("--caches-reps", type=int, default=3, help="repetitions of the cache table")
 
 
 # --optimum-intel-python (the openvino table's option) adds openvino.genai's row on Flux.
-TABLE = Table("caches", "Step caches", "openvino int8 (calibrated)", ("sd3", "flux"), measure, _arguments,
+TABLE = Table("caches", "Step caches", "openvino int8 (calibrated)", ("sd3", "flux", "sd15", "sdxl"), measure, _arguments,
               smoke=(*accuracy.SMOKE, "--caches-reps", "1", "--caches-artifacts", "ort-fp32"))

@@ -38,7 +38,7 @@ def _hidden_index(block) -> int:
 
 
 @contextmanager
-def _hooked(block, hook):
+def hooked(block, hook):
     handle = block.register_forward_hook(hook, with_kwargs=True)
     try:
         yield
@@ -46,7 +46,7 @@ def _hooked(block, hook):
         handle.remove()
 
 
-def _adopt(module, wrapper) -> None:
+def adopt(module, wrapper) -> None:
     """Make the wrapper's children `module`'s own, so that weight names keep their one prefix
     ("transformer."), which the export maps to the checkpoint's keys and the precision passes' scopes."""
     module._modules.update(wrapper._modules)
@@ -58,7 +58,7 @@ class WithTailResidual(torch.nn.Module):
 
     def __init__(self, wrapper):
         super().__init__()
-        _adopt(self, wrapper)
+        adopt(self, wrapper)
 
     def forward(self, *inputs):
         head, tail = blocks(self.wrapper.transformer)[0], blocks(self.wrapper.transformer)[-1]
@@ -69,7 +69,7 @@ class WithTailResidual(torch.nn.Module):
                 taken[name] = output[_hidden_index(block)]
             return hook
 
-        with _hooked(head, take("head")), _hooked(tail, take("tail")):
+        with hooked(head, take("head")), hooked(tail, take("tail")):
             outputs = self.wrapper(*inputs)
         return (*outputs, taken["tail"] - taken["head"])
 
@@ -94,7 +94,7 @@ class FirstBlock(torch.nn.Module):
 
     def __init__(self, wrap, transformer):
         super().__init__()
-        _adopt(self, wrap(_first_block_only(transformer)))
+        adopt(self, wrap(_first_block_only(transformer)))
 
     def forward(self, *inputs):
         *inputs, tail_residual = inputs
@@ -106,7 +106,7 @@ class FirstBlock(torch.nn.Module):
             taken["residual"] = output[i] - kwargs["hidden_states"]
             return tuple(o + tail_residual if j == i else o for j, o in enumerate(output))
 
-        with _hooked(head, add_tail):
+        with hooked(head, add_tail):
             outputs = self.wrapper(*inputs)
         return (*outputs, taken["residual"])
 

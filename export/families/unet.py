@@ -9,6 +9,9 @@ The UNet takes a ControlNet's residuals as inputs (`down_residual_0`... and `mid
 after each down-block layer and to the mid block's output): zeros when no ControlNet runs, so one
 graph serves both paths and a ControlNet added later needs no new UNet (export/families/controlnet.py).
 A UNet of another layout than its family's real ones exports without them (and takes no ControlNet).
+
+Every UNet is exported beside its shallow branch (`unet_shallow`), which DeepCache runs on its cached
+steps (export/families/deep_cache.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import dataclasses
 
 import torch
 
+from export.families.deep_cache import unet_specs
 from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, vae_runtime_constants,
 )
@@ -93,8 +97,9 @@ def has_layout(src, family: str) -> bool:
     return (len(unet["block_out_channels"]), unet["layers_per_block"]) == LAYOUTS[family]
 
 
-def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, SubmoduleSpec]:
-    """The UNet with ControlNet residual inputs (its family's layout), and without (any other)."""
+def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, ...]:
+    """The UNet with ControlNet residual inputs (its family's layout), and without (any other), each beside
+    its shallow branch's graph (DeepCache's, export/families/deep_cache.py)."""
     inputs = (
         T("sample", "float32", _LATENT),
         T("timestep", "float32", ("batch",), high="num_train_timesteps"),
@@ -110,8 +115,10 @@ def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, SubmoduleSpec]:
         quantization={"denoiser": True, "keep_scopes": _KEEP_SCOPES},
         when=lambda src: not has_layout(src, family),
     )
-    return (dataclasses.replace(plain, inputs=inputs + residual_specs(*LAYOUTS[family]),
-                                when=lambda src: has_layout(src, family)), plain)
+    with_residuals = dataclasses.replace(plain, inputs=inputs + residual_specs(*LAYOUTS[family]),
+                                         when=lambda src: has_layout(src, family))
+    names = tuple(t.name for t in added)
+    return (*unet_specs(with_residuals, names), *unet_specs(plain, names))
 
 
 SDXL_ADDED = (T("text_embeds", "float32", ("batch", "clip2_proj")), T("time_ids", "float32", ("batch", "time_ids")))
