@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.caches.deep_cache import FEATURE, SHALLOW
-from runners.caches.first_block import FIRST_BLOCK
+from runners.caches import CONFIGS
+from runners.caches.base import GraphCacheConfig
 from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
 
 # The graphs a step cache runs beside the denoiser (runners/caches/), each with the denoiser output it takes:
 # recorded beside every denoiser call, so that a calibrated build calibrates them too.
-COMPANIONS = {FIRST_BLOCK: "tail_residual", SHALLOW: FEATURE}
+COMPANIONS = {c.graph: c.output for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)}
 
 PROMPTS = (
     "a photograph of an astronaut riding a horse",

@@ -2,7 +2,8 @@
 diffusers' names and meanings (`diffusers.hooks`), so that a run can skip evaluations.
 
 A cache is one file here: a config dataclass (what the user sets) whose `start()` returns a
-`StepCache`, the state of one call. The loop asks the state for each evaluation
+`StepCache`, the state of one call (a cache that runs a second graph of the denoiser on its cached
+steps subclasses `GraphCacheConfig`: First-Block Cache, DeepCache). The loop asks the state for each evaluation
 (`StepCache.__call__`); the state runs the denoiser in full or answers from what it kept, and
 counts both. A fresh state starts with every call, so no call sees another's outputs.
 

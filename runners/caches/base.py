@@ -43,6 +43,29 @@ class CacheConfig:
                              f"{' or None' if allow_none else ''}{meaning}")
 
 
+class GraphCacheConfig(CacheConfig):
+    """A cache that runs a second graph of the denoiser on its cached steps (export/families/first_block.py,
+    deep_cache.py): `graph` takes the denoiser's inputs and `output`, one of the denoiser's outputs, kept
+    from a full step. Subclasses set these, `title`, `needs` (what the graph is) and `state` (their
+    StepCache)."""
+
+    graph = output = title = needs = instead = ""
+    state: type
+
+    def check(self, manifest: dict) -> None:
+        denoiser = manifest["pipeline"]["denoiser"]
+        outputs = {o["name"] for o in manifest["submodules"].get(denoiser, {}).get("outputs", ())}
+        if self.graph not in manifest["submodules"] or self.output not in outputs:
+            raise ValueError(f"{self.title} needs {self.needs} ({self.graph}); this artifact's {denoiser} has none "
+                             f"({self.instead})")
+
+    def start(self, pipe, num_steps: int) -> "StepCache":
+        if self.graph not in pipe.sessions:
+            raise ValueError(f"{self.title} runs {self.graph}, which this pipeline did not open: load it without "
+                             "`submodules=`, or with it among them")
+        return self.state(self, pipe, num_steps)
+
+
 class StepCache:
     """One call's cache state. This base class caches nothing: every evaluation runs in full. It counts
     evaluations and their seconds, full and cached (what `Pipeline.cache_stats` reports)."""

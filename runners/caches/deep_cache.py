@@ -21,38 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.caches.base import CacheConfig, StepCache, register
+from runners.caches.base import GraphCacheConfig, StepCache, register
 
 SHALLOW = "unet_shallow"  # the graph export/families/deep_cache.py writes
 FEATURE = "deep_feature"  # the U-Net's output the shallow graph takes
-
-
-@register("deepcache", {"interval": "cache_interval", "branch": "cache_branch_id"})
-@dataclass(frozen=True)
-class DeepCacheConfig(CacheConfig):
-    cache_interval: int = 3  # the library's README's (its `set_params` default, 1, caches nothing)
-    cache_branch_id: int = 0
-    positional = "cache_interval"  # "deepcache:3"
-
-    def __post_init__(self):
-        self._check_int("cache_interval", 1)
-        if self.cache_branch_id != 0 or isinstance(self.cache_branch_id, bool):
-            raise ValueError(f"DeepCacheConfig: cache_branch_id={self.cache_branch_id!r} is not allowed: the export "
-                             "writes the shallow branch of branch 0 only (the library's default and fastest)")
-
-    def check(self, manifest: dict) -> None:
-        denoiser = manifest["pipeline"]["denoiser"]
-        outputs = {o["name"] for o in manifest["submodules"].get(denoiser, {}).get("outputs", ())}
-        if SHALLOW not in manifest["submodules"] or FEATURE not in outputs:
-            raise ValueError(f"DeepCache needs the U-Net's shallow branch ({SHALLOW}); this artifact's {denoiser} has "
-                             "none (a transformer: use first-block or taylorseer; a U-Net exported before it: export "
-                             "the model again and rebuild)")
-
-    def start(self, pipe, num_steps: int) -> "DeepCache":
-        if SHALLOW not in pipe.sessions:
-            raise ValueError(f"DeepCache runs {SHALLOW}, which this pipeline did not open: load it without "
-                             "`submodules=`, or with it among them")
-        return DeepCache(self, pipe, num_steps)
 
 
 class DeepCache(StepCache):
@@ -73,3 +45,22 @@ class DeepCache(StepCache):
             return out["noise_pred"], "full"
         out = self.pipe._predict(x, t, conditions, release=last, engine=SHALLOW, **{FEATURE: feature})
         return np.array(out["noise_pred"]), "cached"  # a copy: the backend may reuse its buffers
+
+
+@register("deepcache", {"interval": "cache_interval", "branch": "cache_branch_id"})
+@dataclass(frozen=True)
+class DeepCacheConfig(GraphCacheConfig):
+    cache_interval: int = 3  # the library's README's (its `set_params` default, 1, caches nothing)
+    cache_branch_id: int = 0
+    positional = "cache_interval"  # "deepcache:3"
+    graph, output, title = SHALLOW, FEATURE, "DeepCache"
+    needs = "the U-Net's shallow branch"
+    instead = ("a transformer: use first-block or taylorseer; a U-Net exported before it: export the model again "
+               "and rebuild")
+    state = DeepCache
+
+    def __post_init__(self):
+        self._check_int("cache_interval", 1)
+        if self.cache_branch_id != 0 or isinstance(self.cache_branch_id, bool):
+            raise ValueError(f"DeepCacheConfig: cache_branch_id={self.cache_branch_id!r} is not allowed: the export "
+                             "writes the shallow branch of branch 0 only (the library's default and fastest)")

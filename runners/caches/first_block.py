@@ -22,36 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.caches.base import CacheConfig, StepCache, register
+from runners.caches.base import GraphCacheConfig, StepCache, register
 
 FIRST_BLOCK = "transformer_first_block"  # the graph export/families/first_block.py writes
-
-
-@register("first-block", {"threshold": "threshold"})
-@dataclass(frozen=True)
-class FirstBlockCacheConfig(CacheConfig):
-    threshold: float = 0.05
-    positional = "threshold"  # "first-block:0.08"
-
-    def __post_init__(self):
-        t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"FirstBlockCacheConfig: threshold={t!r} is not allowed: use a finite number >= 0 "
-                             "(diffusers' default 0.05; higher skips more steps)")
-
-    def check(self, manifest: dict) -> None:
-        denoiser = manifest["pipeline"]["denoiser"]
-        outputs = {o["name"] for o in manifest["submodules"].get(denoiser, {}).get("outputs", ())}
-        if FIRST_BLOCK not in manifest["submodules"] or "tail_residual" not in outputs:
-            raise ValueError(f"First-Block Cache needs the transformer split after its first block ({FIRST_BLOCK}); "
-                             f"this artifact's {denoiser} has none (a U-Net, or exported before the split): export "
-                             "the model again and rebuild, or use taylorseer")
-
-    def start(self, pipe, num_steps: int) -> "FirstBlockCache":
-        if FIRST_BLOCK not in pipe.sessions:
-            raise ValueError(f"First-Block Cache runs {FIRST_BLOCK}, which this pipeline did not open: load it without "
-                             "`submodules=`, or with it among them")
-        return FirstBlockCache(self, pipe, num_steps)
 
 
 class _Context:
@@ -108,3 +81,20 @@ class FirstBlockCache(StepCache):
         shape = (n // len(states), (h // patch) * (w // patch), self.pipe.manifest["constants"]["inner_dim"])
         return np.concatenate([s.tail if s.tail is not None and s.tail.shape == shape else np.zeros(shape, np.float32)
                                for s in states])
+
+
+@register("first-block", {"threshold": "threshold"})
+@dataclass(frozen=True)
+class FirstBlockCacheConfig(GraphCacheConfig):
+    threshold: float = 0.05
+    positional = "threshold"  # "first-block:0.08"
+    graph, output, title = FIRST_BLOCK, "tail_residual", "First-Block Cache"
+    needs = "the transformer split after its first block"
+    instead = "a U-Net, or exported before the split: export the model again and rebuild, or use taylorseer"
+    state = FirstBlockCache
+
+    def __post_init__(self):
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.number)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"FirstBlockCacheConfig: threshold={t!r} is not allowed: use a finite number >= 0 "
+                             "(diffusers' default 0.05; higher skips more steps)")
