@@ -222,6 +222,13 @@ FLUX_SCHNELL_TINY = {
     "transformer": {**FLUX_TINY["transformer"], "guidance_embeds": False},
     "scheduler": _FLUX_SCHNELL_SCHEDULER,
 }
+# FLUX.1 Fill at the same widths: the transformer reads 384 packed channels, the latents' 64 followed by
+# the masked image's latents (64) and the pixel mask folded into 8x8 patches (256) (FLUX.1-Fill-dev's).
+FLUX_FILL_TINY = {
+    **FLUX_TINY,
+    "transformer": {**FLUX_TINY["transformer"], "in_channels": 384, "out_channels": 64},
+    "pipeline_class": "FluxFillPipeline",
+}
 # FLUX.1's real widths (3072 = 24 heads of 128, joint width 4096) with 2 double-stream and 4
 # single-stream blocks; the real CLIP-L and VAE; T5-XXL's width at 2 layers (benchmarks).
 FLUX_BENCH = {
@@ -261,6 +268,8 @@ MODELS: dict[str, ModelEntry] = {
                    description="Stable Diffusion XL base 1.0"),
         ModelEntry("flux-dev", "flux", hub_id="black-forest-labs/FLUX.1-dev", image_size=(256, 1024, 1536),
                    description="FLUX.1 dev (guidance-distilled: 28 steps, guidance embedding 3.5)"),
+        ModelEntry("flux-fill", "flux", hub_id="black-forest-labs/FLUX.1-Fill-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.1 Fill dev (inpainting and outpainting: 50 steps, guidance embedding 30)"),
         ModelEntry("flux-schnell", "flux", hub_id="black-forest-labs/FLUX.1-schnell", image_size=(256, 1024, 1536),
                    description="FLUX.1 schnell (timestep-distilled: 4 steps, no guidance)"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
@@ -277,6 +286,9 @@ MODELS: dict[str, ModelEntry] = {
                    description="SD3.5-large's transformer alone at its true shapes, random fp16 weights (make scale-check)"),
         ModelEntry("flux-tiny", "flux", random_configs=FLUX_TINY, image_size=(64, 128, 512), t5_length=(1, 64, 512),
                    description="FLUX.1-dev architecture (guidance embedding) at tiny widths, built offline"),
+        ModelEntry("flux-fill-tiny", "flux", random_configs=FLUX_FILL_TINY, image_size=(64, 128, 512),
+                   t5_length=(1, 64, 512),
+                   description="FLUX.1 Fill architecture (inpainting: 384 input channels) at tiny widths, built offline"),
         ModelEntry("flux-schnell-tiny", "flux", random_configs=FLUX_SCHNELL_TINY, image_size=(64, 128, 512),
                    t5_length=(1, 64, 512),
                    description="FLUX.1-schnell architecture (no guidance embedding, no shift) at tiny widths, built offline"),

@@ -1,5 +1,6 @@
 """FLUX.1 text to image, image to image and inpainting, with the semantics of diffusers' FluxPipeline,
-FluxImg2ImgPipeline and FluxInpaintPipeline: CLIP-L's pooled state and T5's states as the text
+FluxImg2ImgPipeline and FluxInpaintPipeline, and FLUX.1 Fill's inpainting (FluxFillPipeline: the
+masked image's latents and the folded mask as more transformer channels, no blending): CLIP-L's pooled state and T5's states as the text
 conditions, the latents packed in 2x2 patches with their position ids, the flow-matching sigmas from
 1 to 1/steps (shifted by the image's token count where the scheduler says so), the guidance scale as
 an input of the transformer (dev) rather than a second pass, and classifier-free guidance only as
@@ -22,6 +23,8 @@ PACK = 2  # latents are packed in PACK x PACK patches
 # has no guidance input (the scale is unused: 0).
 DEV = {TEXT: Defaults(28, 3.5), IMAGE: Defaults(28, 7.0, 0.6), INPAINT: Defaults(28, 7.0, 0.6)}
 SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaults(4, 0.0, 0.6)}
+# FLUX.1 Fill (an inpainting transformer) runs FluxFillPipeline's defaults.
+FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
 
@@ -63,7 +66,7 @@ class FluxPipeline(TextToImage):
         # A guidance-distilled transformer (FLUX.1-dev) takes the scale as an input; a timestep-distilled
         # one (schnell) has none.
         self.variant = "dev" if "guidance" in inputs else "schnell"
-        self.defaults = DEV if self.variant == "dev" else SCHNELL
+        self.defaults = FILL if self.inpainting_denoiser() else DEV if self.variant == "dev" else SCHNELL
 
     def run(self, submodule: str, release: bool = True, **feeds):
         """One engine call, whose outputs must be finite: an artifact past its numeric range (fp16 beyond
@@ -88,7 +91,10 @@ class FluxPipeline(TextToImage):
         diffusers. `latents` are packed, as FluxPipeline takes them: (N, h/2 * w/2, 64) for latent
         sides h, w; `noise` and `encoder_noise` (the image tasks') are not: (N, 16, h, w). `seed`
         seeds numpy's generator, not torch's noise: pass the draws for exact comparison."""
-        defaults = self.defaults[task_of(image, mask_image)]
+        task = task_of(image, mask_image)
+        if task not in self.defaults:
+            self._check_task(task, image)  # refuses it: FLUX.1 Fill's transformer only inpaints
+        defaults = self.defaults[task]
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         _check_scale("guidance_scale", guidance_scale)
         _check_scale("true_cfg_scale", true_cfg_scale)
@@ -139,6 +145,15 @@ class FluxPipeline(TextToImage):
         pooled = self.run("text_encoder", input_ids=clip_ids)["pooler_output"]
         embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, t5_length))
         return np.repeat(embeds["last_hidden_state"], per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)
+
+    def _inpainting_channels(self, small_mask, mask, masked) -> np.ndarray:
+        """FLUX.1 Fill's (FluxFillPipeline.prepare_mask_latents): the masked image's latents, then the pixel
+        mask folded into its vae_scale_factor x vae_scale_factor patches (64 channels at latent size)."""
+        n, _, height, width = mask.shape
+        s = self.constants["vae_scale_factor"]
+        folded = mask[:, 0].reshape(n, height // s, s, width // s, s).transpose(0, 2, 4, 1, 3)
+        folded = folded.reshape(n, s * s, height // s, width // s)
+        return np.concatenate([masked, np.concatenate([folded] * (len(masked) // n))], axis=1)
 
     def _mu(self, latent_shape):
         return self.scheduler.mu_for(latent_shape[2], latent_shape[3], PACK)

@@ -230,8 +230,13 @@ class TextToImage(Pipeline):
             return start, Inpainting(small_mask, noise, image_latents, channels=None)
         # diffusers encodes the masked image whatever the denoiser; only an inpainting one reads it
         masked = self._image_latents(pixels * (mask < 0.5), n_images, encoder_noise, vae_tiling)
-        channels = np.concatenate([small_mask, masked], axis=1)
+        channels = self._inpainting_channels(small_mask, mask, masked)
         return start, Inpainting(small_mask, noise, None, np.concatenate([channels, channels]) if cfg else channels)
+
+    def _inpainting_channels(self, small_mask, mask, masked) -> np.ndarray:
+        """An inpainting denoiser's extra channels, from the latent-size mask, the pixel mask and the masked
+        image's latents: SD1.5's, the mask then the latents."""
+        return np.concatenate([small_mask, masked], axis=1)
 
     def _schedule(self, num_inference_steps: int, latent_shape):
         """The scheduler's run for a request (Flux gives it its own sigmas)."""

@@ -213,6 +213,11 @@ def flux_schnell_tiny_build(shared_root):
     return _tiny_build(shared_root, "flux-schnell-tiny")
 
 
+@pytest.fixture(scope="session")
+def flux_fill_tiny_build(shared_root):
+    return _tiny_build(shared_root, "flux-fill-tiny")
+
+
 def manifest(folder) -> dict:
     return json.loads((folder / "manifest.json").read_text())
 

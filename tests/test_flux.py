@@ -1,5 +1,6 @@
 """FLUX.1 against diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline on flux-tiny
-(dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift): the
+(dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift), and
+FluxFillPipeline on flux-fill-tiny (FLUX.1 Fill's 384-channel transformer): the
 same weights, the same packed latents (or image noise), fp32. Images must agree within 1/255; the
 errors measured are printed (about 5e-6)."""
 from __future__ import annotations
@@ -162,7 +163,8 @@ def test_export_checks_every_graph_at_two_shapes(builds):
     assert m["dims"]["image_tokens"] == [16, 64, 1024]
 
 
-@pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"])
+@pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
+                                            "FluxFillPipeline"])
 def test_a_local_folder_of_a_flux_pipeline_is_flux(tmp_path, pipeline_class):
     import json
 
@@ -192,10 +194,45 @@ IMAGE_CASES = {  # name: (build, diffusers pipeline, request)
 
 @pytest.mark.parametrize("case", IMAGE_CASES)
 def test_image_tasks_match_diffusers(monkeypatch, pipes, references, case):
-    """diffusers' randn_tensor patched: the pipeline's noise and the VAE's posterior samples are ours."""
+    variant, name, request = IMAGE_CASES[case]
+    _compare_image_task(monkeypatch, pipes[variant], references(variant, name), case, request)
+
+
+# FLUX.1 Fill (flux-fill-tiny): FluxFillPipeline's defaults are strength 1 and guidance 30.
+FILL_CASES = {
+    "fill": dict(height=128, width=128),
+    "fill_strength_0.7_non_square_two": dict(strength=0.7, height=64, width=96, num_images_per_prompt=2),
+}
+
+
+@pytest.fixture(scope="module")
+def fill(flux_fill_tiny_build):
+    from diffusers import FluxFillPipeline
+
+    reference = FluxFillPipeline.from_pretrained(flux_fill_tiny_build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    return Pipeline.load(flux_fill_tiny_build.folder / "ort-fp32"), reference
+
+
+@pytest.mark.parametrize("case", FILL_CASES)
+def test_fill_matches_diffusers(monkeypatch, fill, case):
+    _compare_image_task(monkeypatch, *fill, case, FILL_CASES[case])
+
+
+def test_fill_only_inpaints(fill):
+    pipe, _ = fill
+    assert pipe.defaults == {"inpainting": (50, 30.0, 1.0)}
+    for given in ({}, {"image": smooth_image(64, 64)}):
+        with pytest.raises(ValueError, match="is an inpainting one .* pass image= and mask_image="):
+            pipe("a cat", height=64, width=64, num_inference_steps=1, **given)
+
+
+def _compare_image_task(monkeypatch, ours, reference, case: str, request: dict):
+    """Image to image or inpainting (`reference`'s task) on our pipeline and diffusers', diffusers' randn_tensor
+    patched: the pipeline's noise and the VAE's posterior samples are ours."""
     import importlib
 
-    variant, name, request = IMAGE_CASES[case]
+    name = type(reference).__name__
     request = dict(request, prompt="a photo of a cat", num_inference_steps=4, max_sequence_length=16)
     height, width, n = request["height"], request["width"], request.get("num_images_per_prompt", 1)
     rng = np.random.default_rng(len(case))
@@ -204,13 +241,13 @@ def test_image_tasks_match_diffusers(monkeypatch, pipes, references, case):
     monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
     monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
     images = dict(image=smooth_image(height + 13, width - 7, seed=len(case)))  # resized to the size asked for
-    if name == "FluxInpaintPipeline":
+    if name != "FluxImg2ImgPipeline":
         images["mask_image"] = soft_mask(height + 13, width - 7)
-    ref = references(variant, name)(output_type="np", **images, **request).images
-    ours = pipes[variant](noise=noise, encoder_noise=encoder_noise, output_type="np", **images, **request)
-    assert ours.shape == ref.shape == (n, height, width, 3)
-    print(f"{case}: max abs error {np.abs(ours - ref).max():.1e}")
-    assert np.abs(ours - ref).max() <= BOUND
+    ref = reference(output_type="np", **images, **request).images
+    got = ours(noise=noise, encoder_noise=encoder_noise, output_type="np", **images, **request)
+    assert got.shape == ref.shape == (n, height, width, 3)
+    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}")
+    assert np.abs(got - ref).max() <= BOUND
     assert_real_image(ref)
 
 

@@ -1,5 +1,6 @@
-"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines): CLIP-L's pooled state, T5's states,
-the Flux transformer (double-stream blocks, then single-stream ones) and the 16-channel VAE, as data.
+"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines; FLUX.1 Fill's FluxFillPipeline): CLIP-L's
+pooled state, T5's states, the Flux transformer (double-stream blocks, then single-stream ones) and the
+16-channel VAE, as data.
 
 The transformer reads the latents packed in 2x2 patches, (batch, image tokens, 4 x channels), and
 the text and image position ids, from which it builds its rotary embedding: one graph serves every
@@ -125,7 +126,7 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
 
-    build_t5_pipeline("FluxPipeline", configs, out_dir, seed, {"tokenizer": "<|endoftext|>"}, "text_encoder_2",
+    build_t5_pipeline(configs.get("pipeline_class", "FluxPipeline"), configs, out_dir, seed, {"tokenizer": "<|endoftext|>"}, "text_encoder_2",
                       lambda t5: {
                           "transformer": lambda: FluxTransformer2DModel(**configs["transformer"]),
                           "vae": lambda: AutoencoderKL(**configs["vae"]),
@@ -136,8 +137,9 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="flux",
-    # One transformer serves all three, as in diffusers (Fill, Kontext and Control are other models).
-    pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+    # One transformer serves the first three, as in diffusers; FLUX.1 Fill's reads the masked image's
+    # latents and the mask as more channels (Kontext and Control are other models).
+    pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("pooler_output",)),
         t5_encoder("text_encoder_2"),
