@@ -112,12 +112,12 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
             pipe.run = _CompanionRecorder(pipe, store, graph)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
-        controlnets = pipe.controlnets() if hasattr(pipe, "controlnets") else []
+        controls = pipe.control_images()
         for i, prompt in enumerate(prompts):
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
                          guidance_scale=settings.guidance_scale, output_type="np",
                          **(_inpainting_inputs(size, seed=i) if inpainting else {}),
-                         **(_control_inputs(size, len(controlnets), seed=i) if controlnets else {}))
+                         **(_control_inputs(size, controls, seed=i) if controls else {}))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
             _log(f"prompt {i + 1}/{len(prompts)} recorded")
@@ -142,8 +142,8 @@ def _inpainting_inputs(size: int, seed: int) -> dict:
 
 
 def _control_inputs(size: int, count: int, seed: int) -> dict:
-    """An artifact with ControlNets runs them on every calibration prompt: a seeded edge-like control
-    image each (thin bright lines on black, as canny maps are)."""
+    """An artifact that takes control images (ControlNets, FLUX.1 Canny/Depth) runs on them at every
+    calibration prompt: a seeded edge-like control image each (thin bright lines on black, as canny maps are)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:size, 0:size] / size
     images = []

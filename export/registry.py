@@ -229,6 +229,13 @@ FLUX_FILL_TINY = {
     "transformer": {**FLUX_TINY["transformer"], "in_channels": 384, "out_channels": 64},
     "pipeline_class": "FluxFillPipeline",
 }
+# FLUX.1 Canny/Depth at the same widths: the transformer reads 128 packed channels, the latents' 64 followed
+# by the control image's latents (64) (FLUX.1-Canny-dev's and FLUX.1-Depth-dev's).
+FLUX_CONTROL_TINY = {
+    **FLUX_TINY,
+    "transformer": {**FLUX_TINY["transformer"], "in_channels": 128, "out_channels": 64},
+    "pipeline_class": "FluxControlPipeline",
+}
 # FLUX.1's real widths (3072 = 24 heads of 128, joint width 4096) with 2 double-stream and 4
 # single-stream blocks; the real CLIP-L and VAE; T5-XXL's width at 2 layers (benchmarks).
 FLUX_BENCH = {
@@ -270,6 +277,12 @@ MODELS: dict[str, ModelEntry] = {
                    description="FLUX.1 dev (guidance-distilled: 28 steps, guidance embedding 3.5)"),
         ModelEntry("flux-fill", "flux", hub_id="black-forest-labs/FLUX.1-Fill-dev", image_size=(256, 1024, 1536),
                    description="FLUX.1 Fill dev (inpainting and outpainting: 50 steps, guidance embedding 30)"),
+        ModelEntry("flux-canny", "flux", hub_id="black-forest-labs/FLUX.1-Canny-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.1 Canny dev (an edge map's latents beside the latents: 50 steps, guidance 30 "
+                               "on its model card)"),
+        ModelEntry("flux-depth", "flux", hub_id="black-forest-labs/FLUX.1-Depth-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.1 Depth dev (a depth map's latents beside the latents: 30 steps, guidance 10 "
+                               "on its model card)"),
         ModelEntry("flux-schnell", "flux", hub_id="black-forest-labs/FLUX.1-schnell", image_size=(256, 1024, 1536),
                    description="FLUX.1 schnell (timestep-distilled: 4 steps, no guidance)"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
@@ -289,6 +302,10 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("flux-fill-tiny", "flux", random_configs=FLUX_FILL_TINY, image_size=(64, 128, 512),
                    t5_length=(1, 64, 512),
                    description="FLUX.1 Fill architecture (inpainting: 384 input channels) at tiny widths, built offline"),
+        ModelEntry("flux-control-tiny", "flux", random_configs=FLUX_CONTROL_TINY, image_size=(64, 128, 512),
+                   t5_length=(1, 64, 512),
+                   description="FLUX.1 Canny/Depth architecture (a control image's latents: 128 input channels) at "
+                               "tiny widths, built offline"),
         ModelEntry("flux-schnell-tiny", "flux", random_configs=FLUX_SCHNELL_TINY, image_size=(64, 128, 512),
                    t5_length=(1, 64, 512),
                    description="FLUX.1-schnell architecture (no guidance embedding, no shift) at tiny widths, built offline"),

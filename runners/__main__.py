@@ -54,6 +54,11 @@ def _numbered(path: Path, count: int) -> list[Path]:
     return [path] if count == 1 else [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
 
 
+CONTROL_OPTIONS = {"control_image": "--control-image/--canny", "controlnet_conditioning_scale": "--control-scale",
+                   "control_guidance_start": "--control-start", "control_guidance_end": "--control-end",
+                   "guess_mode": "--guess-mode"}  # the call's argument each sets
+
+
 def _control_arguments(args) -> dict:
     """The ControlNet arguments of a call from the CLI's (those not given left out)."""
     from runners.controlnet import canny_edges
@@ -183,9 +188,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--true-cfg-scale is Flux's (classifier-free guidance with a negative prompt); this "
                              f"artifact is {pipe.family}'s, whose guidance is --guidance")
         control = _control_arguments(args)
-        if control and "control_image" not in inspect.signature(pipe.generate).parameters:
-            raise ValueError(f"--control-image, --canny and the --control-* options are the U-Net families' "
-                             f"ControlNets; this artifact is {pipe.family}'s")
+        refused = [CONTROL_OPTIONS[k] for k in control if k not in inspect.signature(pipe.generate).parameters]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: this artifact ({pipe.family}) does not take them (the U-Net "
+                             "families' ControlNets take every --control-* option; FLUX.1 Canny/Depth --control-image "
+                             "or --canny)")
         given = {**control, "num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image, "mask_image": mask,
                  "strength": args.strength, "true_cfg_scale": args.true_cfg_scale}  # unset: the family's defaults

@@ -167,6 +167,9 @@ class ControlNets:
         names = [n for n in self.manifest["submodules"] if n == "controlnet" or n.startswith("controlnet_")]
         return sorted(names, key=lambda n: 0 if n == "controlnet" else int(n.rsplit("_", 1)[1]))
 
+    def control_images(self) -> int:
+        return len(self.controlnets())
+
     def _residual_inputs(self) -> list[dict]:
         """The denoiser's residual inputs; none for a UNet exported without them."""
         inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]

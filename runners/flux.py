@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
+from runners.images import to_model_input
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, given_or_drawn, task_of
 
 PACK = 2  # latents are packed in PACK x PACK patches
 
@@ -23,8 +24,10 @@ PACK = 2  # latents are packed in PACK x PACK patches
 # has no guidance input (the scale is unused: 0).
 DEV = {TEXT: Defaults(28, 3.5), IMAGE: Defaults(28, 7.0, 0.6), INPAINT: Defaults(28, 7.0, 0.6)}
 SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaults(4, 0.0, 0.6)}
-# FLUX.1 Fill (an inpainting transformer) runs FluxFillPipeline's defaults.
+# FLUX.1 Fill (an inpainting transformer) runs FluxFillPipeline's defaults; FLUX.1 Canny/Depth (a transformer
+# that reads a control image's latents) FluxControlPipeline's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
+CONTROL = {TEXT: Defaults(28, 3.5)}
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
 
@@ -66,7 +69,22 @@ class FluxPipeline(TextToImage):
         # A guidance-distilled transformer (FLUX.1-dev) takes the scale as an input; a timestep-distilled
         # one (schnell) has none.
         self.variant = "dev" if "guidance" in inputs else "schnell"
-        self.defaults = FILL if self.inpainting_denoiser() else DEV if self.variant == "dev" else SCHNELL
+        self.defaults = (CONTROL if self.reads_control_image else FILL if self.inpainting_denoiser()
+                         else DEV if self.variant == "dev" else SCHNELL)
+        self._control_latents = None  # a call's control image latents (FLUX.1 Canny/Depth)
+
+    @property
+    def reads_control_image(self) -> bool:
+        """Whether the transformer is FLUX.1 Canny/Depth's, which reads a control image's latents beside the
+        latents (twice their channels; Fill's reads the masked image's latents and the folded mask)."""
+        c = self.manifest["constants"]
+        return c["in_channels"] == 2 * c["latent_channels"]
+
+    def inpainting_denoiser(self) -> bool:
+        return super().inpainting_denoiser() and not self.reads_control_image
+
+    def control_images(self) -> int:
+        return int(self.reads_control_image)
 
     def run(self, submodule: str, release: bool = True, **feeds):
         """One engine call, whose outputs must be finite: an artifact past its numeric range (fp16 beyond
@@ -82,7 +100,7 @@ class FluxPipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
-                 strength=None, noise=None, encoder_noise=None):
+                 strength=None, noise=None, encoder_noise=None, control_image=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
         guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
@@ -90,10 +108,18 @@ class FluxPipeline(TextToImage):
         classifier-free guidance runs only with a `negative_prompt` and `true_cfg_scale` > 1, as in
         diffusers. `latents` are packed, as FluxPipeline takes them: (N, h/2 * w/2, 64) for latent
         sides h, w; `noise` and `encoder_noise` (the image tasks') are not: (N, 16, h, w). `seed`
-        seeds numpy's generator, not torch's noise: pass the draws for exact comparison."""
+        seeds numpy's generator, not torch's noise: pass the draws for exact comparison.
+        `control_image` (one, or one per prompt) is FLUX.1 Canny/Depth's (FluxControlPipeline), which
+        that transformer needs: its VAE posterior sample takes `encoder_noise` there."""
         task = task_of(image, mask_image)
-        if task not in self.defaults:
-            self._check_task(task, image)  # refuses it: FLUX.1 Fill's transformer only inpaints
+        if self.reads_control_image != (control_image is not None):
+            raise ValueError("this artifact's transformer is FLUX.1 Canny/Depth's: pass control_image= (an edge or "
+                             "depth map)" if self.reads_control_image else "control_image= is for a FLUX.1 Canny/Depth "
+                             "artifact (flux-canny, flux-depth); this one's transformer reads none")
+        if task not in self.defaults:  # FLUX.1 Fill's transformer only inpaints, Canny/Depth's only makes
+            self._check_task(task, image)  # images from text
+            raise ValueError(f"{task} with FLUX.1 Canny/Depth is not supported (diffusers' FluxControlImg2Img and "
+                             "FluxControlInpaint pipelines are not ported): leave image= and mask_image= out")
         defaults = self.defaults[task]
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         _check_scale("guidance_scale", guidance_scale)
@@ -107,12 +133,17 @@ class FluxPipeline(TextToImage):
                              f"to {hi} (this artifact's T5 range)")
         if latents is not None:
             latents = self._unpacked(latents, height, width, output_type)
-        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
-                                     true_cfg_scale if negative_prompt is not None else 1.0,
-                                     num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                     image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                     encoder_noise=encoder_noise, t5_length=max_sequence_length,
-                                     guidance=guidance_scale)
+        control = dict(control_image=control_image, noise=encoder_noise, seed=seed, vae_tiling=vae_tiling) \
+            if control_image is not None else None
+        try:
+            result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
+                                         true_cfg_scale if negative_prompt is not None else 1.0,
+                                         num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                         image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                         encoder_noise=None if control else encoder_noise,
+                                         t5_length=max_sequence_length, guidance=guidance_scale, control=control)
+        finally:
+            self._control_latents = None
         return pack(result) if output_type == "latent" else result
 
     def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
@@ -121,14 +152,17 @@ class FluxPipeline(TextToImage):
         height, width = size if height is None else height, size if width is None else width
         self._check(height, width, 1, output_type)
         h, w = (side // self.constants["vae_scale_factor"] for side in (height, width))
-        tokens, channels = (h // PACK) * (w // PACK), self.manifest["constants"]["packed_channels"]
+        tokens, channels = (h // PACK) * (w // PACK), self.manifest["constants"]["latent_channels"] * PACK**2
         latents = np.asarray(latents, dtype=np.float32)
         if latents.ndim != 3 or latents.shape[1:] != (tokens, channels):
             raise ValueError(f"latents have shape {latents.shape}; a {height}x{width} image takes packed latents "
                              f"(images, {tokens}, {channels}), as diffusers' FluxPipeline does")
         return unpack(latents, h, w)
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance):
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance, control):
+        if control is not None:
+            self._control_latents = self._control(height=height, width=width, n_images=len(prompts) * per_prompt,
+                                                  **control)
         embeds, pooled = self._encode(prompts, per_prompt, t5_length)
         if cfg:  # the negative half first, as the loop splits it
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
@@ -145,6 +179,21 @@ class FluxPipeline(TextToImage):
         pooled = self.run("text_encoder", input_ids=clip_ids)["pooler_output"]
         embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, t5_length))
         return np.repeat(embeds["last_hidden_state"], per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)
+
+    def _control(self, control_image, height, width, n_images, noise, seed, vae_tiling) -> np.ndarray:
+        """FluxControlPipeline's control latents: the control image prepared as an image (resized, in
+        [-1, 1]), repeated for the images to generate (each one's own, repeat_interleave), then a sample of
+        its VAE posterior (`noise`, or drawn from a stream of `seed` the latents' does not use), scaled."""
+        scale = self.constants["vae_scale_factor"]
+        pixels = to_model_input(control_image, height, width, multiple=scale)
+        if n_images % len(pixels):
+            raise ValueError(f"{len(pixels)} control images for {n_images} images to generate: pass one, or one per "
+                             "prompt")
+        pixels = np.repeat(pixels, n_images // len(pixels), axis=0)
+        shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
+        noise = given_or_drawn("encoder_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, 1)))
+        with self._timed("vae_encode"):
+            return self._image_latents(pixels, n_images, noise, vae_tiling)
 
     def _inpainting_channels(self, small_mask, mask, masked) -> np.ndarray:
         """FLUX.1 Fill's (FluxFillPipeline.prepare_mask_latents): the masked image's latents, then the pixel
@@ -166,6 +215,8 @@ class FluxPipeline(TextToImage):
         """The transformer (or `engine`, another graph of it, with `extra` inputs) on the packed latents, its
         timestep divided by 1000 (as the pipeline feeds it): its outputs, `noise_pred` unpacked."""
         n, _, h, w = x.shape
+        if self._control_latents is not None:  # the same control for guidance's halves
+            x = np.concatenate([x, np.concatenate([self._control_latents] * (n // len(self._control_latents)))], axis=1)
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
         out = self.run(engine or "transformer", release=release, hidden_states=pack(x), timestep=timestep,
                        img_ids=image_ids(h, w), **conditions, **extra)

@@ -54,7 +54,7 @@ def _check_shared(what: str, count: int, n_images: int) -> None:
                          f"num_images_per_prompt): pass one, or as many as prompts")
 
 
-def _given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
+def given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
     """Noise the caller passed (checked against the shape the request needs), or drawn from `rng`."""
     if value is None:
         return rng.standard_normal(shape, dtype=np.float32)
@@ -150,11 +150,11 @@ class TextToImage(Pipeline):
         schedule = self._schedule(num_inference_steps, shape)
         inpainting = None
         if task == TEXT:
-            latents = _given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
+            latents = given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
         else:
             schedule.begin_at(start)
-            encoder_noise = _given_or_drawn("encoder_noise", encoder_noise, (len(pixels), *shape[1:]), rng)
-            noise = _given_or_drawn("noise", noise, shape, rng)
+            encoder_noise = given_or_drawn("encoder_noise", encoder_noise, (len(pixels), *shape[1:]), rng)
+            noise = given_or_drawn("noise", noise, shape, rng)
             with self._timed("vae_encode"):
                 if task == IMAGE:
                     latents = schedule.noised(self._image_latents(pixels, n_images, encoder_noise, vae_tiling), noise)
@@ -192,6 +192,11 @@ class TextToImage(Pipeline):
         """Whether the denoiser reads more channels than the latents have (the mask and the masked image's)."""
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
+
+    def control_images(self) -> int:
+        """How many control images a call of this artifact takes (`control_image=`): one per ControlNet, one
+        for a transformer that reads one (FLUX.1 Canny/Depth), none here."""
+        return 0
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, **options) -> dict:
         """The denoiser's feeds besides the latents and the timestep, for the whole batch."""

@@ -218,6 +218,11 @@ def flux_fill_tiny_build(shared_root):
     return _tiny_build(shared_root, "flux-fill-tiny")
 
 
+@pytest.fixture(scope="session")
+def flux_control_tiny_build(shared_root):
+    return _tiny_build(shared_root, "flux-control-tiny")
+
+
 def manifest(folder) -> dict:
     return json.loads((folder / "manifest.json").read_text())
 

@@ -1,8 +1,8 @@
 """FLUX.1 against diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline on flux-tiny
 (dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift), and
-FluxFillPipeline on flux-fill-tiny (FLUX.1 Fill's 384-channel transformer): the
-same weights, the same packed latents (or image noise), fp32. Images must agree within 1/255; the
-errors measured are printed (about 5e-6)."""
+FluxFillPipeline on flux-fill-tiny (FLUX.1 Fill's 384-channel transformer) and FluxControlPipeline on
+flux-control-tiny (FLUX.1 Canny/Depth's 128 channels): the same weights, the same packed latents (or
+image noise), fp32. Images must agree within 1/255; the errors measured are printed (about 5e-6)."""
 from __future__ import annotations
 
 import logging
@@ -164,7 +164,7 @@ def test_export_checks_every_graph_at_two_shapes(builds):
 
 
 @pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
-                                            "FluxFillPipeline"])
+                                            "FluxFillPipeline", "FluxControlPipeline"])
 def test_a_local_folder_of_a_flux_pipeline_is_flux(tmp_path, pipeline_class):
     import json
 
@@ -225,6 +225,58 @@ def test_fill_only_inpaints(fill):
     for given in ({}, {"image": smooth_image(64, 64)}):
         with pytest.raises(ValueError, match="is an inpainting one .* pass image= and mask_image="):
             pipe("a cat", height=64, width=64, num_inference_steps=1, **given)
+
+
+# FLUX.1 Canny/Depth (flux-control-tiny): a control image (one, or one per prompt) for text to image.
+CONTROL_CASES = {
+    "control": dict(prompt="a photo of a cat", height=128, width=128),
+    "control_two_prompts_two_each_non_square": dict(prompt=["a cat", "a red car"], num_images_per_prompt=2,
+                                                    height=64, width=96),
+}
+
+
+@pytest.fixture(scope="module")
+def control(flux_control_tiny_build):
+    from diffusers import FluxControlPipeline
+
+    reference = FluxControlPipeline.from_pretrained(flux_control_tiny_build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    return Pipeline.load(flux_control_tiny_build.folder / "ort-fp32"), reference
+
+
+@pytest.mark.parametrize("case", CONTROL_CASES)
+def test_control_matches_diffusers(monkeypatch, control, case):
+    """The control image's VAE sample takes our `encoder_noise` (diffusers' randn_tensor patched); diffusers'
+    image with another control image differs, so the test fails if ours ignored it."""
+    ours, reference = control
+    request = dict(CONTROL_CASES[case], num_inference_steps=3, max_sequence_length=16)
+    height, width = request["height"], request["width"]
+    prompts = 1 if isinstance(request["prompt"], str) else len(request["prompt"])
+    n = prompts * request.get("num_images_per_prompt", 1)
+    images = [smooth_image(height + 13, width - 7, seed=k) for k in range(prompts)]
+    control_image = images[0] if prompts == 1 else images
+    encoder_noise = np.random.default_rng(len(case)).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
+    latents = _packed_latents(n, height, width, seed=len(case))
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    ref = reference(control_image=control_image, latents=torch.from_numpy(latents), output_type="np", **request).images
+    other = reference(control_image=smooth_image(height, width, seed=9), latents=torch.from_numpy(latents),
+                      output_type="np", **request).images
+    got = ours(control_image=control_image, latents=latents, encoder_noise=encoder_noise, output_type="np", **request)
+    assert ours.defaults == {"text to image": (28, 3.5, None)}
+    assert got.shape == ref.shape == (n, height, width, 3)
+    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}, the control's effect {np.abs(ref - other).max():.3f}")
+    assert np.abs(got - ref).max() <= BOUND
+    assert np.abs(ref - other).max() > 10 * BOUND, "the control image changed nothing: the test would prove nothing"
+    assert_real_image(ref)
+
+
+def test_control_image_is_needed_exactly_by_a_control_transformer(control, pipes):
+    with pytest.raises(ValueError, match="is FLUX.1 Canny/Depth's: pass control_image="):
+        control[0]("a cat", height=64, width=64)
+    with pytest.raises(ValueError, match="image to image with FLUX.1 Canny/Depth is not supported"):
+        control[0]("a cat", control_image=smooth_image(64, 64), image=smooth_image(64, 64))
+    with pytest.raises(ValueError, match="control_image= is for a FLUX.1 Canny/Depth artifact"):
+        pipes["dev"]("a cat", control_image=smooth_image(64, 64), height=64, width=64)
 
 
 def _compare_image_task(monkeypatch, ours, reference, case: str, request: dict):

@@ -96,9 +96,9 @@ def test_unknown_model_lists_the_known_names():
 def test_folder_that_is_not_a_pipeline(tmp_path):
     with pytest.raises(SourceError, match="no model_index.json"):
         resolve(str(tmp_path))
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxFillPipeline"}))
-    with pytest.raises(SourceError, match="FluxFillPipeline; supported pipelines: StableDiffusion3Pipeline, "
-                                          "StableDiffusion3Img2ImgPipeline, .*FluxInpaintPipeline$"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "AuraFlowPipeline"}))
+    with pytest.raises(SourceError, match="AuraFlowPipeline; supported pipelines: StableDiffusion3Pipeline, "
+                                          "StableDiffusion3Img2ImgPipeline, .*FluxControlPipeline$"):
         resolve(str(tmp_path))
 
 

@@ -1,6 +1,6 @@
-"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines; FLUX.1 Fill's FluxFillPipeline): CLIP-L's
-pooled state, T5's states, the Flux transformer (double-stream blocks, then single-stream ones) and the
-16-channel VAE, as data.
+"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines; FLUX.1 Fill's FluxFillPipeline and
+Canny/Depth's FluxControlPipeline): CLIP-L's pooled state, T5's states, the Flux transformer
+(double-stream blocks, then single-stream ones) and the 16-channel VAE, as data.
 
 The transformer reads the latents packed in 2x2 patches, (batch, image tokens, 4 x channels), and
 the text and image position ids, from which it builds its rotary embedding: one graph serves every
@@ -138,8 +138,9 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 FAMILY = Family(
     name="flux",
     # One transformer serves the first three, as in diffusers; FLUX.1 Fill's reads the masked image's
-    # latents and the mask as more channels (Kontext and Control are other models).
-    pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline"),
+    # latents and the mask as more channels, FLUX.1 Canny/Depth's a control image's latents.
+    pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
+                      "FluxControlPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("pooler_output",)),
         t5_encoder("text_encoder_2"),
