@@ -112,12 +112,9 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
             pipe.run = _CompanionRecorder(pipe, store, graph)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
-        controls = pipe.control_images()
         for i, prompt in enumerate(prompts):
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
-                         guidance_scale=settings.guidance_scale, output_type="np",
-                         **(_inpainting_inputs(size, seed=i) if inpainting else {}),
-                         **(_control_inputs(size, controls, seed=i) if controls else {}))
+                         guidance_scale=settings.guidance_scale, output_type="np", **_call_inputs(pipe, size, seed=i))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
             _log(f"prompt {i + 1}/{len(prompts)} recorded")
@@ -127,6 +124,17 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
                              "prompts": list(prompts), "seeds": list(range(len(prompts))), "calls": calls})
     _log(f"wrote {dest}")
     return dest
+
+
+def _call_inputs(pipe, size: int, seed: int) -> dict:
+    """What a calibration call gives besides the prompt: an image and a mask to an inpainting denoiser, control
+    images to ControlNets or FLUX.1 Canny/Depth, a reference image at the calibration size to FLUX.1 Kontext."""
+    inputs = _inpainting_inputs(size, seed) if pipe.inpainting_denoiser() else {}
+    if pipe.control_images():
+        inputs.update(_control_inputs(size, pipe.control_images(), seed))
+    if pipe.reads_reference_image:
+        inputs.update(image=_inpainting_inputs(size, seed)["image"], max_area=size * size, auto_resize=False)
+    return inputs
 
 
 def _inpainting_inputs(size: int, seed: int) -> dict:

@@ -236,6 +236,8 @@ FLUX_CONTROL_TINY = {
     "transformer": {**FLUX_TINY["transformer"], "in_channels": 128, "out_channels": 64},
     "pipeline_class": "FluxControlPipeline",
 }
+# FLUX.1 Kontext at the same widths: FLUX.1-dev's transformer layout, saved as a FluxKontextPipeline.
+FLUX_KONTEXT_TINY = {**FLUX_TINY, "pipeline_class": "FluxKontextPipeline"}
 # FLUX.1's real widths (3072 = 24 heads of 128, joint width 4096) with 2 double-stream and 4
 # single-stream blocks; the real CLIP-L and VAE; T5-XXL's width at 2 layers (benchmarks).
 FLUX_BENCH = {
@@ -283,6 +285,9 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("flux-depth", "flux", hub_id="black-forest-labs/FLUX.1-Depth-dev", image_size=(256, 1024, 1536),
                    description="FLUX.1 Depth dev (a depth map's latents beside the latents: 30 steps, guidance 10 "
                                "on its model card)"),
+        ModelEntry("flux-kontext", "flux", hub_id="black-forest-labs/FLUX.1-Kontext-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.1 Kontext dev (edits a reference image: 28 steps, guidance 2.5 on its model "
+                               "card)"),
         ModelEntry("flux-schnell", "flux", hub_id="black-forest-labs/FLUX.1-schnell", image_size=(256, 1024, 1536),
                    description="FLUX.1 schnell (timestep-distilled: 4 steps, no guidance)"),
         ModelEntry("sd3-tiny", "sd3", random_configs=SD3_TINY, image_size=(64, 128, 512),
@@ -306,6 +311,10 @@ MODELS: dict[str, ModelEntry] = {
                    t5_length=(1, 64, 512),
                    description="FLUX.1 Canny/Depth architecture (a control image's latents: 128 input channels) at "
                                "tiny widths, built offline"),
+        ModelEntry("flux-kontext-tiny", "flux", random_configs=FLUX_KONTEXT_TINY, image_size=(64, 128, 512),
+                   t5_length=(1, 64, 512),
+                   description="FLUX.1 Kontext architecture (a reference image's tokens after the image's) at tiny "
+                               "widths, built offline"),
         ModelEntry("flux-schnell-tiny", "flux", random_configs=FLUX_SCHNELL_TINY, image_size=(64, 128, 512),
                    t5_length=(1, 64, 512),
                    description="FLUX.1-schnell architecture (no guidance embedding, no shift) at tiny widths, built offline"),

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.images import to_model_input
-from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, given_or_drawn, task_of
+from runners.flux_conditions import KONTEXT_MAX_AREA, control_latents, kontext_size, reference_latents
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
 
 PACK = 2  # latents are packed in PACK x PACK patches
 
@@ -28,6 +28,7 @@ SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaul
 # that reads a control image's latents) FluxControlPipeline's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
 CONTROL = {TEXT: Defaults(28, 3.5)}
+KONTEXT = {TEXT: Defaults(28, 3.5)}  # FluxKontextPipeline's: image= is its reference, not image to image's
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
 
@@ -69,9 +70,11 @@ class FluxPipeline(TextToImage):
         # A guidance-distilled transformer (FLUX.1-dev) takes the scale as an input; a timestep-distilled
         # one (schnell) has none.
         self.variant = "dev" if "guidance" in inputs else "schnell"
+        self.reads_reference_image = bool(self.constants.get("reference_image"))  # FLUX.1 Kontext's transformer
         self.defaults = (CONTROL if self.reads_control_image else FILL if self.inpainting_denoiser()
-                         else DEV if self.variant == "dev" else SCHNELL)
+                         else KONTEXT if self.reads_reference_image else DEV if self.variant == "dev" else SCHNELL)
         self._control_latents = None  # a call's control image latents (FLUX.1 Canny/Depth)
+        self._reference = None  # a call's reference tokens and their ids (FLUX.1 Kontext)
 
     @property
     def reads_control_image(self) -> bool:
@@ -100,7 +103,7 @@ class FluxPipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
-                 strength=None, noise=None, encoder_noise=None, control_image=None):
+                 strength=None, noise=None, encoder_noise=None, control_image=None, max_area=None, auto_resize=True):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
         guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
@@ -110,7 +113,17 @@ class FluxPipeline(TextToImage):
         sides h, w; `noise` and `encoder_noise` (the image tasks') are not: (N, 16, h, w). `seed`
         seeds numpy's generator, not torch's noise: pass the draws for exact comparison.
         `control_image` (one, or one per prompt) is FLUX.1 Canny/Depth's (FluxControlPipeline), which
-        that transformer needs: its VAE posterior sample takes `encoder_noise` there."""
+        that transformer needs: its VAE posterior sample takes `encoder_noise` there. On FLUX.1 Kontext
+        (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
+        aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
+        at `max_area` pixels (default 1024**2)."""
+        reference = None
+        if self.reads_reference_image:
+            height, width, reference = self._kontext_request(height, width, image, mask_image, strength, noise,
+                                                             max_area, auto_resize, vae_tiling)
+            image = None
+        elif max_area is not None or auto_resize is not True:
+            raise ValueError("max_area= and auto_resize= are FLUX.1 Kontext's (flux-kontext); this artifact is not")
         task = task_of(image, mask_image)
         if self.reads_control_image != (control_image is not None):
             raise ValueError("this artifact's transformer is FLUX.1 Canny/Depth's: pass control_image= (an edge or "
@@ -141,9 +154,10 @@ class FluxPipeline(TextToImage):
                                          num_images_per_prompt, seed, latents, output_type, vae_tiling,
                                          image=image, mask_image=mask_image, strength=strength, noise=noise,
                                          encoder_noise=None if control else encoder_noise,
-                                         t5_length=max_sequence_length, guidance=guidance_scale, control=control)
+                                         t5_length=max_sequence_length, guidance=guidance_scale, control=control,
+                                         reference=reference)
         finally:
-            self._control_latents = None
+            self._control_latents = self._reference = None
         return pack(result) if output_type == "latent" else result
 
     def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
@@ -159,10 +173,26 @@ class FluxPipeline(TextToImage):
                              f"(images, {tokens}, {channels}), as diffusers' FluxPipeline does")
         return unpack(latents, h, w)
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance, control):
+    def _kontext_request(self, height, width, image, mask_image, strength, noise, max_area, auto_resize, vae_tiling):
+        """FLUX.1 Kontext's output size and reference image (None without one)."""
+        given = [n for n, v in (("mask_image", mask_image), ("strength", strength), ("noise", noise)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: FLUX.1 Kontext edits the image= it is given as a reference, "
+                             "without a mask or strength")
+        size = self.constants["default_image_size"]
+        height, width = kontext_size(size if height is None else height, size if width is None else width,
+                                     KONTEXT_MAX_AREA if max_area is None else max_area,
+                                     self.constants["vae_scale_factor"] * PACK)
+        reference = dict(image=image, auto_resize=auto_resize, vae_tiling=vae_tiling) if image is not None else None
+        return height, width, reference
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance, control,
+                    reference):
+        n_images = len(prompts) * per_prompt
         if control is not None:
-            self._control_latents = self._control(height=height, width=width, n_images=len(prompts) * per_prompt,
-                                                  **control)
+            self._control_latents = control_latents(self, height=height, width=width, n_images=n_images, **control)
+        if reference is not None:
+            self._reference = self._reference_tokens(reference, height, width, n_images)
         embeds, pooled = self._encode(prompts, per_prompt, t5_length)
         if cfg:  # the negative half first, as the loop splits it
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
@@ -180,20 +210,20 @@ class FluxPipeline(TextToImage):
         embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, t5_length))
         return np.repeat(embeds["last_hidden_state"], per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)
 
-    def _control(self, control_image, height, width, n_images, noise, seed, vae_tiling) -> np.ndarray:
-        """FluxControlPipeline's control latents: the control image prepared as an image (resized, in
-        [-1, 1]), repeated for the images to generate (each one's own, repeat_interleave), then a sample of
-        its VAE posterior (`noise`, or drawn from a stream of `seed` the latents' does not use), scaled."""
+    def _reference_tokens(self, reference: dict, height: int, width: int, n_images: int):
+        """The reference's packed latents and their position ids (1, row, column), checked against the engine's
+        image token range together with the image's."""
+        z = reference_latents(self, n_images=n_images, **reference)
         scale = self.constants["vae_scale_factor"]
-        pixels = to_model_input(control_image, height, width, multiple=scale)
-        if n_images % len(pixels):
-            raise ValueError(f"{len(pixels)} control images for {n_images} images to generate: pass one, or one per "
-                             "prompt")
-        pixels = np.repeat(pixels, n_images // len(pixels), axis=0)
-        shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
-        noise = given_or_drawn("encoder_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, 1)))
-        with self._timed("vae_encode"):
-            return self._image_latents(pixels, n_images, noise, vae_tiling)
+        tokens = (height // scale // PACK) * (width // scale // PACK) + (z.shape[2] // PACK) * (z.shape[3] // PACK)
+        most = self.dims["image_tokens"][2]
+        if tokens > most:
+            raise ValueError(f"the image and its reference image take {tokens} image tokens, more than this artifact's "
+                             f"{most}: lower max_area=, pass auto_resize=False with a smaller image=, or export with a "
+                             "larger --image-size")
+        ids = image_ids(*z.shape[2:])
+        ids[:, 0] = 1
+        return pack(z), ids
 
     def _inpainting_channels(self, small_mask, mask, masked) -> np.ndarray:
         """FLUX.1 Fill's (FluxFillPipeline.prepare_mask_latents): the masked image's latents, then the pixel
@@ -217,7 +247,15 @@ class FluxPipeline(TextToImage):
         n, _, h, w = x.shape
         if self._control_latents is not None:  # the same control for guidance's halves
             x = np.concatenate([x, np.concatenate([self._control_latents] * (n // len(self._control_latents)))], axis=1)
+        tokens, ids = pack(x), image_ids(h, w)
+        if self._reference is not None:  # Kontext's reference tokens after the image's, for guidance's halves too
+            reference, reference_ids = self._reference
+            tokens = np.concatenate([tokens, np.concatenate([reference] * (n // len(reference)))], axis=1)
+            ids = np.concatenate([ids, reference_ids])
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
-        out = self.run(engine or "transformer", release=release, hidden_states=pack(x), timestep=timestep,
-                       img_ids=image_ids(h, w), **conditions, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
+        out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep,
+                       img_ids=ids, **conditions, **extra)
+        return {**out, "noise_pred": unpack(out["noise_pred"][:, :(h // PACK) * (w // PACK)], h, w)}
+
+    def hidden_tokens(self, h: int, w: int) -> int:
+        return super().hidden_tokens(h, w) + (0 if self._reference is None else self._reference[0].shape[1])

@@ -88,6 +88,7 @@ class TextToImage(Pipeline):
     # The cache contexts of a guided step's batch (Pipeline._evaluate): one for diffusers' pipelines that
     # batch guidance in one call; "uncond,cond" where diffusers calls the halves apart (Flux's true CFG).
     guidance_contexts = "batch"
+    reads_reference_image = False  # image= is a reference to edit, not image to image's (FLUX.1 Kontext)
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
@@ -192,6 +193,12 @@ class TextToImage(Pipeline):
         """Whether the denoiser reads more channels than the latents have (the mask and the masked image's)."""
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
+
+    def hidden_tokens(self, h: int, w: int) -> int:
+        """A transformer's hidden stream length for latents of sides h, w: its patches (First-Block Cache's
+        tail residual has it); FLUX.1 Kontext's adds its reference's."""
+        patch = self.constants["patch_size"]
+        return (h // patch) * (w // patch)
 
     def control_images(self) -> int:
         """How many control images a call of this artifact takes (`control_image=`): one per ControlNet, one

@@ -78,17 +78,18 @@ def _group(item: pytest.Item) -> str:
 
 
 # Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that
-# waits for a build another worker makes pays the wait). They only order the groups, longest first
-# (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by test count), so that
-# both workers end together; rough numbers do. A group not listed goes after these, as short.
+# waits for a build another worker makes pays the wait; test_flux_conditioned's estimated from its three
+# exports). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder` keeps
+# this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
+# group not listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::flux": 470, "test_family_targets.py::sd15": 420, "test_family_targets.py::sdxl": 380,
-    "test_trt.py": 370, "test_lora_openvino.py": 250, "test_caches.py": 240, "test_controlnet.py::sd15": 230,
-    "test_controlnet.py::sdxl": 220, "test_passes.py": 210, "test_lazy_export.py": 190, "test_build_plan.py": 180,
-    "test_family_targets.py": 160, "test_image_to_image.py": 140, "test_lora.py": 130, "test_openvino.py": 120,
-    "test_precision.py": 110, "test_serving.py": 100, "test_flux.py": 100, "test_runner_no_t5.py": 80,
-    "test_image_to_image.py::sd15": 70, "test_tiny_vae.py": 50, "test_export.py": 30,
-    "test_bench_smoke.py::sd15": 290, "test_bench_smoke.py::sdxl": 250, "test_bench_smoke.py::sd3": 210,
+    "test_family_targets.py::sd15": 960, "test_family_targets.py::flux": 750, "test_family_targets.py::sdxl": 740,
+    "test_trt.py": 530, "test_image_to_image.py": 510, "test_flux_conditioned.py": 450, "test_controlnet.py::sd15": 420,
+    "test_lazy_export.py": 320, "test_passes.py": 310, "test_lora_openvino.py": 290, "test_family_targets.py": 220,
+    "test_flux.py": 200, "test_precision.py": 200, "test_lora.py": 150, "test_openvino.py": 140, "test_serving.py": 130,
+    "test_runner_no_t5.py": 120, "test_controlnet.py::sdxl": 90, "test_export.py": 60, "test_tiny_vae.py::sd15": 40,
+    "test_memory.py": 40, "test_tiny_vae.py::sdxl": 30,
+    "test_bench_smoke.py::sd3": 210, "test_bench_smoke.py::flux": 30,
 }
 
 
@@ -223,6 +224,11 @@ def flux_control_tiny_build(shared_root):
     return _tiny_build(shared_root, "flux-control-tiny")
 
 
+@pytest.fixture(scope="session")
+def flux_kontext_tiny_build(shared_root):
+    return _tiny_build(shared_root, "flux-kontext-tiny")
+
+
 def manifest(folder) -> dict:
     return json.loads((folder / "manifest.json").read_text())
 
@@ -315,3 +321,36 @@ def image_task_outputs(pipe, height: int = 128, width: int = 128, steps: int = 6
                   noise=noise, encoder_noise=encoder_noise, num_inference_steps=steps, output_type="np", **kwargs)
     outputs = {} if pipe.inpainting_denoiser() else {"image to image": pipe(strength=0.6, **common)}
     return {**outputs, "inpainting": pipe(mask_image=soft_mask(height, width), strength=0.8, **common)}
+
+
+def flux_packed_latents(n: int, height: int, width: int, seed: int) -> np.ndarray:
+    """Packed starting latents, as FluxPipeline takes them: (n, tokens, 64)."""
+    return np.random.default_rng(seed).standard_normal((n, (height // 16) * (width // 16), 64), dtype=np.float32)
+
+
+def compare_flux_image_task(monkeypatch, ours, reference, case: str, request: dict):
+    """Image to image or inpainting (`reference`'s task) on our pipeline and diffusers', diffusers' randn_tensor
+    patched: the pipeline's noise and the VAE's posterior samples are ours."""
+    import importlib
+
+    import torch
+
+    import diffusers.models.autoencoders.vae as diffusers_vae
+
+    name = type(reference).__name__
+    request = dict(request, prompt="a photo of a cat", num_inference_steps=4, max_sequence_length=16)
+    height, width, n = request["height"], request["width"], request.get("num_images_per_prompt", 1)
+    rng = np.random.default_rng(len(case))
+    encoder_noise, noise = (rng.standard_normal((k, 16, height // 8, width // 8), dtype=np.float32) for k in (1, n))
+    module = importlib.import_module(f"diffusers.pipelines.flux.pipeline_flux_{name[4:-8].lower()}")
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    images = dict(image=smooth_image(height + 13, width - 7, seed=len(case)))  # resized to the size asked for
+    if name != "FluxImg2ImgPipeline":
+        images["mask_image"] = soft_mask(height + 13, width - 7)
+    ref = reference(output_type="np", **images, **request).images
+    got = ours(noise=noise, encoder_noise=encoder_noise, output_type="np", **images, **request)
+    assert got.shape == ref.shape == (n, height, width, 3)
+    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}")
+    assert np.abs(got - ref).max() <= 1 / 255
+    assert_real_image(ref)

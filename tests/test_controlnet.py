@@ -143,10 +143,11 @@ def test_text_to_image_matches_diffusers(loaded, case):
     _compare(ours, ref, unused)
 
 
-def test_deep_cache_matches_the_library_with_a_controlnet(loaded):
+@pytest.mark.parametrize("setup", ["sd15_one"])  # named for the sd15 tests' worker (conftest's groups)
+def test_deep_cache_matches_the_library_with_a_controlnet(loaded, setup):
     """DeepCache with a ControlNet: the ControlNet runs at every step, as beside the library's helper, and the
     shallow branch takes its residual for conv_in's output."""
-    pipe, reference = loaded("sd15_one")
+    pipe, reference = loaded(setup)
     kwargs = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=8)
     control, latents = _edges(64, 64, seed=3), _latents(64, 64, seed=3)
     with library_deep_cache(reference, 2) as library_full:

@@ -1,8 +1,7 @@
 """FLUX.1 against diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline on flux-tiny
-(dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift), and
-FluxFillPipeline on flux-fill-tiny (FLUX.1 Fill's 384-channel transformer) and FluxControlPipeline on
-flux-control-tiny (FLUX.1 Canny/Depth's 128 channels): the same weights, the same packed latents (or
-image noise), fp32. Images must agree within 1/255; the errors measured are printed (about 5e-6)."""
+(dev: a guidance embedding, shifted sigmas) and flux-schnell-tiny (no guidance input, no shift): the
+same weights, the same packed latents (or image noise), fp32. (FLUX.1 Fill, Canny/Depth and Kontext:
+tests/test_flux_conditioned.py.) Images must agree within 1/255; the errors measured are printed (about 5e-6)."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image, manifest, smooth_image, soft_mask
+from conftest import assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, smooth_image
 from runners import Pipeline
 from runners.flux import pack, unpack
 
@@ -65,17 +63,13 @@ def pipes(builds):
     return {variant: Pipeline.load(build.folder / "ort-fp32") for variant, build in builds.items()}
 
 
-def _packed_latents(n: int, height: int, width: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, (height // 16) * (width // 16), 64), dtype=np.float32)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_text_to_image_matches_diffusers(pipes, references, caplog, case):
     variant, request = CASES[case]
     request = {"prompt": "a photo of a cat", **request}
     prompts = [request["prompt"]] if isinstance(request["prompt"], str) else request["prompt"]
     n = len(prompts) * request.get("num_images_per_prompt", 1)
-    latents = _packed_latents(n, request["height"], request["width"], seed=len(case))
+    latents = flux_packed_latents(n, request["height"], request["width"], seed=len(case))
     reference_request = {**SCHNELL_DEFAULTS, **request} if case == "no_guidance_schnell_defaults" else request
     ref = references(variant)(latents=torch.from_numpy(latents), output_type="np", **reference_request).images
     with caplog.at_level(logging.WARNING, logger="runners"):
@@ -91,7 +85,7 @@ def test_text_to_image_matches_diffusers(pipes, references, caplog, case):
 def test_true_cfg_changes_the_image_and_needs_a_negative_prompt(pipes):
     """Guidance runs only with a negative prompt (diffusers' do_true_cfg), and then changes the image."""
     pipe = pipes["dev"]
-    latents = _packed_latents(1, 64, 64, seed=1)
+    latents = flux_packed_latents(1, 64, 64, seed=1)
     run = lambda **kw: pipe("a photo of a cat", latents=latents, height=64, width=64, num_inference_steps=2,
                             max_sequence_length=16, output_type="np", **kw)
     plain = run()
@@ -100,7 +94,7 @@ def test_true_cfg_changes_the_image_and_needs_a_negative_prompt(pipes):
 
 
 def test_latent_output_is_packed_as_diffusers(pipes, references):
-    latents = _packed_latents(1, 64, 96, seed=2)
+    latents = flux_packed_latents(1, 64, 96, seed=2)
     request = dict(prompt="a photo of a cat", height=64, width=96, num_inference_steps=2, max_sequence_length=16)
     ref = references("dev")(latents=torch.from_numpy(latents), output_type="latent", **request).images.numpy()
     ours = pipes["dev"](latents=latents, output_type="latent", **request)
@@ -164,7 +158,7 @@ def test_export_checks_every_graph_at_two_shapes(builds):
 
 
 @pytest.mark.parametrize("pipeline_class", ["FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline",
-                                            "FluxFillPipeline", "FluxControlPipeline"])
+                                            "FluxFillPipeline", "FluxControlPipeline", "FluxKontextPipeline"])
 def test_a_local_folder_of_a_flux_pipeline_is_flux(tmp_path, pipeline_class):
     import json
 
@@ -172,6 +166,14 @@ def test_a_local_folder_of_a_flux_pipeline_is_flux(tmp_path, pipeline_class):
 
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline_class}))
     assert resolve(str(tmp_path)).entry.family == "flux"
+
+
+def test_the_conditioned_models_options_are_refused(pipes):
+    """FLUX.1 Canny/Depth's control image and Kontext's size options (tests/test_flux_conditioned.py)."""
+    with pytest.raises(ValueError, match="control_image= is for a FLUX.1 Canny/Depth artifact"):
+        pipes["dev"]("a cat", control_image=smooth_image(64, 64), height=64, width=64)
+    with pytest.raises(ValueError, match="max_area= and auto_resize= are FLUX.1 Kontext's"):
+        pipes["dev"]("a cat", max_area=64 * 64)
 
 
 def test_packed_latents_of_the_wrong_shape_are_refused(pipes):
@@ -195,112 +197,7 @@ IMAGE_CASES = {  # name: (build, diffusers pipeline, request)
 @pytest.mark.parametrize("case", IMAGE_CASES)
 def test_image_tasks_match_diffusers(monkeypatch, pipes, references, case):
     variant, name, request = IMAGE_CASES[case]
-    _compare_image_task(monkeypatch, pipes[variant], references(variant, name), case, request)
-
-
-# FLUX.1 Fill (flux-fill-tiny): FluxFillPipeline's defaults are strength 1 and guidance 30.
-FILL_CASES = {
-    "fill": dict(height=128, width=128),
-    "fill_strength_0.7_non_square_two": dict(strength=0.7, height=64, width=96, num_images_per_prompt=2),
-}
-
-
-@pytest.fixture(scope="module")
-def fill(flux_fill_tiny_build):
-    from diffusers import FluxFillPipeline
-
-    reference = FluxFillPipeline.from_pretrained(flux_fill_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(flux_fill_tiny_build.folder / "ort-fp32"), reference
-
-
-@pytest.mark.parametrize("case", FILL_CASES)
-def test_fill_matches_diffusers(monkeypatch, fill, case):
-    _compare_image_task(monkeypatch, *fill, case, FILL_CASES[case])
-
-
-def test_fill_only_inpaints(fill):
-    pipe, _ = fill
-    assert pipe.defaults == {"inpainting": (50, 30.0, 1.0)}
-    for given in ({}, {"image": smooth_image(64, 64)}):
-        with pytest.raises(ValueError, match="is an inpainting one .* pass image= and mask_image="):
-            pipe("a cat", height=64, width=64, num_inference_steps=1, **given)
-
-
-# FLUX.1 Canny/Depth (flux-control-tiny): a control image (one, or one per prompt) for text to image.
-CONTROL_CASES = {
-    "control": dict(prompt="a photo of a cat", height=128, width=128),
-    "control_two_prompts_two_each_non_square": dict(prompt=["a cat", "a red car"], num_images_per_prompt=2,
-                                                    height=64, width=96),
-}
-
-
-@pytest.fixture(scope="module")
-def control(flux_control_tiny_build):
-    from diffusers import FluxControlPipeline
-
-    reference = FluxControlPipeline.from_pretrained(flux_control_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(flux_control_tiny_build.folder / "ort-fp32"), reference
-
-
-@pytest.mark.parametrize("case", CONTROL_CASES)
-def test_control_matches_diffusers(monkeypatch, control, case):
-    """The control image's VAE sample takes our `encoder_noise` (diffusers' randn_tensor patched); diffusers'
-    image with another control image differs, so the test fails if ours ignored it."""
-    ours, reference = control
-    request = dict(CONTROL_CASES[case], num_inference_steps=3, max_sequence_length=16)
-    height, width = request["height"], request["width"]
-    prompts = 1 if isinstance(request["prompt"], str) else len(request["prompt"])
-    n = prompts * request.get("num_images_per_prompt", 1)
-    images = [smooth_image(height + 13, width - 7, seed=k) for k in range(prompts)]
-    control_image = images[0] if prompts == 1 else images
-    encoder_noise = np.random.default_rng(len(case)).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
-    latents = _packed_latents(n, height, width, seed=len(case))
-    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
-    ref = reference(control_image=control_image, latents=torch.from_numpy(latents), output_type="np", **request).images
-    other = reference(control_image=smooth_image(height, width, seed=9), latents=torch.from_numpy(latents),
-                      output_type="np", **request).images
-    got = ours(control_image=control_image, latents=latents, encoder_noise=encoder_noise, output_type="np", **request)
-    assert ours.defaults == {"text to image": (28, 3.5, None)}
-    assert got.shape == ref.shape == (n, height, width, 3)
-    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}, the control's effect {np.abs(ref - other).max():.3f}")
-    assert np.abs(got - ref).max() <= BOUND
-    assert np.abs(ref - other).max() > 10 * BOUND, "the control image changed nothing: the test would prove nothing"
-    assert_real_image(ref)
-
-
-def test_control_image_is_needed_exactly_by_a_control_transformer(control, pipes):
-    with pytest.raises(ValueError, match="is FLUX.1 Canny/Depth's: pass control_image="):
-        control[0]("a cat", height=64, width=64)
-    with pytest.raises(ValueError, match="image to image with FLUX.1 Canny/Depth is not supported"):
-        control[0]("a cat", control_image=smooth_image(64, 64), image=smooth_image(64, 64))
-    with pytest.raises(ValueError, match="control_image= is for a FLUX.1 Canny/Depth artifact"):
-        pipes["dev"]("a cat", control_image=smooth_image(64, 64), height=64, width=64)
-
-
-def _compare_image_task(monkeypatch, ours, reference, case: str, request: dict):
-    """Image to image or inpainting (`reference`'s task) on our pipeline and diffusers', diffusers' randn_tensor
-    patched: the pipeline's noise and the VAE's posterior samples are ours."""
-    import importlib
-
-    name = type(reference).__name__
-    request = dict(request, prompt="a photo of a cat", num_inference_steps=4, max_sequence_length=16)
-    height, width, n = request["height"], request["width"], request.get("num_images_per_prompt", 1)
-    rng = np.random.default_rng(len(case))
-    encoder_noise, noise = (rng.standard_normal((k, 16, height // 8, width // 8), dtype=np.float32) for k in (1, n))
-    module = importlib.import_module(f"diffusers.pipelines.flux.pipeline_flux_{name[4:-8].lower()}")
-    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
-    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
-    images = dict(image=smooth_image(height + 13, width - 7, seed=len(case)))  # resized to the size asked for
-    if name != "FluxImg2ImgPipeline":
-        images["mask_image"] = soft_mask(height + 13, width - 7)
-    ref = reference(output_type="np", **images, **request).images
-    got = ours(noise=noise, encoder_noise=encoder_noise, output_type="np", **images, **request)
-    assert got.shape == ref.shape == (n, height, width, 3)
-    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}")
-    assert np.abs(got - ref).max() <= BOUND
-    assert_real_image(ref)
+    compare_flux_image_task(monkeypatch, pipes[variant], references(variant, name), case, request)
 
 
 def test_cli_writes_an_image(builds, tmp_path):

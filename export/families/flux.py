@@ -1,6 +1,7 @@
-"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines; FLUX.1 Fill's FluxFillPipeline and
-Canny/Depth's FluxControlPipeline): CLIP-L's pooled state, T5's states, the Flux transformer
-(double-stream blocks, then single-stream ones) and the 16-channel VAE, as data.
+"""FLUX.1 (FluxPipeline, and its Img2Img and Inpaint pipelines; FLUX.1 Fill's FluxFillPipeline,
+Canny/Depth's FluxControlPipeline and Kontext's FluxKontextPipeline): CLIP-L's pooled state, T5's
+states, the Flux transformer (double-stream blocks, then single-stream ones) and the 16-channel VAE,
+as data.
 
 The transformer reads the latents packed in 2x2 patches, (batch, image tokens, 4 x channels), and
 the text and image position ids, from which it builds its rotary embedding: one graph serves every
@@ -118,6 +119,9 @@ def _runtime_constants(src) -> dict:
         "latent_multiple": PACK,
         "patch_size": PACK,  # the scheduler's resolution shift counts packed tokens
         "clip_length": src.tokenizer_max_length("tokenizer"),
+        # FLUX.1 Kontext's transformer is FLUX.1-dev's layout, trained to read a reference image's tokens
+        # appended to the image's: only its pipeline says so.
+        "reference_image": src.model_index().get("_class_name") == "FluxKontextPipeline",
     }
 
 
@@ -138,9 +142,10 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 FAMILY = Family(
     name="flux",
     # One transformer serves the first three, as in diffusers; FLUX.1 Fill's reads the masked image's
-    # latents and the mask as more channels, FLUX.1 Canny/Depth's a control image's latents.
+    # latents and the mask as more channels, FLUX.1 Canny/Depth's a control image's latents, and FLUX.1
+    # Kontext's (FLUX.1-dev's layout) a reference image's tokens after the image's.
     pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
-                      "FluxControlPipeline"),
+                      "FluxControlPipeline", "FluxKontextPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("pooler_output",)),
         t5_encoder("text_encoder_2"),

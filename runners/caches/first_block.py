@@ -77,8 +77,7 @@ class FirstBlockCache(StepCache):
         """The tail residuals the first-block graph adds: the contexts' parts of the batch side by side, zeros
         where a context has none yet for this shape (its step runs in full whatever the graph predicts)."""
         n, _, h, w = x.shape
-        patch = self.pipe.constants["patch_size"]
-        shape = (n // len(states), (h // patch) * (w // patch), self.pipe.manifest["constants"]["inner_dim"])
+        shape = (n // len(states), self.pipe.hidden_tokens(h, w), self.pipe.manifest["constants"]["inner_dim"])
         return np.concatenate([s.tail if s.tail is not None and s.tail.shape == shape else np.zeros(shape, np.float32)
                                for s in states])
 
