@@ -189,44 +189,29 @@ def _tiny_build(shared_root: Path, source) -> TinyBuild:
     return TinyBuild(source, folder)
 
 
-@pytest.fixture(scope="session")
-def sd15_tiny_build(shared_root):
-    return _tiny_build(shared_root, "sd15-tiny")
+def _tiny_build_fixture(name: str):
+    @pytest.fixture(scope="session")
+    def build(shared_root):
+        return _tiny_build(shared_root, name)
+    return build
 
 
-@pytest.fixture(scope="session")
-def sd15_inpaint_tiny_build(shared_root):
-    return _tiny_build(shared_root, "sd15-inpaint-tiny")
+# A session fixture per tiny model the tests build besides sd3-tiny: sd15_tiny_build, flux_fill_tiny_build, ...
+TINY_MODELS = ("sd15-tiny", "sd15-inpaint-tiny", "sdxl-tiny", "flux-tiny", "flux-schnell-tiny", "flux-fill-tiny",
+               "flux-control-tiny", "flux-kontext-tiny")
+for _name in TINY_MODELS:
+    globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name)
 
 
-@pytest.fixture(scope="session")
-def sdxl_tiny_build(shared_root):
-    return _tiny_build(shared_root, "sdxl-tiny")
+def ours_and_diffusers(build: TinyBuild, pipeline_class: str):
+    """(our pipeline on the build's ort-fp32 artifact, diffusers' `pipeline_class` on the same weights)."""
+    import diffusers
 
+    from runners import Pipeline
 
-@pytest.fixture(scope="session")
-def flux_tiny_build(shared_root):
-    return _tiny_build(shared_root, "flux-tiny")
-
-
-@pytest.fixture(scope="session")
-def flux_schnell_tiny_build(shared_root):
-    return _tiny_build(shared_root, "flux-schnell-tiny")
-
-
-@pytest.fixture(scope="session")
-def flux_fill_tiny_build(shared_root):
-    return _tiny_build(shared_root, "flux-fill-tiny")
-
-
-@pytest.fixture(scope="session")
-def flux_control_tiny_build(shared_root):
-    return _tiny_build(shared_root, "flux-control-tiny")
-
-
-@pytest.fixture(scope="session")
-def flux_kontext_tiny_build(shared_root):
-    return _tiny_build(shared_root, "flux-kontext-tiny")
+    reference = getattr(diffusers, pipeline_class).from_pretrained(build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    return Pipeline.load(build.folder / "ort-fp32"), reference
 
 
 def manifest(folder) -> dict:

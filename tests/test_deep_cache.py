@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_real_image, library_deep_cache
+from conftest import assert_real_image, library_deep_cache, ours_and_diffusers
 from runners import DeepCacheConfig, Pipeline
 
 ONE_LEVEL = 1 / 255
@@ -20,23 +20,14 @@ CASES = {  # family, interval, the call: SD1.5's PNDM repeats a timestep (one mo
 }
 
 
-def _loaded(build, pipeline_class: str):
-    """(our pipeline on the ort-fp32 artifact, diffusers' pipeline on the same weights)."""
-    import diffusers
-
-    reference = getattr(diffusers, pipeline_class).from_pretrained(build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(build.folder / "ort-fp32"), reference
-
-
 @pytest.fixture(scope="module")
 def sd15(sd15_tiny_build):
-    return _loaded(sd15_tiny_build, "StableDiffusionPipeline")
+    return ours_and_diffusers(sd15_tiny_build, "StableDiffusionPipeline")
 
 
 @pytest.fixture(scope="module")
 def sdxl(sdxl_tiny_build):
-    return _loaded(sdxl_tiny_build, "StableDiffusionXLPipeline")
+    return ours_and_diffusers(sdxl_tiny_build, "StableDiffusionXLPipeline")
 
 
 @pytest.mark.parametrize("case", CASES)

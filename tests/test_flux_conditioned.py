@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image, compare_flux_image_task, flux_packed_latents, smooth_image, soft_mask
-from runners import Pipeline
+from conftest import (
+    assert_real_image, compare_flux_image_task, flux_packed_latents, ours_and_diffusers, smooth_image, soft_mask,
+)
 
 BOUND = 1 / 255  # of [0, 1] image values
 
@@ -25,11 +26,7 @@ FILL_CASES = {
 
 @pytest.fixture(scope="module")
 def fill(flux_fill_tiny_build):
-    from diffusers import FluxFillPipeline
-
-    reference = FluxFillPipeline.from_pretrained(flux_fill_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(flux_fill_tiny_build.folder / "ort-fp32"), reference
+    return ours_and_diffusers(flux_fill_tiny_build, "FluxFillPipeline")
 
 
 @pytest.mark.parametrize("case", FILL_CASES)
@@ -55,11 +52,7 @@ CONTROL_CASES = {
 
 @pytest.fixture(scope="module")
 def control(flux_control_tiny_build):
-    from diffusers import FluxControlPipeline
-
-    reference = FluxControlPipeline.from_pretrained(flux_control_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(flux_control_tiny_build.folder / "ort-fp32"), reference
+    return ours_and_diffusers(flux_control_tiny_build, "FluxControlPipeline")
 
 
 @pytest.mark.parametrize("case", CONTROL_CASES)
@@ -108,11 +101,7 @@ KONTEXT_CASES = {
 
 @pytest.fixture(scope="module")
 def kontext(flux_kontext_tiny_build):
-    from diffusers import FluxKontextPipeline
-
-    reference = FluxKontextPipeline.from_pretrained(flux_kontext_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(flux_kontext_tiny_build.folder / "ort-fp32"), reference
+    return ours_and_diffusers(flux_kontext_tiny_build, "FluxKontextPipeline")
 
 
 # The final latents too: random weights attend little to the reference's tokens, so its effect on the
