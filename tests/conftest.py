@@ -93,6 +93,7 @@ GROUP_SECONDS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
@@ -100,6 +101,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker("export")
     # stable: the order within each group is kept
     items.sort(key=lambda item: (item.path.name in RUN_LAST, -GROUP_SECONDS.get(_group(item), 0)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """A worker of `--dist loadgroup` whose tests' ids lack their group (a pytest that pytest-xdist cannot
+    append it to) would have its groups scattered over the workers, each making its module's fixtures
+    again: stop the run instead of doubling it."""
+    if session.config.getvalue("loadgroup") and not all("@" in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist could not add the worker groups to the tests' ids: "
+                                "use the lock's pytest (constraints.txt)")
 
 
 @pytest.fixture(scope="session")
