@@ -60,16 +60,19 @@ RUN_LAST = ("test_bench_smoke.py",)
 
 
 # `make test` runs on every core (pytest-xdist, `--dist loadgroup`): the tests of one module and family
-# (sd15, sdxl, flux, ... when a test's parameters name one) go to one worker, which makes their module
-# fixtures once. The session's builds are shared by every worker (`shared_root`): a worker that needs a
-# build another worker is making waits for it (runners.manifest.exclusive).
+# go to one worker, which makes their module fixtures once. A test's family is the one its parameters
+# name (sd15, sdxl, flux in "[sd15-int8]"), else the one its fixtures do (sd15_one, sd15_tiny_build);
+# sd3-tiny's tests, the default model's, stay with their module's. The session's builds are shared by
+# every worker (`shared_root`): a worker that needs a build another worker is making waits for it
+# (runners.manifest.exclusive).
 FAMILY = re.compile(r"(?:^|[-_\[])(sd3|sd15|sdxl|flux)(?=$|[-_\]])")
 
 
 def _family(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
-    found = FAMILY.search(f"[{callspec.id}]") if callspec else None
-    return found and found.group(1)
+    named = [f"[{callspec.id}]"] if callspec else []
+    found = next(filter(None, map(FAMILY.search, named + [f"[{f}]" for f in item.fixturenames])), None)
+    return found.group(1) if found and found.group(1) != "sd3" else None
 
 
 def _group(item: pytest.Item) -> str:
@@ -78,18 +81,18 @@ def _group(item: pytest.Item) -> str:
 
 
 # Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that
-# waits for a build another worker makes pays the wait; test_flux_conditioned's estimated from its three
-# exports). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder` keeps
-# this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
-# group not listed goes after these, as short.
+# waits for a build another worker makes pays the wait). They only order the groups, longest first (the
+# Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by test count), so that both
+# workers end together; rough numbers do. A group not listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 960, "test_family_targets.py::flux": 750, "test_family_targets.py::sdxl": 740,
-    "test_trt.py": 530, "test_image_to_image.py": 510, "test_flux_conditioned.py": 450, "test_controlnet.py::sd15": 420,
-    "test_lazy_export.py": 320, "test_passes.py": 310, "test_lora_openvino.py": 290, "test_family_targets.py": 220,
-    "test_flux.py": 200, "test_precision.py": 200, "test_lora.py": 150, "test_openvino.py": 140, "test_serving.py": 130,
-    "test_runner_no_t5.py": 120, "test_controlnet.py::sdxl": 90, "test_export.py": 60, "test_tiny_vae.py::sd15": 40,
-    "test_memory.py": 40, "test_tiny_vae.py::sdxl": 30,
-    "test_bench_smoke.py::sd3": 210, "test_bench_smoke.py::flux": 30,
+    "test_family_targets.py::sd15": 680, "test_family_targets.py::flux": 560, "test_family_targets.py::sdxl": 530,
+    "test_trt.py": 370, "test_flux_conditioned.py::flux": 310, "test_controlnet.py::sd15": 220, "test_passes.py": 240,
+    "test_lora_openvino.py": 190, "test_image_to_image.py::sd15": 180, "test_precision.py": 170,
+    "test_lazy_export.py": 170, "test_image_to_image.py::sdxl": 170, "test_flux.py::flux": 120, "test_openvino.py": 90,
+    "test_serving.py": 90, "test_runner_no_t5.py": 80, "test_controlnet.py::sdxl": 60, "test_lora.py": 40,
+    "test_export.py": 30, "test_tiny_vae.py::sd15": 30, "test_tiny_vae.py": 30, "test_memory.py": 30,
+    "test_tiny_vae.py::sdxl": 20, "test_tiny_vae.py::flux": 20, "test_runner_errors.py": 20,
+    "test_bench_smoke.py": 220, "test_bench_smoke.py::flux": 40,
 }
 
 
