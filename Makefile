@@ -65,7 +65,7 @@ upgrade-lock: lock
 	$(MAKE) test
 
 export: venv
-	$(PY) -m export $(MODEL) --out $(BUILD) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
+	$(PY) -m export $(MODEL) --out $(BUILD) --reuse-from $(dir $(BUILD)) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
 
 engines: export
 	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION) $(ENGINES_ARGS)

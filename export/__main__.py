@@ -27,6 +27,10 @@ def main(argv=None) -> int:
                    help="also export this ControlNetModel (a folder, a hub id such as lllyasviel/sd-controlnet-canny, "
                         "or a random test one: sd15-controlnet-tiny, sdxl-controlnet-tiny) as engine controlnet, "
                         "controlnet_1, ... (repeat for several); the submodules already exported are kept as they are")
+    p.add_argument("--reuse-from", default=None, metavar="FOLDER",
+                   help="a folder of other models' builds (FOLDER/*/onnx): a graph of the same component, exported "
+                        "with the same settings, is linked from there instead of exported again (FLUX.1 Fill's text "
+                        "encoders and VAE, after FLUX.1 dev's)")
     args = p.parse_args(argv)
 
     from export.api import export_model
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     sizes = args.image_size.split(",") if args.image_size else None
     return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes,
                                                  dtype=args.dtype, tiny_vae=args.tiny_vae,
-                                                 controlnets=args.controlnet),
+                                                 controlnets=args.controlnet, reuse_from=args.reuse_from),
                    (SourceError, ValueError), "nothing was written")
 
 

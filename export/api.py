@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 import time
 import warnings
@@ -22,8 +21,8 @@ from export.families.controlnet import controlnet_sources, specs_and_constants a
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
 from export.versions import package_versions
-from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, read_manifest,
-                              write_manifest)
+from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
+                              read_manifest, write_manifest)
 
 EXPORT_FORMAT = 6  # bump when the graphs this code writes change for the same inputs
 
@@ -77,7 +76,8 @@ def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
 
 def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
                  image_size: tuple[int, int, int] | None = None, dtype: str | None = None,
-                 tiny_vae: str | None = None, controlnets: list[str] | tuple[str, ...] = ()) -> Path:
+                 tiny_vae: str | None = None, controlnets: list[str] | tuple[str, ...] = (),
+                 reuse_from: Path | None = None) -> Path:
     """Export `model` (registry name or folder) into `out`/onnx and return that folder.
 
     `image_size` (min, opt, max pixels) overrides the range the engines are built for. `dtype`
@@ -86,13 +86,15 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     folder, hub id or random test name, export/families/tiny_vae.py) adds `vae_decoder_tiny` and
     `vae_encoder_tiny`. `controlnets` (ControlNetModel folders, hub ids or random test names,
     export/families/controlnet.py) add engines `controlnet`, `controlnet_1`, ... after those a ControlNet
-    pipeline folder holds. A submodule exported before from the same inputs (an export that only adds
-    ControlNets) is taken from the existing folder, not exported again."""
+    pipeline folder holds. A submodule exported before from the same inputs is taken as it is, not
+    exported again: from `out`'s export (one that only adds ControlNets), or from another model's export
+    in `reuse_from` (a folder of builds: its */onnx) whose component is the same (FLUX.1 Fill's text
+    encoders and VAE, after FLUX.1 dev's)."""
     with exclusive(Path(out) / "onnx"):  # a second export into `out` waits, then reuses this one
-        return _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets)
+        return _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from)
 
 
-def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets) -> Path:
+def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from) -> Path:
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()
@@ -116,38 +118,25 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     constants.update(control_constants)
     specs += control_specs
     sources.update({s.name: c for s, c in zip(control_specs, controls)})
-    settings = [EXPORT_FORMAT, family.name, ranges, probes, opset, dtype, package_versions()]
-    keys = {s.name: digest([settings, s.name, s.component, sources[s.name].fingerprint]) for s in specs}
-    cache_key = digest([settings, src.fingerprint, keys])
+    settings = [EXPORT_FORMAT, family.name, opset, dtype, package_versions()]
+    cache_key = digest([settings, ranges, probes, src.fingerprint,
+                        {s.name: [s.component, sources[s.name].fingerprint] for s in specs}])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
         return dest
-    earlier = {} if force else _reusable(dest, keys)
+    keys = {s.name: _submodule_key(s, sources[s.name], settings, ranges, probes, constants) for s in specs}
+    earlier = {} if force else _exported_before(dest, keys, reuse_from)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
     with atomic_folder(dest) as tmp:
         submodules, known = {}, {}
         for spec in specs:
-            if spec.name in earlier:
-                submodules[spec.name], files = earlier[spec.name]
-                for name, sha in files.items():
-                    os.link(dest / name, tmp / name)
-                    known[name] = sha
-                _log(f"{spec.name}: exported before from the same inputs: taken from {dest}")
-                continue
-            _log(f"{spec.name}: tracing without weights, then streaming them from "
-                 f"{sources[spec.name].folder / spec.component}")
-            t0 = time.perf_counter()
-            measured = reset_peak()
-            report = export_submodule(spec, sources[spec.name], dtype, constants, dynamic, probes,
-                                      tmp / f"{spec.name}.onnx", opset)
-            report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
-            worst = max(p["max_abs_err"] for p in report["parity"])
-            report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
-            rss = f", peak RSS {report['peak_rss_mib']:.0f} MiB" if measured else ""
-            _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s, {report['bytes'] / 2**20:.1f} MiB{rss}, "
-                 f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
+            report = _link_earlier(earlier.get(spec.name), tmp, known)
+            if report is not None:
+                _log(f"{spec.name}: exported before from the same inputs: taken from {earlier[spec.name][0]}")
+            else:
+                report = _export_one(spec, sources[spec.name], dtype, constants, dynamic, probes, tmp, opset)
             submodules[spec.name] = {
                 "file": f"{spec.name}.onnx",
                 "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.inputs],
@@ -178,19 +167,64 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     return dest
 
 
-def _reusable(dest: Path, keys: dict[str, str]) -> dict[str, tuple[dict, dict[str, str]]]:
-    """{submodule: (its manifest entry, {file: sha256})} of the submodules of the export in `dest` whose
-    key is the one they would be exported with now: the same graph, taken as it is."""
+def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset) -> dict:
+    _log(f"{spec.name}: tracing without weights, then streaming them from {src.folder / spec.component}")
+    t0 = time.perf_counter()
+    measured = reset_peak()
+    report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+    report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
+    worst = max(p["max_abs_err"] for p in report["parity"])
+    report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
+    rss = f", peak RSS {report['peak_rss_mib']:.0f} MiB" if measured else ""
+    _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s, {report['bytes'] / 2**20:.1f} MiB{rss}, "
+         f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
+    return report
+
+
+def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes: list[dict], constants: dict) -> str:
+    """What one graph depends on: the exporter's settings, the submodule's description, its component's
+    content, and of the shapes and constants only those its inputs and outputs name. A text encoder's
+    graph is then the same in every model whose text encoder is (FLUX.1 dev's in Fill's and Kontext's),
+    and whatever image sizes the export is for."""
+    names = {d for t in (*spec.inputs, *spec.outputs) for d in (*t.shape, t.high) if isinstance(d, str)}
+    return digest([settings, spec.name, spec.component, spec.load_kwargs, [str(t) for t in (*spec.inputs, *spec.outputs)],
+                   {d: r for d, r in ranges.items() if d in names}, [{d: p[d] for d in p if d in names} for p in probes],
+                   {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
+
+
+def _exported_before(dest: Path, keys: dict[str, str], reuse_from: Path | None) -> dict[str, tuple[Path, dict, dict]]:
+    """{submodule: (the export folder holding it, its manifest entry, {file: sha256})} of the submodules whose
+    graph an export in `dest`, or one in `reuse_from`'s builds, already holds: the same key, the same graph."""
+    builds = Path(reuse_from).glob(f"*/{dest.name}") if reuse_from else ()
+    others = sorted(p for p in builds if p.resolve() != dest.resolve())
+    wanted = {key: name for name, key in keys.items()}
+    found = {}
+    for folder in [dest, *others]:
+        try:
+            old = read_manifest(folder, verify=False)
+        except ManifestError:
+            continue
+        for entry in old.get("submodules", {}).values():
+            name = wanted.get(entry.get("key"))
+            if name and name not in found:
+                stem = entry["file"].split(".")[0]
+                files = {f: sha for f, sha in old["files"].items() if f.split(".")[0] == stem}
+                found[name] = (folder, entry, files)
+    return found
+
+
+def _link_earlier(earlier, tmp: Path, known: dict[str, str]) -> dict | None:
+    """The earlier export's report, its files linked into `tmp`; None when there is none, or its folder
+    changed under us (another export replacing it): then the submodule is exported anew."""
+    if earlier is None:
+        return None
+    folder, entry, files = earlier
     try:
-        old = read_manifest(dest)
-    except ManifestError:
-        return {}
-    reusable = {}
-    for name, entry in old.get("submodules", {}).items():
-        if entry.get("key") == keys.get(name):
-            stem = entry["file"].split(".")[0]
-            files = {f: sha for f, sha in old["files"].items() if f.split(".")[0] == stem}
-            reusable[name] = (entry, files)
-    return reusable
-
-
+        for name in files:
+            link_or_copy(folder / name, tmp / name)
+    except OSError:
+        for name in files:
+            (tmp / name).unlink(missing_ok=True)
+        return None
+    known.update(files)
+    return entry["export"]

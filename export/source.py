@@ -5,6 +5,7 @@ at a time through the components' own `from_pretrained`, as a user's folder woul
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 from export.families import FAMILIES
 from export.registry import MODELS, ModelEntry
 from export.versions import package_versions
-from runners.manifest import digest, write_once
+from runners.manifest import digest, sha256_file, write_once
 
 
 class SourceError(RuntimeError):
@@ -46,6 +47,15 @@ class ModelSource:
     def tokenizer_max_length(self, component: str) -> int:
         return json.loads((self.folder / component / "tokenizer_config.json").read_text())["model_max_length"]
 
+    def component_digest(self, component: str) -> str:
+        """What one component is, by content: its files' bytes and the class model_index.json loads it with.
+        Models that share a component (FLUX.1 dev, Fill and Kontext share their text encoders and VAE) give
+        the same digest wherever their folders are, so an export can take the graph another one made."""
+        folder = self.folder / component
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        return digest([self.model_index().get(component),
+                       [(p.relative_to(folder).as_posix(), _content_id(p)) for p in files]])
+
     def load(self, component: str, **kwargs):
         """Load one component with its own class's from_pretrained (memory: one submodule at a time)."""
         library, class_name = self.model_index()[component]
@@ -60,6 +70,21 @@ def cache_root() -> Path:
 def _folder_fingerprint(folder: Path) -> str:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     return digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
+
+
+def _content_id(path: Path) -> str:
+    """A file's content hash: a Hugging Face cache names its blobs by theirs (sha256 for the weights), else
+    the file is read, once per process for the same file, size and time."""
+    target = path.resolve()
+    if path.is_symlink() and target.parent.name == "blobs":
+        return target.name
+    stat = target.stat()
+    return _sha256(target, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _sha256(path: Path, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
 
 
 # What writes a random-weight model folder: the family builders, the weight streamer and the

@@ -111,7 +111,7 @@ def pytest_collection_finish(session):
     """A worker of `--dist loadgroup` whose tests' ids lack their group (a pytest that pytest-xdist cannot
     append it to) would have its groups scattered over the workers, each making its module's fixtures
     again: stop the run instead of doubling it."""
-    if session.config.getvalue("loadgroup") and not all("@" in item.nodeid for item in session.items):
+    if getattr(session.config.option, "loadgroup", False) and not all("@" in item.nodeid for item in session.items):
         raise pytest.UsageError("pytest-xdist could not add the worker groups to the tests' ids: "
                                 "use the lock's pytest (constraints.txt)")
 
@@ -198,23 +198,27 @@ def _tiny_build(shared_root: Path, source) -> TinyBuild:
 
     source = resolve(source) if isinstance(source, str) else source
     folder = shared_root / source.entry.name
-    export_model(source, folder)
+    export_model(source, folder, reuse_from=shared_root)  # the graphs of components other tiny models share
     build_artifact(folder, "ort", "fp32")
     return TinyBuild(source, folder)
 
 
-def _tiny_build_fixture(name: str):
+def _tiny_build_fixture(name: str, shares_with: str | None):
     @pytest.fixture(scope="session")
-    def build(shared_root):
+    def build(shared_root, request):
+        if shares_with:  # built first: this export links the graphs of the components they share
+            request.getfixturevalue(f"{shares_with.replace('-', '_')}_build")
         return _tiny_build(shared_root, name)
     return build
 
 
-# A session fixture per tiny model the tests build besides sd3-tiny: sd15_tiny_build, flux_fill_tiny_build, ...
-TINY_MODELS = ("sd15-tiny", "sd15-inpaint-tiny", "sdxl-tiny", "flux-tiny", "flux-schnell-tiny", "flux-fill-tiny",
-               "flux-control-tiny", "flux-kontext-tiny")
-for _name in TINY_MODELS:
-    globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name)
+# A session fixture per tiny model the tests build besides sd3-tiny (sd15_tiny_build, flux_fill_tiny_build,
+# ...), and the model whose components (text encoders, VAE) it shares.
+TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny": None, "flux-tiny": None,
+               "flux-schnell-tiny": "flux-tiny", "flux-fill-tiny": "flux-tiny", "flux-control-tiny": "flux-tiny",
+               "flux-kontext-tiny": "flux-tiny"}
+for _name, _shares_with in TINY_MODELS.items():
+    globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 
 
 def ours_and_diffusers(build: TinyBuild, pipeline_class: str):

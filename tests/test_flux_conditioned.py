@@ -11,7 +11,8 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_real_image, compare_flux_image_task, flux_packed_latents, ours_and_diffusers, smooth_image, soft_mask,
+    assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, ours_and_diffusers, smooth_image,
+    soft_mask,
 )
 
 BOUND = 1 / 255  # of [0, 1] image values
@@ -169,3 +170,23 @@ def test_kontext_refusals(kontext):
     with pytest.raises(ValueError, match="the image and its reference image take 2048 image tokens, more than this "
                                          "artifact's 1024"):
         pipe("a cat", image=smooth_image(512, 512), height=512, width=512, max_area=512 * 512, auto_resize=False)
+
+
+# The graphs each conditioned model's export takes from flux-tiny's (conftest builds flux-tiny first and
+# exports beside it with reuse_from): the components FLUX.1 dev shares with Fill and Canny/Depth, the text
+# encoders and the VAE; flux-kontext-tiny is flux-tiny's checkpoint in a Kontext pipeline, all of it.
+SHARED = {"text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"}
+TRANSFORMER = {"transformer", "transformer_first_block"}
+
+
+@pytest.mark.parametrize("model, shared", [("flux_fill_tiny_build", SHARED), ("flux_control_tiny_build", SHARED),
+                                           ("flux_kontext_tiny_build", SHARED | TRANSFORMER)])
+def test_the_graphs_of_shared_components_are_flux_devs(flux_tiny_build, model, shared, request):
+    build = request.getfixturevalue(model)
+
+    def inode(b, name):
+        return (b.folder / "onnx" / f"{name}.onnx").stat().st_ino
+
+    names = manifest(build.folder / "onnx")["submodules"]
+    assert set(names) == SHARED | TRANSFORMER
+    assert {name for name in names if inode(build, name) == inode(flux_tiny_build, name)} == shared

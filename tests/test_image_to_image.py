@@ -236,9 +236,10 @@ def test_a_strength_that_runs_no_step_is_refused(sd15_tiny_build):
 
 
 @pytest.fixture(scope="module")
-def sdxl_aesthetic_build(tmp_path_factory):
+def sdxl_aesthetic_build(tmp_path_factory, shared_root, sdxl_tiny_build):
     """sdxl-tiny with a UNet trained on aesthetic scores (five time ids, as SDXL's refiner), saved as a
-    StableDiffusionXLInpaintPipeline that requires them, then exported from its folder as a user's is."""
+    StableDiffusionXLInpaintPipeline that requires them, then exported from its folder as a user's is (its
+    text encoders and VAE, sdxl-tiny's, taken from that export)."""
     from engines.api import build_artifact
     from export.api import export_model
     from export.families.unet import build_sdxl
@@ -252,7 +253,7 @@ def sdxl_aesthetic_build(tmp_path_factory):
                    "projection_class_embeddings_input_dim"] - unet["addition_time_embed_dim"]}}
     folder, build = tmp_path_factory.mktemp("sdxl-aesthetic-model"), tmp_path_factory.mktemp("sdxl-aesthetic")
     build_sdxl(configs, folder)
-    export_model(resolve(str(folder)), build, image_size=(64, 128, 256))
+    export_model(resolve(str(folder)), build, image_size=(64, 128, 256), reuse_from=shared_root)
     return folder, build_artifact(build, "ort", "fp32")
 
 

@@ -121,13 +121,14 @@ def test_fusions_and_memory_passes_on_the_unet_families(family, request, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def sd35_onnx(tmp_path_factory):
-    """SD3.5's transformer: per-head RMS norm of q and k, and a second attention in block 0."""
+def sd35_onnx(tmp_path_factory, shared_root, tiny_build):
+    """SD3.5's transformer: per-head RMS norm of q and k, and a second attention in block 0 (its text
+    encoders, sd3-tiny's, taken from that export)."""
     from export.api import export_model
     from export.source import resolve
 
     source = resolve("sd3.5-tiny")
-    return export_model(source, tmp_path_factory.mktemp("sd3.5-tiny")), source
+    return export_model(source, tmp_path_factory.mktemp("sd3.5-tiny"), reuse_from=shared_root), source
 
 
 def test_fusions_with_qk_norm_and_dual_attention(sd35_onnx, tmp_path):
