@@ -84,3 +84,40 @@ def test_failure_midway_leaves_no_onnx_folder(tmp_path, tiny_source, monkeypatch
         export.api.export_model(tiny_source, tmp_path)
     assert len(calls) == 3
     assert list(tmp_path.iterdir()) == []  # neither onnx/ nor a temporary folder
+
+
+def test_a_files_content_id_is_its_hub_blob_name_or_its_sha256(tmp_path):
+    """A Hugging Face cache names its blobs by their content: a component's digest reads no weights there."""
+    from export.source import _content_id
+    from runners.manifest import sha256_file
+
+    blob = tmp_path / "blobs" / "3f0a9c"
+    blob.parent.mkdir()
+    blob.write_bytes(b"weights")
+    linked, plain = tmp_path / "snapshot" / "model.safetensors", tmp_path / "plain.safetensors"
+    linked.parent.mkdir()
+    linked.symlink_to(blob)
+    plain.write_bytes(b"weights")
+    assert _content_id(linked) == "3f0a9c"
+    assert _content_id(plain) == sha256_file(plain)
+
+
+def test_a_graphs_key_holds_only_the_shapes_it_names(tiny_source):
+    """Another image size range changes the keys of the graphs that take images, not the text encoders':
+    an export for new sizes links those, and FLUX.1 Fill's takes FLUX.1 dev's whatever their sizes."""
+    import dataclasses
+
+    from export.api import EXPORT_FORMAT, _submodule_key
+    from export.shapes import dim_ranges, probe_dims
+
+    constants = SD3.constants(tiny_source)
+
+    def keys(image_size):
+        entry = dataclasses.replace(tiny_source.entry, image_size=image_size)
+        ranges, probes = dim_ranges(entry, SD3, constants), probe_dims(entry, SD3, constants)
+        return {s.name: _submodule_key(s, tiny_source, [EXPORT_FORMAT], ranges, probes, constants)
+                for s in SD3.submodules if s.applies(tiny_source)}
+
+    small, large = keys((64, 128, 256)), keys((64, 256, 512))
+    assert {name for name in small if small[name] == large[name]} == {"text_encoder", "text_encoder_2",
+                                                                       "text_encoder_3"}
