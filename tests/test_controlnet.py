@@ -253,8 +253,8 @@ def test_calibration_records_controlnet_calls(sd15_one):
     (dict(control_image=[np.zeros((64, 64, 3))] * 2, control_guidance_start=0.8, control_guidance_end=0.2),
      r"control_guidance_start=0.8 and control_guidance_end=0.2: use 0 <= start < end <= 1"),
 ])
-def test_bad_requests_are_refused(loaded, kwargs, said):
-    pipe, _ = loaded("sd15_two")
+def test_bad_requests_are_refused(sd15_two, kwargs, said):
+    pipe = Pipeline.load(sd15_two / "ort-fp32")
     with pytest.raises(ValueError, match=said):
         pipe("a cat", height=64, width=64, num_inference_steps=1, **kwargs)
 
