@@ -186,8 +186,9 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
     content, and of the shapes and constants only those its inputs and outputs name. A text encoder's
     graph is then the same in every model whose text encoder is (FLUX.1 dev's in Fill's and Kontext's),
     and whatever image sizes the export is for."""
-    names = {d for t in (*spec.inputs, *spec.outputs) for d in (*t.shape, t.high) if isinstance(d, str)}
-    return digest([settings, spec.name, spec.component, spec.load_kwargs, [str(t) for t in (*spec.inputs, *spec.outputs)],
+    tensors = (*spec.inputs, *spec.outputs)
+    names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
+    return digest([settings, spec.name, spec.component, spec.load_kwargs, [str(t) for t in tensors],
                    {d: r for d, r in ranges.items() if d in names}, [{d: p[d] for d in p if d in names} for p in probes],
                    {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
 
