@@ -189,7 +189,8 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
     tensors = (*spec.inputs, *spec.outputs)
     names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
     return digest([settings, spec.name, spec.component, spec.load_kwargs, [str(t) for t in tensors],
-                   {d: r for d, r in ranges.items() if d in names}, [{d: p[d] for d in p if d in names} for p in probes],
+                   {d: r for d, r in ranges.items() if d in names},
+                   [{d: p[d] for d in p if d in names} for p in probes],
                    {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
 
 
