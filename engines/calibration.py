@@ -130,8 +130,9 @@ def _call_inputs(pipe, size: int, seed: int) -> dict:
     """What a calibration call gives besides the prompt: an image and a mask to an inpainting denoiser, control
     images to ControlNets or FLUX.1 Canny/Depth, a reference image at the calibration size to FLUX.1 Kontext."""
     inputs = _inpainting_inputs(size, seed) if pipe.inpainting_denoiser() else {}
-    if pipe.control_images():
-        inputs.update(_control_inputs(size, pipe.control_images(), seed))
+    control_images = pipe.control_images()
+    if control_images:
+        inputs.update(_control_inputs(size, control_images, seed))
     if pipe.reads_reference_image:
         inputs.update(image=_inpainting_inputs(size, seed)["image"], max_area=size * size, auto_resize=False)
     return inputs

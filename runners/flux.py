@@ -1,10 +1,10 @@
 """FLUX.1 text to image, image to image and inpainting, with the semantics of diffusers' FluxPipeline,
 FluxImg2ImgPipeline and FluxInpaintPipeline, and FLUX.1 Fill's inpainting (FluxFillPipeline: the
-masked image's latents and the folded mask as more transformer channels, no blending): CLIP-L's pooled state and T5's states as the text
-conditions, the latents packed in 2x2 patches with their position ids, the flow-matching sigmas from
-1 to 1/steps (shifted by the image's token count where the scheduler says so), the guidance scale as
-an input of the transformer (dev) rather than a second pass, and classifier-free guidance only as
-diffusers' `true_cfg_scale` with a negative prompt.
+masked image's latents and the folded mask as more transformer channels, no blending): CLIP-L's pooled
+state and T5's states as the text conditions, the latents packed in 2x2 patches with their position
+ids, the flow-matching sigmas from 1 to 1/steps (shifted by the image's token count where the
+scheduler says so), the guidance scale as an input of the transformer (dev) rather than a second
+pass, and classifier-free guidance only as diffusers' `true_cfg_scale` with a negative prompt.
 
 The loop works on unpacked latents (N, 16, h, w), as the other families do: packing is a
 permutation, so the Euler steps, the image latents and the inpainting blend are the same there; the
@@ -97,7 +97,8 @@ class FluxPipeline(TextToImage):
         if bad:
             raise FloatingPointError(
                 f"{submodule} returned non-finite values in {', '.join(bad)} ({self.manifest['precision']} "
-                "artifact): run an fp32 or OpenVINO bf16 artifact, or rebuild fp16 calibrated on requests like this one")
+                "artifact): run an fp32 or OpenVINO bf16 artifact, or rebuild fp16 calibrated on requests like "
+                "this one")
         return out
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
