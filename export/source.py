@@ -54,7 +54,7 @@ class ModelSource:
         folder = self.folder / component
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         return digest([self.model_index().get(component),
-                       [(p.relative_to(folder).as_posix(), _content_id(p)) for p in files]])
+                       [(p.relative_to(folder).as_posix(), _file_id(p)) for p in files]])
 
     def load(self, component: str, **kwargs):
         """Load one component with its own class's from_pretrained (memory: one submodule at a time)."""
@@ -70,6 +70,18 @@ def cache_root() -> Path:
 def _folder_fingerprint(folder: Path) -> str:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     return digest([(str(p.relative_to(folder)), p.stat().st_size, int(p.stat().st_mtime)) for p in files])
+
+
+# What diffusers and transformers write into a config.json about where and with which release a module
+# was saved, not what it is: a component saved again elsewhere (save_pretrained) keeps its digest.
+_PROVENANCE_KEYS = ("_name_or_path", "_diffusers_version", "transformers_version", "_commit_hash")
+
+
+def _file_id(path: Path) -> str:
+    if path.name == "config.json":
+        config = json.loads(path.read_text())
+        return digest({k: v for k, v in config.items() if k not in _PROVENANCE_KEYS})
+    return _content_id(path)
 
 
 def _content_id(path: Path) -> str:

@@ -102,6 +102,24 @@ def test_a_files_content_id_is_its_hub_blob_name_or_its_sha256(tmp_path):
     assert _content_id(plain) == sha256_file(plain)
 
 
+def test_a_components_digest_is_its_content_not_where_it_was_saved(tiny_source, tmp_path):
+    """save_pretrained writes where a module came from into its config (`_name_or_path`): a component
+    saved again elsewhere keeps its digest, and links its graphs; a changed setting does not."""
+    import json
+    import shutil
+
+    from export.source import resolve
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_source.folder, copy)
+    config_path = copy / "vae" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "_name_or_path": str(tiny_source.folder / "vae")}))
+    assert resolve(str(copy)).component_digest("vae") == tiny_source.component_digest("vae")
+    config_path.write_text(json.dumps({**config, "scaling_factor": 1.0}))
+    assert resolve(str(copy)).component_digest("vae") != tiny_source.component_digest("vae")
+
+
 def test_a_graphs_key_holds_only_the_shapes_it_names(tiny_source):
     """Another image size range changes the keys of the graphs that take images, not the text encoders':
     an export for new sizes links those, and FLUX.1 Fill's takes FLUX.1 dev's whatever their sizes."""
