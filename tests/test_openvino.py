@@ -15,6 +15,7 @@ pytest.importorskip("openvino")
 from conftest import assert_real_image, image_task_outputs, int8_bounds  # noqa: E402
 from engines.api import build_artifact  # noqa: E402
 from engines.targets import TargetError, get_target  # noqa: E402
+from engines.targets._openvino_int8 import CALIBRATION_CALLS, spread  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
 from export.families import FAMILIES  # noqa: E402
 from export.onnx_export import example_inputs  # noqa: E402
@@ -183,6 +184,13 @@ def test_images_against_fp32(ov_fp32, ov_fp32_tasks, precision, request):
         assert MIN_PSNR[precision] <= psnr < 80, (task, psnr)
 
 
+def test_nncf_calibrates_on_calls_spread_over_the_recording():
+    assert spread(5) == [0, 1, 2, 3, 4]
+    picked = spread(416)  # sd15-tiny's U-Net: 32 prompts x 8 steps, and the image tasks' calls
+    assert len(picked) == CALIBRATION_CALLS and picked == sorted(set(picked))
+    assert picked[0] == 0 and picked[-1] > 416 - 2 * 416 / CALIBRATION_CALLS  # the last prompts too
+
+
 def test_int8_records_what_nncf_quantized(tiny_build, ov_int8):
     """Weights and activations in the transformer (its embedders and final layers kept in float, as
     ONNX Runtime's int8 keeps them) and in the VAE decoder; weights only in the others."""
@@ -196,7 +204,8 @@ def test_int8_records_what_nncf_quantized(tiny_build, ov_int8):
     assert counts == INT8_COUNTS
     assert {sub["engine"]["weights"] for sub in manifest["submodules"].values()} == {"i8 and f16"}
     transformer = manifest["submodules"]["transformer"]["quantization"]
-    assert transformer["calibration_calls"] == manifest["calibration"]["calls"]["transformer"] > 0
+    recorded = manifest["calibration"]["calls"]["transformer"]
+    assert transformer["calls_recorded"] == recorded > CALIBRATION_CALLS == transformer["calibration_calls"]
     export = _manifest(tiny_build / "onnx")["submodules"]["transformer"]
     proto = onnx.load(tiny_build / "onnx" / export["file"], load_external_data=False)
     scoped = nodes_in_scopes(proto, export["quantization"]["keep_scopes"], ["MatMul"])
