@@ -25,9 +25,10 @@ PACK = 2  # latents are packed in PACK x PACK patches
 DEV = {TEXT: Defaults(28, 3.5), IMAGE: Defaults(28, 7.0, 0.6), INPAINT: Defaults(28, 7.0, 0.6)}
 SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaults(4, 0.0, 0.6)}
 # FLUX.1 Fill (an inpainting transformer) runs FluxFillPipeline's defaults; FLUX.1 Canny/Depth (a transformer
-# that reads a control image's latents) FluxControlPipeline's.
+# that reads a control image's latents) those of FluxControlPipeline, FluxControlImg2ImgPipeline and
+# FluxControlInpaintPipeline: dev's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
-CONTROL = {TEXT: Defaults(28, 3.5)}
+CONTROL = DEV
 KONTEXT = {TEXT: Defaults(28, 3.5)}  # FluxKontextPipeline's: image= is its reference, not image to image's
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
@@ -104,7 +105,8 @@ class FluxPipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
-                 strength=None, noise=None, encoder_noise=None, control_image=None, max_area=None, auto_resize=True):
+                 strength=None, noise=None, encoder_noise=None, control_image=None, control_noise=None, max_area=None,
+                 auto_resize=True):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
         guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
@@ -113,8 +115,9 @@ class FluxPipeline(TextToImage):
         diffusers. `latents` are packed, as FluxPipeline takes them: (N, h/2 * w/2, 64) for latent
         sides h, w; `noise` and `encoder_noise` (the image tasks') are not: (N, 16, h, w). `seed`
         seeds numpy's generator, not torch's noise: pass the draws for exact comparison.
-        `control_image` (one, or one per prompt) is FLUX.1 Canny/Depth's (FluxControlPipeline), which
-        that transformer needs: its VAE posterior sample takes `encoder_noise` there. On FLUX.1 Kontext
+        `control_image` (one, or one per prompt) is FLUX.1 Canny/Depth's (FluxControlPipeline, and with
+        `image=` FluxControlImg2ImgPipeline, with `mask_image=` too FluxControlInpaintPipeline), which that
+        transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On FLUX.1 Kontext
         (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
         aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
         at `max_area` pixels (default 1024**2)."""
@@ -130,10 +133,10 @@ class FluxPipeline(TextToImage):
             raise ValueError("this artifact's transformer is FLUX.1 Canny/Depth's: pass control_image= (an edge or "
                              "depth map)" if self.reads_control_image else "control_image= is for a FLUX.1 Canny/Depth "
                              "artifact (flux-canny, flux-depth); this one's transformer reads none")
-        if task not in self.defaults:  # FLUX.1 Fill's transformer only inpaints, Canny/Depth's only makes
-            self._check_task(task, image)  # images from text
-            raise ValueError(f"{task} with FLUX.1 Canny/Depth is not supported (diffusers' FluxControlImg2Img and "
-                             "FluxControlInpaint pipelines are not ported): leave image= and mask_image= out")
+        if control_noise is not None and control_image is None:
+            raise ValueError("control_noise= is the control image's VAE sample: pass control_image= too")
+        if task not in self.defaults:  # FLUX.1 Fill's transformer only inpaints
+            self._check_task(task, image)
         defaults = self.defaults[task]
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         _check_scale("guidance_scale", guidance_scale)
@@ -147,14 +150,14 @@ class FluxPipeline(TextToImage):
                              f"to {hi} (this artifact's T5 range)")
         if latents is not None:
             latents = self._unpacked(latents, height, width, output_type)
-        control = dict(control_image=control_image, noise=encoder_noise, seed=seed, vae_tiling=vae_tiling) \
+        control = dict(control_image=control_image, noise=control_noise, seed=seed, vae_tiling=vae_tiling) \
             if control_image is not None else None
         try:
             result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
                                          true_cfg_scale if negative_prompt is not None else 1.0,
                                          num_images_per_prompt, seed, latents, output_type, vae_tiling,
                                          image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                         encoder_noise=None if control else encoder_noise,
+                                         encoder_noise=encoder_noise,
                                          t5_length=max_sequence_length, guidance=guidance_scale, control=control,
                                          reference=reference)
         finally:

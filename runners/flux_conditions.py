@@ -27,7 +27,7 @@ def control_latents(pipe, control_image, height, width, n_images, noise, seed, v
         raise ValueError(f"{len(pixels)} control images for {n_images} images to generate: pass one, or one per prompt")
     pixels = np.repeat(pixels, n_images // len(pixels), axis=0)
     shape = (n_images, pipe.manifest["constants"]["latent_channels"], height // scale, width // scale)
-    noise = given_or_drawn("encoder_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, 1)))
+    noise = given_or_drawn("control_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, 1)))
     return pipe._image_latents(pixels, n_images, noise, vae_tiling)
 
 

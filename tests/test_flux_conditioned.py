@@ -58,7 +58,7 @@ def control(flux_control_tiny_build):
 
 @pytest.mark.parametrize("case", CONTROL_CASES)
 def test_control_matches_diffusers(monkeypatch, control, case):
-    """The control image's VAE sample takes our `encoder_noise` (diffusers' randn_tensor patched); diffusers'
+    """The control image's VAE sample takes our `control_noise` (diffusers' randn_tensor patched); diffusers'
     image with another control image differs, so the test fails if ours ignored it."""
     ours, reference = control
     request = dict(CONTROL_CASES[case], num_inference_steps=3, max_sequence_length=16)
@@ -67,14 +67,15 @@ def test_control_matches_diffusers(monkeypatch, control, case):
     n = prompts * request.get("num_images_per_prompt", 1)
     images = [smooth_image(height + 13, width - 7, seed=k) for k in range(prompts)]
     control_image = images[0] if prompts == 1 else images
-    encoder_noise = np.random.default_rng(len(case)).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
+    control_noise = np.random.default_rng(len(case)).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
     latents = flux_packed_latents(n, height, width, seed=len(case))
-    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
     ref = reference(control_image=control_image, latents=torch.from_numpy(latents), output_type="np", **request).images
     other = reference(control_image=smooth_image(height, width, seed=9), latents=torch.from_numpy(latents),
                       output_type="np", **request).images
-    got = ours(control_image=control_image, latents=latents, encoder_noise=encoder_noise, output_type="np", **request)
-    assert ours.defaults == {"text to image": (28, 3.5, None)}
+    got = ours(control_image=control_image, latents=latents, control_noise=control_noise, output_type="np", **request)
+    assert ours.defaults == {"text to image": (28, 3.5, None), "image to image": (28, 7.0, 0.6),
+                             "inpainting": (28, 7.0, 0.6)}
     assert got.shape == ref.shape == (n, height, width, 3)
     print(f"{case}: max abs error {np.abs(got - ref).max():.1e}, the control's effect {np.abs(ref - other).max():.3f}")
     assert np.abs(got - ref).max() <= BOUND
@@ -84,9 +85,51 @@ def test_control_matches_diffusers(monkeypatch, control, case):
 
 def test_control_image_is_needed_by_a_control_transformer(control):
     with pytest.raises(ValueError, match="is FLUX.1 Canny/Depth's: pass control_image="):
-        control[0]("a cat", height=64, width=64)
-    with pytest.raises(ValueError, match="image to image with FLUX.1 Canny/Depth is not supported"):
-        control[0]("a cat", control_image=smooth_image(64, 64), image=smooth_image(64, 64))
+        control[0]("a cat", height=64, width=64, image=smooth_image(64, 64))
+
+
+# FluxControlImg2ImgPipeline and FluxControlInpaintPipeline: the control image beside an image (and a mask).
+CONTROL_TASK_CASES = {
+    "control_image_to_image": ("FluxControlImg2ImgPipeline", "control_img2img", dict(height=64, width=96)),
+    "control_inpainting_two": ("FluxControlInpaintPipeline", "control_inpaint",
+                               dict(height=96, width=64, num_images_per_prompt=2)),
+}
+
+
+@pytest.mark.parametrize("case", CONTROL_TASK_CASES)
+def test_control_image_tasks_match_diffusers(monkeypatch, flux_control_tiny_build, case):
+    """diffusers samples the VAE posteriors in this order: the masked image's (inpainting; its blending loop
+    never reads it), the control image's (`control_noise`), the image's (`encoder_noise`); then the
+    pipeline's noise. Each is patched with ours; another control image changes diffusers' image."""
+    import importlib
+
+    name, module, size = CONTROL_TASK_CASES[case]
+    module = importlib.import_module(f"diffusers.pipelines.flux.pipeline_flux_{module}")
+    ours, reference = ours_and_diffusers(flux_control_tiny_build, name)
+    request = dict(size, prompt="a photo of a cat", num_inference_steps=4, max_sequence_length=16)
+    height, width, n = size["height"], size["width"], size.get("num_images_per_prompt", 1)
+    rng = np.random.default_rng(len(case))
+    control_noise, encoder_noise, noise = (rng.standard_normal((k, 16, height // 8, width // 8), dtype=np.float32)
+                                           for k in (n, 1, n))
+    images = dict(image=smooth_image(height + 13, width - 7, seed=1))
+    if "inpainting" in case:
+        images["mask_image"] = soft_mask(height + 13, width - 7)
+
+    def reference_image(control_image):
+        draws = iter(([encoder_noise] if "inpainting" in case else []) + [control_noise, encoder_noise])
+        monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(next(draws)))
+        monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+        return reference(control_image=control_image, output_type="np", **images, **request).images
+
+    control_image = smooth_image(height, width, seed=5)
+    ref, other = reference_image(control_image), reference_image(smooth_image(height, width, seed=9))
+    got = ours(control_image=control_image, control_noise=control_noise, encoder_noise=encoder_noise, noise=noise,
+               output_type="np", **images, **request)
+    assert got.shape == ref.shape == (n, height, width, 3)
+    print(f"{case}: max abs error {np.abs(got - ref).max():.1e}, the control's effect {np.abs(ref - other).max():.3f}")
+    assert np.abs(got - ref).max() <= BOUND
+    assert np.abs(ref - other).max() > 10 * BOUND, "the control image changed nothing: the test would prove nothing"
+    assert_real_image(ref)
 
 
 # FLUX.1 Kontext (flux-kontext-tiny): image= is the reference to edit. The tiny model's engines reach 512x512:
