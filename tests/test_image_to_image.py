@@ -239,7 +239,7 @@ def test_a_strength_that_runs_no_step_is_refused(sd15_tiny_build):
 def sdxl_aesthetic_build(tmp_path_factory, shared_root, sdxl_tiny_build):
     """sdxl-tiny with a UNet trained on aesthetic scores (five time ids, as SDXL's refiner), saved as a
     StableDiffusionXLInpaintPipeline that requires them, then exported from its folder as a user's is (its
-    two text encoders, sdxl-tiny's, taken from that export)."""
+    two text encoders and its VAE, sdxl-tiny's, taken from that export)."""
     from engines.api import build_artifact
     from export.api import export_model
     from export.families.unet import build_sdxl
