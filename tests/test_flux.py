@@ -172,6 +172,8 @@ def test_the_conditioned_models_options_are_refused(pipes):
     """FLUX.1 Canny/Depth's control image and Kontext's size options (tests/test_flux_conditioned.py)."""
     with pytest.raises(ValueError, match="control_image= is for a FLUX.1 Canny/Depth artifact"):
         pipes["dev"]("a cat", control_image=smooth_image(64, 64), height=64, width=64)
+    with pytest.raises(ValueError, match="control_noise= is the control image's VAE sample: pass control_image="):
+        pipes["dev"]("a cat", control_noise=np.zeros((1, 16, 8, 8), np.float32), height=64, width=64)
     with pytest.raises(ValueError, match="max_area= and auto_resize= are FLUX.1 Kontext's"):
         pipes["dev"]("a cat", max_area=64 * 64)
 
