@@ -130,8 +130,9 @@ bench: venv optimum-venv optimum-intel-venv
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
 # Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
-# again per stage's output): sd3-fullsize through export and the ORT fp16 build, each stage's
-# peak RSS measured from outside and written to BENCHMARKS.md; fails over SCALE_BUDGET_GIB.
+# again per stage's output): sd3-fullsize through export and the ORT and OpenVINO fp16 builds, each
+# stage's peak RSS measured from outside, and each command's disk, written to BENCHMARKS.md; fails over
+# SCALE_BUDGET_GIB. SCALE_MODEL=flux-fullsize checks FLUX.1-dev's 12 B transformer.
 SCALE_MODEL ?= sd3-fullsize
 SCALE_BUDGET_GIB ?= 16
 # The serving table alone (`make bench` measures it too): sd3-bench through Triton on 127.0.0.1.

@@ -2,11 +2,12 @@
 resident memory measured from outside the process that runs it.
 
 The stages are the user's own commands: building the random-weight model folder, `python -m
-export` and `python -m engines --target ort --precision fp16`. Each runs as a child process; a
-stage ends where the child prints that a submodule is done. The child's kernel high-water mark
+export`, then `python -m engines --precision fp16` for ONNX Runtime and for OpenVINO. Each runs as a
+child process; a stage ends where the child prints that a submodule is done. The child's kernel high-water mark
 (VmHWM in /proc/PID/status, file-backed pages of memory-mapped weights included) is sampled every
 50 ms, read at that line and reset there (/proc/PID/clear_refs), so each submodule's export and
-build gets its own peak.
+build gets its own peak. The disk each command wrote is what its output folder holds in files no earlier
+command wrote: hard links to the export's weights are free.
 The table goes into BENCHMARKS.md under the command that produced it; the check fails when a
 stage goes over the budget.
 
@@ -27,7 +28,11 @@ from pathlib import Path
 from bench.report import machine, machine_size, with_section
 
 # The lines that end a stage: "[export] transformer: 312.4 s, ..." and "[engines] transformer: ort-fp16 in ..."
-_DONE = re.compile(r"^\[(export|engines)\] (\w+): (?:[\d.]+ s,|\w+-\w+ in )")
+_DONE = re.compile(r"^\[(export|engines)\] (\w+): (?:[\d.]+ s,|(\w+-\w+) in )")
+# The real-size models export in fp16, which builds fp16 only (engines/plan.py). OpenVINO's bf16 artifact
+# is the same IR as its fp16 one (weights stored as fp16): only the precision hint its runtime reads differs.
+PRECISION = "fp16"
+TARGETS = ("ort", "openvino")
 
 
 @dataclass
@@ -47,10 +52,10 @@ def _reset_peak(pid: int) -> None:
         f.write("5")
 
 
-def run_measured(command: list[str], label: str, interval: float = 0.05) -> list[Stage]:
-    """Run `command`, echoing its output; one Stage per submodule it reports done, and one for
-    what follows the last (named `label`: writing the manifest, or the whole command if it
-    reports no submodules).
+def run_measured(command: list[str], label: str, interval: float = 0.05, lines: list | None = None) -> list[Stage]:
+    """Run `command`, echoing its output (and appending it to `lines`); one Stage per submodule it
+    reports done, named by the artifact it builds, and one for what follows the last (named `label`:
+    writing the manifest, or the whole command if it reports no submodules).
 
     The child's high-water mark is sampled every `interval` seconds and the largest kept per
     stage: the export resets its own mark as it starts each submodule (for the manifest's
@@ -74,6 +79,8 @@ def run_measured(command: list[str], label: str, interval: float = 0.05) -> list
     try:
         for line in child.stdout:
             sys.stdout.write(line)
+            if lines is not None:
+                lines.append(line.rstrip("\n"))
             match = _DONE.match(line)
             if match:
                 with lock:
@@ -82,7 +89,8 @@ def run_measured(command: list[str], label: str, interval: float = 0.05) -> list
                         _reset_peak(child.pid)
                     except (OSError, StopIteration):
                         pass
-                    stages.append(Stage(f"{match[1]} {match[2]}", time.perf_counter() - start, peak[0]))
+                    name = f"{match[1]} {match[2]}" + (f" ({match[3]})" if match[3] else "")
+                    stages.append(Stage(name, time.perf_counter() - start, peak[0]))
                     peak[0] = 0.0
                 start = time.perf_counter()
         if child.wait():
@@ -95,6 +103,19 @@ def run_measured(command: list[str], label: str, interval: float = 0.05) -> list
         sampler.join()
     stages.append(Stage(label, time.perf_counter() - start, peak[0]))
     return stages
+
+
+def new_bytes(folder: Path, seen: set) -> int:
+    """Bytes of the files under `folder` whose inodes are not in `seen` (which then holds them): a hard
+    link to a file an earlier stage wrote costs nothing."""
+    total = 0
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            stat = path.stat()
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
+    return total
 
 
 def _table(stages: list[Stage], budget_mib: float) -> list[str]:
@@ -116,22 +137,33 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     python, out = sys.executable, Path(args.out or f"build/{args.model}")
     t0 = time.perf_counter()
-    stages = run_measured([python, "-m", "export.source", args.model], "model folder (random weights)")
+    printed: list[str] = []
+    stages = run_measured([python, "-m", "export.source", args.model], "model folder (random weights)", lines=printed)
+    written = [("model folder (random weights)", Path(printed[-1]))]
     # --force: a check measures every stage, it never reuses an earlier run's output
     stages += run_measured([python, "-m", "export", args.model, "--out", str(out), "--force"],
                            "export: tokenizers, manifest")
-    stages += run_measured([python, "-m", "engines", str(out), "--target", "ort", "--precision", "fp16", "--force"],
-                           "engines: tokenizers, manifest")
+    written.append(("export", out / "onnx"))
+    for target in TARGETS:
+        artifact = f"{target}-{PRECISION}"
+        stages += run_measured([python, "-m", "engines", str(out), "--target", target, "--precision", PRECISION,
+                                "--force"], f"{artifact}: tokenizers, manifest")
+        written.append((artifact, out / artifact))
+    seen: set = set()
+    disk = [f"| {name} | {new_bytes(folder, seen) / 2**30:.2f} |" for name, folder in written]
     budget = args.budget_gib * 1024
     command = f"python -m bench.scale_check {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
     over = [s for s in stages if s.peak_mib > budget]
     body = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {(time.perf_counter() - t0) / 60:.0f} min "
             f"(`make scale-check` runs it) on {machine()}: `{command}`", "",
             "Each stage is a submodule's export (trace without weights, weights streamed from the checkpoint, "
-            "parity against PyTorch at two shapes) or its ORT fp16 build (graph passes, writing, a session "
-            "opened once). Peak RSS is the child process's VmHWM, sampled from outside every 50 ms and reset "
+            "parity against PyTorch at two shapes), its ORT fp16 build (graph passes, writing, a session "
+            "opened once) or its OpenVINO fp16 build (the IR converted and saved; OpenVINO's bf16 is the same "
+            "IR). Peak RSS is the child process's VmHWM, sampled from outside every 50 ms and reset "
             "at the line that ends each stage; it counts memory-mapped weight pages too.", "",
             *_table(stages, budget), "",
+            "Disk each command wrote (GiB; files hard-linked from an earlier command's are not counted again):", "",
+            "| command | disk (GiB) |", "|---|---|", *disk, "",
             f"Budget {args.budget_gib:g} GiB: " + ("every stage within it." if not over else
                                                    f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")]
     report = Path(args.report)

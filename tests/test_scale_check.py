@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from bench.report import with_section
-from bench.scale_check import run_measured
+from bench.scale_check import new_bytes, run_measured
 
 _CHILD = """
 import time
@@ -23,11 +23,24 @@ print("[engines] after: fp16-ort in 1.0 s, ...", flush=True)
 
 
 def test_each_stage_gets_its_own_peak():
-    stages = run_measured([sys.executable, "-c", _CHILD], "rest")
+    printed = []
+    stages = run_measured([sys.executable, "-c", _CHILD], "rest", lines=printed)
     peaks = {s.name: s.peak_mib for s in stages}
-    assert list(peaks) == ["export small", "export large", "engines after", "rest"]
+    assert list(peaks) == ["export small", "export large", "engines after (fp16-ort)", "rest"]
     assert peaks["export large"] - peaks["export small"] > 350
-    assert peaks["engines after"] < peaks["export large"] - 350  # reset at the line that ended "large"
+    assert peaks["engines after (fp16-ort)"] < peaks["export large"] - 350  # reset at the line that ended "large"
+    assert printed[-1] == "[engines] after: fp16-ort in 1.0 s, ..."
+
+
+def test_a_hard_link_to_an_earlier_stages_file_costs_no_disk(tmp_path):
+    export, artifact = tmp_path / "onnx", tmp_path / "ort-fp16"
+    export.mkdir(), artifact.mkdir()
+    (export / "weights.data").write_bytes(b"w" * 3 * 4096)
+    (artifact / "weights.data").hardlink_to(export / "weights.data")  # left unchanged by the build
+    (artifact / "graph.onnx").write_bytes(b"g" * 4096)
+    seen = set()
+    assert new_bytes(export, seen) == 3 * 4096
+    assert new_bytes(artifact, seen) == 4096
 
 
 def test_the_table_replaces_its_own_section_only():
