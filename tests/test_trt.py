@@ -286,7 +286,9 @@ def test_fallback_only_for_a_graph_the_builder_rejects(tiny_build, tiny_artifact
     # TensorRT-RTX does not compile for Turing.
     import onnx
     from onnx import TensorProto, helper
+    from polygraphy.logger import G_LOGGER
 
+    before = G_LOGGER.module_severity.get()  # the build quiets polygraphy's logger: checked below
     unknown_op = tmp_path / "unknown_op.onnx"
     onnx.save(helper.make_model(helper.make_graph(
         [helper.make_node("NotAnOperator", ["input_ids"], ["out"], domain="com.example")], "g",
@@ -298,10 +300,8 @@ def test_fallback_only_for_a_graph_the_builder_rejects(tiny_build, tiny_artifact
     with pytest.raises(SubmoduleBuildFailed, match="Cannot compile operation .* for Turing"):
         build(tiny_build / "onnx" / "text_encoder.onnx", ["SM75"])  # the export's graph, fp32
     # The build quiets polygraphy's logger (TensorRT-RTX's recovered CUDA errors without a GPU) and gives
-    # the caller's level back, after a failed build and after one that succeeds.
-    from polygraphy.logger import G_LOGGER
-
-    before = G_LOGGER.module_severity.get()
+    # the caller's level back, after the two failed builds above and after one that succeeds.
+    assert G_LOGGER.module_severity.get() == before
     build(tiny_build / "onnx" / "text_encoder.onnx", ["SM89"])
     assert (tmp_path / "e.plan").stat().st_size > 100_000 and G_LOGGER.module_severity.get() == before
     # What the builder's error recorder says decides.
