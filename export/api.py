@@ -17,7 +17,7 @@ from pathlib import Path
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.shapes import dim_ranges, image_multiple, probe_dims
-from export.families.controlnet import controlnet_sources, specs_and_constants as controlnet_specs
+from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
 from export.versions import package_versions
@@ -114,7 +114,7 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
         specs += TINY_VAE_SPECS
         sources.update({s.name: tiny for s in TINY_VAE_SPECS})
     controls = controlnet_sources(src, list(controlnets))
-    control_specs, control_constants = controlnet_specs(family.name, controls)
+    specs, control_specs, control_constants = with_controlnets(specs, src, controls)
     constants.update(control_constants)
     specs += control_specs
     sources.update({s.name: c for s, c in zip(control_specs, controls)})

@@ -67,3 +67,21 @@ class Family:
     # (component configs, output folder) -> writes a random-weight pipeline of this family.
     build_random: Callable[[dict, Any], None]
     scheduler: str = "scheduler"
+
+
+@dataclass(frozen=True)
+class ControlNetKind:
+    """The ControlNets a family takes (export/families/controlnet.py), as data and small functions."""
+
+    class_name: str  # the diffusers class their config.json names: "ControlNetModel"
+    # (ControlNet config, base ModelSource, the name the user gave) -> raises SourceError with what to do
+    check: Callable[[dict, Any, str], None]
+    # ControlNet config -> its engine's description (named "controlnet"; the export renames the others)
+    spec: Callable[[dict], SubmoduleSpec]
+    # (ControlNet configs, base ModelSource) -> the constants the engines' shapes and the runner name
+    constants: Callable[[list[dict], Any], dict]
+    # (base ModelSource, seed, folder) -> writes a random test ControlNet for the base model into folder
+    build_random: Callable[[Any, int, Any], None]
+    # (the base's submodule descriptions, base ModelSource) -> those to export beside ControlNets (SD3's
+    # transformer takes their residuals only then). None: the same.
+    denoiser: Callable[[list[SubmoduleSpec], Any], list[SubmoduleSpec]] | None = None

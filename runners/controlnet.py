@@ -49,9 +49,14 @@ class ControlRequest:
     starts: list[float]
     ends: list[float]
     guess_mode: bool
+    # A family that encodes control images with the VAE (SD3) draws their posterior samples: given ones,
+    # or from the call's seed
+    noise: np.ndarray | None = None
+    seed: int | None = None
+    vae_tiling: bool | None = None
 
     @classmethod
-    def of(cls, engines: list[str], control_image, scale=1.0, start=0.0, end=1.0, guess_mode=False):
+    def of(cls, engines: list[str], control_image, scale=1.0, start=0.0, end=1.0, guess_mode=False, **draws):
         if not engines:
             raise ValueError("control_image= needs a ControlNet: this artifact has none; export the model with "
                              "`python -m export MODEL --controlnet FOLDER_OR_HUB_ID` and build it again")
@@ -71,7 +76,7 @@ class ControlRequest:
                                  "(fractions of the denoising steps)")
         if not isinstance(guess_mode, bool):
             raise ValueError(f"guess_mode={guess_mode!r} is not allowed: use True or False")
-        return cls(images, scales, starts, ends, guess_mode)
+        return cls(images, scales, starts, ends, guess_mode, **draws)
 
     def size(self, multiple: int) -> tuple[int, int]:
         """The first control image's size, rounded down to `multiple`: a request's size when it gives none."""
@@ -84,25 +89,10 @@ class ControlRun:
     """What a call's denoising loop needs: the prepared control images and the scale of each step."""
 
     engines: list[str]
-    images: list[np.ndarray]  # per ControlNet: (batch the ControlNet runs at, C, H, W) in [0, 1]
+    images: list[np.ndarray]  # per ControlNet: its controlnet_cond, at the batch it runs at
     request: ControlRequest
     half: bool  # guess mode under guidance: the ControlNets see the conditional half only
     step: tuple[int, int] = (0, 1)  # (step, number of steps) of the evaluation under way
-
-    @classmethod
-    def start(cls, engines, request: ControlRequest, height: int, width: int, n_images: int, per_prompt: int,
-              cfg: bool, multiple: int) -> "ControlRun":
-        images = []
-        for name, given in zip(engines, request.images):
-            image = (to_model_input(given, height, width, multiple) + np.float32(1)) / np.float32(2)
-            # diffusers' prepare_image: one image serves every image to generate; a batch is one per prompt
-            repeat = n_images if len(image) == 1 else per_prompt
-            if len(image) * repeat != n_images:
-                raise ValueError(f"control_image of {name}: {len(image)} images for {n_images} images to generate; "
-                                 "pass one, or one per prompt")
-            image = np.repeat(image, repeat, axis=0)
-            images.append(np.concatenate([image, image]) if cfg and not request.guess_mode else image)
-        return cls(list(engines), images, request, half=cfg and request.guess_mode)
 
     def scale(self, k: int) -> float:
         """ControlNet k's scale at the current step: 0 outside its window (diffusers' controlnet_keep)."""
@@ -131,24 +121,34 @@ def canny_edges(image, low: float = 100, high: float = 200):
 
 
 class ControlNets:
-    """The ControlNet side of a U-Net family's pipeline: `_predict` feeds the UNet the residuals."""
+    """The ControlNet side of a family's pipeline: `_predict` feeds the denoiser the residuals. The hooks
+    below are the U-Nets'; SD3's are in runners/controlnet_sd3.py."""
 
     _control: ControlRun | None = None
     # {task: Defaults} of diffusers' ControlNet pipelines where they differ from the family's others
     control_defaults: dict = {}
-    # {task: controlnet_conditioning_scale} by default: diffusers' ControlNet pipelines' (SD1.5's)
+    # {task: controlnet_conditioning_scale} by default: diffusers' ControlNet pipelines' (SD1.5's); the
+    # tasks named are those diffusers has ControlNet pipelines for
     control_scales = {TEXT: 1.0, IMAGE: 0.8, INPAINT: 0.5}
+    control_sets_size = True  # a request without a size takes the control image's
 
     def _controlled_text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                  *args, image=None, mask_image=None, strength=None, control_image=None,
+                                  num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None,
+                                  mask_image=None, strength=None, control_image=None,
                                   controlnet_conditioning_scale=None, control_guidance_start=0.0,
-                                  control_guidance_end=1.0, guess_mode=False, **kwargs):
-        """`_text_to_image` with ControlNets: the size a request leaves None is the control image's, and the
-        steps, guidance, strength and conditioning scale left None are diffusers' ControlNet pipeline's for
-        the task."""
+                                  control_guidance_end=1.0, guess_mode=False, control_noise=None, **kwargs):
+        """`_text_to_image` with ControlNets: the size a request leaves None is the control image's (where
+        `control_sets_size`), and the steps, guidance, strength and conditioning scale left None are
+        diffusers' ControlNet pipeline's for the task."""
         task = task_of(image, mask_image)
+        if control_image is not None and task not in self.control_scales:
+            raise ValueError(f"control_image= with {task}: diffusers has no such {self.family} ControlNet pipeline; "
+                             f"{self.family} ControlNets run for {', '.join(self.control_scales)}")
+        if control_noise is not None and control_image is None:
+            raise ValueError("control_noise= is the control images' VAE sample: pass control_image= too")
         control = self._control_request(control_image, controlnet_conditioning_scale, control_guidance_start,
-                                        control_guidance_end, guess_mode, self.control_scales[task])
+                                        control_guidance_end, guess_mode, self.control_scales.get(task),
+                                        noise=control_noise, seed=seed, vae_tiling=vae_tiling)
         height, width = self._control_size(control, height, width, image)
         defaults = self.control_defaults.get(task) if control is not None else None
         if defaults is not None:
@@ -157,8 +157,8 @@ class ControlNets:
             strength = defaults.strength if strength is None else strength
         try:
             return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                       *args, image=image, mask_image=mask_image, strength=strength, control=control,
-                                       **kwargs)
+                                       num_images_per_prompt, seed, latents, output_type, vae_tiling, image=image,
+                                       mask_image=mask_image, strength=strength, control=control, **kwargs)
         finally:
             self._control = None
 
@@ -175,7 +175,8 @@ class ControlNets:
         inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]
         return [t for t in inputs if t["name"].endswith("_residual") or "_residual_" in t["name"]]
 
-    def _control_request(self, control_image, scale, start, end, guess_mode, default_scale) -> ControlRequest | None:
+    def _control_request(self, control_image, scale, start, end, guess_mode, default_scale,
+                         **draws) -> ControlRequest | None:
         if control_image is None:
             given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, None),
                                            ("control_guidance_start", start, 0.0),
@@ -188,18 +189,39 @@ class ControlNets:
             raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
                              "is not its family's real one): control_image= cannot be used")
         return ControlRequest.of(self.controlnets(), control_image, default_scale if scale is None else scale, start,
-                                 end, guess_mode)
+                                 end, guess_mode, **draws)
 
     def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
-        """diffusers' ControlNet pipelines take the control image's size when the request gives none."""
-        if request is None or image is not None or height is not None or width is not None:
+        """diffusers' U-Net ControlNet pipelines take the control image's size when the request gives none."""
+        if (request is None or not self.control_sets_size or image is not None or height is not None
+                or width is not None):
             return height, width
         return request.size(self.constants["vae_scale_factor"])
 
     def _start_control(self, request: ControlRequest | None, height, width, n_images, per_prompt, cfg) -> None:
         """Called by the family's `_conditions`, which knows the request's size and batch."""
-        self._control = request and ControlRun.start(self.controlnets(), request, height, width, n_images, per_prompt,
-                                                     cfg, self.constants["vae_scale_factor"])
+        if request is None:
+            self._control = None
+            return
+        images = [self._control_input(name, given, request, height, width, n_images, per_prompt, cfg)
+                  for name, given in zip(self.controlnets(), request.images)]
+        self._control = ControlRun(self.controlnets(), images, request, half=cfg and request.guess_mode)
+
+    def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
+        """A ControlNet's controlnet_cond, as diffusers' prepare_image makes it: the image resized, in [0, 1];
+        one image serves every image to generate, a batch is one per prompt; doubled under guidance (not in
+        guess mode, where the ControlNets see the conditional half only)."""
+        image = (to_model_input(given, height, width, self.constants["vae_scale_factor"]) + np.float32(1)) / np.float32(2)
+        return self._control_batch(name, image, n_images, per_prompt, cfg and not request.guess_mode)
+
+    @staticmethod
+    def _control_batch(name, image, n_images, per_prompt, double) -> np.ndarray:
+        repeat = n_images if len(image) == 1 else per_prompt
+        if len(image) * repeat != n_images:
+            raise ValueError(f"control_image of {name}: {len(image)} images for {n_images} images to generate; "
+                             "pass one, or one per prompt")
+        image = np.repeat(image, repeat, axis=0)
+        return np.concatenate([image, image]) if double else image
 
     def _evaluate(self, step, num_steps, x, t, conditions, context="batch"):
         if self._control is not None:
@@ -226,12 +248,14 @@ class ControlNets:
                 scale = control.scale(k)
                 if scale == 0:
                     continue
-                accepted = {i["name"] for i in self.manifest["submodules"][name]["inputs"]}
-                out = self.run(name, release=release, sample=latents,
+                entry = self.manifest["submodules"][name]
+                accepted = {i["name"] for i in entry["inputs"]}
+                out = self.run(name, release=release, **{entry["inputs"][0]["name"]: latents},
                                timestep=np.full(len(latents), t, dtype=np.float32),
-                               controlnet_cond=control.images[k], conditioning_scale=control.factors(scale, len(specs)),
+                               controlnet_cond=control.images[k],
+                               conditioning_scale=control.factors(scale, len(entry["outputs"])),
                                **{n: v for n, v in conditions.items() if n in accepted})
-                residuals = [out[s["name"]] for s in specs]
+                residuals = self._residual_feeds(name, out, specs)
                 total = [r.copy() for r in residuals] if total is None else [a + r for a, r in zip(total, residuals)]
             if total is not None and control.half:
                 total = [np.concatenate([np.zeros_like(r), r]) for r in total]
@@ -239,16 +263,25 @@ class ControlNets:
             return self._zeros(specs, x)
         return {s["name"]: r for s, r in zip(specs, total)}
 
+    def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:
+        """ControlNet `name`'s outputs as the denoiser's residual inputs `specs`: the UNet's are named alike."""
+        return [out[s["name"]] for s in specs]
+
+    def _residual_dims(self, x: np.ndarray) -> dict:
+        """The sizes of the residual inputs' dims for the latents `x` (besides the constants): the UNet's
+        latent sides at 1/S (latent_height_S)."""
+        dims = {"batch": x.shape[0], "latent_height": x.shape[2], "latent_width": x.shape[3]}
+        for d in {d for s in self._residual_inputs() for d in s["shape"] if isinstance(d, str) and d not in dims}:
+            if d.startswith("latent_"):  # latent_height_4: the latent side over 4
+                axis, over = d.rsplit("_", 1)
+                dims[d] = dims[axis] // int(over)
+        return dims
+
     def _zeros(self, specs: list[dict], x: np.ndarray) -> dict[str, np.ndarray]:
         """Zero residuals for the latents `x` (made once per latent shape)."""
         cache = self.__dict__.setdefault("_zero_residuals", {})
         if x.shape not in cache:
-            dims = {"batch": x.shape[0], "latent_height": x.shape[2], "latent_width": x.shape[3]}
-            for d in {d for s in specs for d in s["shape"] if isinstance(d, str) and d not in dims}:
-                if d.startswith("latent_"):  # latent_height_4: the latent side over 4
-                    axis, over = d.rsplit("_", 1)
-                    dims[d] = dims[axis] // int(over)
-            dims = {**self.manifest["constants"], **dims}
+            dims = {**self.manifest["constants"], **self._residual_dims(x)}
             cache.clear()  # one shape at a time: a request's
             cache[x.shape] = {s["name"]: np.zeros([dims[d] if isinstance(d, str) else d for d in s["shape"]],
                                                   dtype=np.float32) for s in specs}

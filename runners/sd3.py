@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from runners.controlnet_sd3 import SD3ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
-class SD3Pipeline(TextToImage):
+class SD3Pipeline(SD3ControlNets, TextToImage):
     family = "sd3"
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
@@ -22,28 +23,35 @@ class SD3Pipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  max_sequence_length=256, vae_tiling=None, image=None, mask_image=None, strength=None, noise=None,
-                 encoder_noise=None):
+                 encoder_noise=None, control_image=None, controlnet_conditioning_scale=None, control_guidance_start=0.0,
+                 control_guidance_end=1.0, control_noise=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Steps, guidance
         and strength left None take `defaults`, those of diffusers' pipeline for the task.
         `seed` seeds numpy's generator (not torch's noise: the same seed gives other images than
-        diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`."""
+        diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`.
+        `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
+        diffusers' StableDiffusion3ControlNetPipeline, for text to image (runners/controlnet_sd3.py); the
+        control images' VAE samples take `control_noise` (N, 16, h, w; under guidance 2N, both halves), a
+        list of them for several ControlNets."""
         if "text_encoder_3" in self.sessions:
             lo, _, hi = self.dims["t5_length"]
             if not lo <= max_sequence_length <= hi:
                 raise ValueError(f"max_sequence_length={max_sequence_length} is outside this artifact's range "
                                  f"{lo}..{hi}")
-        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                   num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                   image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                   encoder_noise=encoder_noise,
-                                   t5_length=max_sequence_length)
+        return self._controlled_text_to_image(
+            prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
+            latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,
+            encoder_noise=encoder_noise, t5_length=max_sequence_length, control_image=control_image,
+            controlnet_conditioning_scale=controlnet_conditioning_scale, control_guidance_start=control_guidance_start,
+            control_guidance_end=control_guidance_end, control_noise=control_noise)
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length):
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, control=None):
         embeds, pooled = self._encode(prompts, per_prompt, t5_length)
         if cfg:
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
             embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+        self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
     def _mu(self, latent_shape):

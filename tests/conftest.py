@@ -358,3 +358,25 @@ def compare_flux_image_task(monkeypatch, ours, reference, case: str, request: di
     print(f"{case}: max abs error {np.abs(got - ref).max():.1e}")
     assert np.abs(got - ref).max() <= 1 / 255
     assert_real_image(ref)
+
+
+def edge_image(height: int, width: int, seed: int):
+    """A canny-like control image: thin white curves on black."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    field = np.sin(rng.uniform(6, 14) * x + rng.uniform(0, 6)) * np.sin(rng.uniform(6, 14) * y + rng.uniform(0, 6))
+    edges = ((np.abs(field) < 0.1) * 255).astype(np.uint8)
+    return Image.fromarray(np.repeat(edges[..., None], 3, axis=-1))
+
+
+def compare_controlled(ours, ref, unused) -> float:
+    """Our image against diffusers' within 1/255; diffusers' without the control (`unused`) differs."""
+    assert ours.shape == ref.shape
+    err = float(np.abs(ours - ref).max())
+    print(f"max abs error {err:.1e}, the control's effect {np.abs(ref - unused).max():.3f}")
+    assert err <= 1 / 255, err
+    assert np.abs(ref - unused).max() > 10 * 1 / 255, "the ControlNet changed nothing: the test would prove nothing"
+    assert_real_image(ref)
+    return err

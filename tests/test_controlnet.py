@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image, library_deep_cache, smooth_image, soft_mask
+from conftest import assert_real_image, compare_controlled, edge_image, library_deep_cache, smooth_image, soft_mask
 from runners import DeepCacheConfig, Pipeline
 
 ONE_LEVEL = 1 / 255
@@ -44,6 +44,11 @@ def sd15_two(tmp_path_factory, sd15_tiny_build, sd15_one):
 
 
 @pytest.fixture(scope="module")
+def sd3_one(tmp_path_factory, sd3_tiny_build):
+    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-tiny"], "sd3-cn")
+
+
+@pytest.fixture(scope="module")
 def sdxl_one(tmp_path_factory, sdxl_tiny_build):
     return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
 
@@ -62,40 +67,21 @@ def _controlnet_folder(name: str):
 
 
 def _reference(pipeline_class: str, build, controlnets: list[str]):
-    import diffusers
-    from diffusers import ControlNetModel
+    import json
 
-    nets = [ControlNetModel.from_pretrained(_controlnet_folder(n)) for n in controlnets]
+    import diffusers
+
+    folders = [_controlnet_folder(n) for n in controlnets]
+    nets = [getattr(diffusers, json.loads((f / "config.json").read_text())["_class_name"]).from_pretrained(f)
+            for f in folders]
     base = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
     pipe = getattr(diffusers, pipeline_class)(**base.components, controlnet=nets[0] if len(nets) == 1 else nets)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def _edges(height: int, width: int, seed: int):
-    """A canny-like control image: thin white curves on black."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width] / max(height, width)
-    field = np.sin(rng.uniform(6, 14) * x + rng.uniform(0, 6)) * np.sin(rng.uniform(6, 14) * y + rng.uniform(0, 6))
-    edges = ((np.abs(field) < 0.1) * 255).astype(np.uint8)
-    return Image.fromarray(np.repeat(edges[..., None], 3, axis=-1))
-
-
 def _latents(height: int, width: int, seed: int, n: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 4, height // 8, width // 8), dtype=np.float32)
-
-
-def _compare(ours, ref, unused) -> float:
-    """Our image against diffusers' within 1/255; diffusers' without the control (`unused`) differs."""
-    assert ours.shape == ref.shape
-    err = float(np.abs(ours - ref).max())
-    print(f"max abs error {err:.1e}, the control's effect {np.abs(ref - unused).max():.3f}")
-    assert err <= ONE_LEVEL, err
-    assert np.abs(ref - unused).max() > 10 * ONE_LEVEL, "the ControlNet changed nothing: the test would prove nothing"
-    assert_real_image(ref)
-    return err
 
 
 TEXT_CASES = {  # (build fixture, ControlNets, pipeline): the call's arguments
@@ -108,7 +94,8 @@ TEXT_CASES = {  # (build fixture, ControlNets, pipeline): the call's arguments
 _SETUPS = {"sd15_one": ("sd15_one", "sd15_tiny_build", ["sd15-controlnet-tiny"], "StableDiffusionControlNetPipeline"),
            "sd15_two": ("sd15_two", "sd15_tiny_build", ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
                         "StableDiffusionControlNetPipeline"),
-           "sdxl_one": ("sdxl_one", "sdxl_tiny_build", ["sdxl-controlnet-tiny"], "StableDiffusionXLControlNetPipeline")}
+           "sdxl_one": ("sdxl_one", "sdxl_tiny_build", ["sdxl-controlnet-tiny"], "StableDiffusionXLControlNetPipeline"),
+           "sd3_one": ("sd3_one", "sd3_tiny_build", ["sd3-controlnet-tiny"], "StableDiffusion3ControlNetPipeline")}
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +120,113 @@ def test_text_to_image_matches_diffusers(loaded, case):
     kwargs = dict(TEXT_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS)
     height, width = kwargs["height"], kwargs["width"]
     count = len(pipe.controlnets())
-    control = [_edges(height, width, seed=k) for k in range(count)]
+    control = [edge_image(height, width, seed=k) for k in range(count)]
     control = control if count > 1 else control[0]
     latents = _latents(height, width, seed=len(case))
     ours = pipe(latents=latents, output_type="np", control_image=control, **kwargs)
     ref = reference(image=control, latents=torch.from_numpy(latents), output_type="np", **kwargs).images
     unused = reference(image=control, latents=torch.from_numpy(latents), output_type="np",
                        **{**kwargs, "controlnet_conditioning_scale": 0.0}).images
-    _compare(ours, ref, unused)
+    compare_controlled(ours, ref, unused)
+
+
+SD3_CASES = {
+    "one": dict(height=64, width=64),
+    "window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
+                                    control_guidance_start=0.2, control_guidance_end=0.8),
+}
+
+
+@pytest.mark.parametrize("case", SD3_CASES)
+def test_sd3_matches_diffusers(monkeypatch, loaded, case):
+    """StableDiffusion3ControlNetPipeline: the control image's VAE sample (one per half of the guided batch,
+    as diffusers encodes the doubled image) takes our `control_noise`."""
+    pipe, reference = loaded("sd3_one")
+    kwargs = dict(SD3_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS, output_type="np")
+    height, width = kwargs["height"], kwargs["width"]
+    rng = np.random.default_rng(len(case))
+    latents = rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
+    control_noise = rng.standard_normal((2, 16, height // 8, width // 8), dtype=np.float32)
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
+    control = edge_image(height, width, seed=2)
+    ours = pipe(latents=latents, control_image=control, control_noise=control_noise, **kwargs)
+    ref = reference(control_image=control, latents=torch.from_numpy(latents), **kwargs).images
+    unused = reference(control_image=control, latents=torch.from_numpy(latents),
+                       **{**kwargs, "controlnet_conditioning_scale": 0.0}).images
+    compare_controlled(ours, ref, unused)
+
+
+def test_sd3_blocks_take_diffusers_residuals():
+    """The transformer's per-block residual inputs, fed by the runner's interval rule from a ControlNet of k
+    blocks, give what diffusers' transformer gives from the k residuals (5 blocks, k = 2: blocks 0-2 take
+    the first, block 3 the second, the last none)."""
+    from diffusers import SD3Transformer2DModel
+
+    from export.families.sd3 import _TransformerForSD3
+    from runners.controlnet_sd3 import SD3ControlNets
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(sample_size=8, num_layers=5, attention_head_dim=8, num_attention_heads=2,
+                                        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8,
+                                        pos_embed_max_size=16).eval()
+    inputs = (torch.randn(1, 16, 8, 8), torch.randn(1, 5, 16), torch.randn(1, 8), torch.tensor([500.0]))
+    out = {f"controlnet_block_{j}": torch.randn(1, 16, 16).numpy() for j in range(2)}
+    runner = object.__new__(SD3ControlNets)
+    runner.manifest = {"constants": {"transformer_layers": 5},
+                       "submodules": {"controlnet": {"outputs": [{"name": n} for n in out]}}}
+    feeds = runner._residual_feeds("controlnet", out, [{"name": f"block_residual_{i}"} for i in range(4)])
+    with torch.no_grad():
+        ours = _TransformerForSD3(transformer)(*inputs, *map(torch.from_numpy, feeds))[0]
+        theirs = transformer(*inputs[:1], encoder_hidden_states=inputs[1], pooled_projections=inputs[2],
+                             timestep=inputs[3], block_controlnet_hidden_states=[torch.from_numpy(v) for v in out.values()],
+                             return_dict=False)[0]
+        plain = transformer(*inputs[:1], encoder_hidden_states=inputs[1], pooled_projections=inputs[2],
+                            timestep=inputs[3], return_dict=False)[0]
+    assert [f is out["controlnet_block_1"] for f in feeds] == [False, False, False, True]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert (theirs - plain).abs().max() > 0.01  # the residuals changed the prediction
+
+
+def test_sd3_plain_run_and_refusals(loaded, sd3_tiny_build):
+    """Without control_image, the artifact with an SD3 ControlNet gives the base artifact's image (its
+    transformer, exported again with residual inputs, gets zeros); and what diffusers has no pipeline for
+    is refused."""
+    pipe, _ = loaded("sd3_one")
+    args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, output_type="np",
+                latents=np.random.default_rng(9).standard_normal((1, 16, 8, 8), dtype=np.float32))
+    plain = Pipeline.load(sd3_tiny_build.folder / "ort-fp32")
+    np.testing.assert_allclose(pipe(**args), plain(**args), rtol=0, atol=1e-6)
+    control = edge_image(64, 64, seed=0)
+    with pytest.raises(ValueError, match="control_image= with image to image: diffusers has no such sd3 ControlNet "
+                                         "pipeline; sd3 ControlNets run for text to image"):
+        pipe("a cat", image=smooth_image(64, 64), control_image=control, num_inference_steps=2)
+    with pytest.raises(ValueError, match="control_image= with cache=first-block: SD3's ControlNet residuals"):
+        pipe("a cat", control_image=control, height=64, width=64, num_inference_steps=2, cache="first-block")
+    with pytest.raises(ValueError, match="control_noise= is the control images' VAE sample: pass control_image="):
+        pipe("a cat", control_noise=np.zeros((2, 16, 8, 8), np.float32), height=64, width=64, num_inference_steps=2)
+    with pytest.raises(ValueError, match=r"control_noise have shape \(1, 16, 8, 8\); this request needs "
+                                         r"\(2, 16, 8, 8\)"):
+        pipe("a cat", control_image=control, control_noise=np.zeros((1, 16, 8, 8), np.float32), height=64,
+             width=64, num_inference_steps=2)
+
+
+def test_sd3_controlnet_checks_its_base(sd3_tiny_build):
+    """A ControlNet of another kind, or one whose widths differ from the transformer's, is refused with what
+    to pass instead."""
+    from export.families.controlnet import controlnet_source
+    from export.families.controlnet_sd3 import _check
+    from export.source import SourceError
+
+    with pytest.raises(SourceError, match="holds no SD3ControlNetModel .*'ControlNetModel'.*sd3 takes a diffusers "
+                                          "SD3ControlNetModel"):
+        controlnet_source(_controlnet_folder("sd15-controlnet-tiny"), "sd15-controlnet-tiny", sd3_tiny_build.source)
+    config = {**sd3_tiny_build.source.config("transformer"), "num_attention_heads": 2}
+    with pytest.raises(SourceError, match="has inner_dim=16; sd3-tiny's transformer has 32: pass a ControlNet "
+                                          "trained for this base model"):
+        _check(config, sd3_tiny_build.source, "x")
+    with pytest.raises(SourceError, match="extra_conditioning_channels"):
+        _check({**sd3_tiny_build.source.config("transformer"), "extra_conditioning_channels": 1},
+               sd3_tiny_build.source, "x")
 
 
 @pytest.mark.parametrize("setup", ["sd15_one"])  # named for the sd15 tests' worker (conftest's groups)
@@ -149,7 +235,7 @@ def test_deep_cache_matches_the_library_with_a_controlnet(loaded, setup):
     shallow branch takes its residual for conv_in's output."""
     pipe, reference = loaded(setup)
     kwargs = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=8)
-    control, latents = _edges(64, 64, seed=3), _latents(64, 64, seed=3)
+    control, latents = edge_image(64, 64, seed=3), _latents(64, 64, seed=3)
     with library_deep_cache(reference, 2) as library_full:
         ref = reference(image=control, latents=torch.from_numpy(latents), output_type="np", **kwargs).images
     ours = pipe(latents=latents, output_type="np", control_image=control, cache=DeepCacheConfig(cache_interval=2),
@@ -185,12 +271,12 @@ def test_image_tasks_match_diffusers(monkeypatch, sd15_one, sd15_tiny_build, tas
     kwargs = dict(prompt="a photo of a cat", image=smooth_image(height, width, seed=2), height=height, width=width,
                   num_inference_steps=STEPS, strength=0.7, output_type="np",
                   **({"mask_image": soft_mask(height, width)} if task == "inpainting" else {}))
-    control = _edges(height, width, seed=4)
+    control = edge_image(height, width, seed=4)
     ours = Pipeline.load(sd15_one / "ort-fp32")(control_image=control, noise=noise, encoder_noise=encoder_noise,
                                                 **kwargs)
     ref = reference(control_image=control, **kwargs).images
     unused = reference(control_image=control, controlnet_conditioning_scale=0.0, **kwargs).images
-    _compare(ours, ref, unused)
+    compare_controlled(ours, ref, unused)
 
 
 def test_controlnets_are_added_without_exporting_the_rest(sd15_tiny_build, sd15_one, sd15_two):
@@ -228,7 +314,7 @@ def test_int8_stays_close_to_fp32(loaded, sd15_one):
     int8 = Pipeline.load(build_artifact(sd15_one, "ort", "int8"))
     assert int8.manifest["submodules"]["controlnet"]["passes"][-1]["name"] == "quantize_int8"
     args = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
-                latents=_latents(64, 64, seed=1), control_image=_edges(64, 64, seed=0))
+                latents=_latents(64, 64, seed=1), control_image=edge_image(64, 64, seed=0))
     value = psnr(int8(**args), fp32(**args))
     print(f"int8 vs fp32: {value:.1f} dB")
     assert value > 40, value  # measured 62 dB (the tiny UNet is mostly convolutions, which stay float)
@@ -266,8 +352,8 @@ def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
 
     from runners.__main__ import main
 
-    _edges(64, 128, seed=1).save(tmp_path / "edges.png")
-    _edges(64, 128, seed=5).save(tmp_path / "photo.png")
+    edge_image(64, 128, seed=1).save(tmp_path / "edges.png")
+    edge_image(64, 128, seed=5).save(tmp_path / "photo.png")
     out = tmp_path / "out.png"
     assert main([str(sd15_two / "ort-fp32"), "--prompt", "a cat", "--steps", "2", "--control-image",
                  str(tmp_path / "edges.png"), "--canny", str(tmp_path / "photo.png"), "--control-scale", "0.5",
@@ -275,14 +361,14 @@ def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
     assert Image.open(out).size == (128, 64)
 
 
-def test_canny_edges(monkeypatch):
+def test_cannyedge_image(monkeypatch):
     """OpenCV's edge map as RGB (white on black), and one line saying how to install it when it is missing."""
     import sys
 
     from runners.controlnet import canny_edges
 
-    edges = np.asarray(canny_edges(_edges(64, 64, seed=1), 50, 100))
+    edges = np.asarray(cannyedge_image(edge_image(64, 64, seed=1), 50, 100))
     assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
     monkeypatch.setitem(sys.modules, "cv2", None)
     with pytest.raises(ValueError, match=r"canny edge maps need OpenCV: pip install 'diffusion-aot\[canny\]'"):
-        canny_edges(smooth_image(64, 64))
+        cannyedge_image(smooth_image(64, 64))

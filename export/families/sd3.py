@@ -1,6 +1,7 @@
 """Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline): six submodules, as data."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -9,7 +10,7 @@ from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
-from export.families.first_block import inner_dim, transformer_specs
+from export.families.first_block import HIDDEN, inner_dim, transformer_specs
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 _CLIP_OUTPUTS = ("text_embeds", "penultimate_hidden_states")
@@ -33,23 +34,67 @@ def _cropped_pos_embed(self, height, width):
     return grid.reshape(1, -1, grid.shape[-1])
 
 
+def export_cropping(embed) -> None:
+    """Make a PatchEmbed (the transformer's, a ControlNet's) crop its position embedding as exports right."""
+    if embed.pos_embed_max_size is not None:
+        embed.cropped_pos_embed = types.MethodType(_cropped_pos_embed, embed)
+
+
 class _TransformerForSD3(torch.nn.Module):
+    """Inputs as declared; after them, when the transformer takes ControlNet residuals, one per block that
+    adds one (`block_residual_i`, in block order)."""
+
     def __init__(self, transformer):
         super().__init__()
         self.transformer = transformer
-        embed = transformer.pos_embed
-        if embed.pos_embed_max_size is not None:
-            embed.cropped_pos_embed = types.MethodType(_cropped_pos_embed, embed)
+        export_cropping(transformer.pos_embed)
 
-    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, *residuals):
         out = self.transformer(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             pooled_projections=pooled_projections,
             timestep=timestep,
+            block_controlnet_hidden_states=_per_block(self.transformer.transformer_blocks, residuals),
             return_dict=False,
         )
         return (out[0],)
+
+
+def _per_block(blocks, residuals) -> list | None:
+    """diffusers' block_controlnet_hidden_states with one entry per block, so that block i adds entry i
+    (its interval is 1); a block that adds none (context_pre_only) gets None, which it never reads. The
+    first-block graph's transformer holds block 0 only, and takes its residual (the first)."""
+    if not residuals:
+        return None
+    given = iter(residuals)
+    return [None if block.context_pre_only else next(given) for block in blocks]
+
+
+TRANSFORMER = SubmoduleSpec(
+    name="transformer",
+    component="transformer",
+    inputs=(
+        T("hidden_states", "float32", ("batch", "in_channels", "latent_height", "latent_width")),
+        T("encoder_hidden_states", "float32", ("batch", "joint_length", "joint_dim")),
+        T("pooled_projections", "float32", ("batch", "pooled_dim")),
+        T("timestep", "float32", ("batch",), high="num_train_timesteps"),
+    ),
+    outputs=(T("noise_pred", "float32", ("batch", "out_channels", "latent_height", "latent_width")),),
+    wrap=_TransformerForSD3,
+    # NVIDIA's fp8 recipe for SD3 keeps the embedders and the final norm and projection in
+    # higher precision: their errors reach every block or the output directly.
+    quantization={"denoiser": True, "keep_scopes": ("pos_embed", "time_text_embed", "context_embedder",
+                                                    "norm_out", "proj_out")},
+)
+
+
+def controlled_transformer(src) -> tuple[SubmoduleSpec, SubmoduleSpec]:
+    """The transformer's descriptions (its graph's and its first block's) with a ControlNet residual input
+    per block that adds one: all but the last, whose image stream ends there (context_pre_only)."""
+    residuals = tuple(T(f"block_residual_{i}", "float32", HIDDEN)
+                      for i in range(src.config("transformer")["num_layers"] - 1))
+    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))
 
 
 PATCH = 2  # SD3 and 3.5 transformers read the latents in 2x2 patches
@@ -120,22 +165,7 @@ FAMILY = Family(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
         t5_encoder("text_encoder_3"),
-        *transformer_specs(SubmoduleSpec(
-            name="transformer",
-            component="transformer",
-            inputs=(
-                T("hidden_states", "float32", ("batch", "in_channels", "latent_height", "latent_width")),
-                T("encoder_hidden_states", "float32", ("batch", "joint_length", "joint_dim")),
-                T("pooled_projections", "float32", ("batch", "pooled_dim")),
-                T("timestep", "float32", ("batch",), high="num_train_timesteps"),
-            ),
-            outputs=(T("noise_pred", "float32", ("batch", "out_channels", "latent_height", "latent_width")),),
-            wrap=_TransformerForSD3,
-            # NVIDIA's fp8 recipe for SD3 keeps the embedders and the final norm and projection in
-            # higher precision: their errors reach every block or the output directly.
-            quantization={"denoiser": True, "keep_scopes": ("pos_embed", "time_text_embed", "context_embedder",
-                                                            "norm_out", "proj_out")},
-        )),
+        *transformer_specs(TRANSFORMER),
         VAE_DECODER,
         VAE_ENCODER,
     ),
