@@ -191,8 +191,8 @@ def main(argv=None) -> int:
         refused = [CONTROL_OPTIONS[k] for k in control if k not in inspect.signature(pipe.generate).parameters]
         if refused:
             raise ValueError(f"{', '.join(refused)}: this artifact ({pipe.family}) does not take them (the U-Net "
-                             "families' ControlNets take every --control-* option; FLUX.1 Canny/Depth --control-image "
-                             "or --canny)")
+                             "families' ControlNets take every --control-* option; SD3's all but --guess-mode; FLUX.1 "
+                             "Canny/Depth --control-image or --canny)")
         given = {**control, "num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image, "mask_image": mask,
                  "strength": args.strength, "true_cfg_scale": args.true_cfg_scale}  # unset: the family's defaults

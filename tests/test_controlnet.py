@@ -305,28 +305,38 @@ def test_plain_run_is_unchanged_by_the_controlnet_engines(loaded, sd15_tiny_buil
     np.testing.assert_array_equal(pipe(**args), plain(**args))
 
 
-def test_int8_stays_close_to_fp32(loaded, sd15_one):
-    """ort-int8 (its ControlNet quantized as the UNet is) against ort-fp32, one ControlNet case."""
+# ort-int8 against ort-fp32 with one ControlNet, measured without VNNI: sd15 62.2 dB (the tiny UNet is mostly
+# convolutions, which stay float), sd3 51.3 dB. Bounds about 10 dB under.
+INT8_MIN_PSNR = {"sd15_one": 50.0, "sd3_one": 41.0}
+
+
+@pytest.mark.parametrize("setup", INT8_MIN_PSNR)
+def test_int8_stays_close_to_fp32(loaded, request, setup):
+    """ort-int8 (its ControlNet quantized as the denoiser is) against ort-fp32, one ControlNet case."""
     from bench.accuracy import psnr
     from engines.api import build_artifact
 
-    fp32, _ = loaded("sd15_one")
-    int8 = Pipeline.load(build_artifact(sd15_one, "ort", "int8"))
+    fp32, _ = loaded(setup)
+    int8 = Pipeline.load(build_artifact(request.getfixturevalue(setup), "ort", "int8"))
     assert int8.manifest["submodules"]["controlnet"]["passes"][-1]["name"] == "quantize_int8"
+    channels = fp32.manifest["constants"]["latent_channels"]
     args = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
-                latents=_latents(64, 64, seed=1), control_image=edge_image(64, 64, seed=0))
+                latents=np.random.default_rng(1).standard_normal((1, channels, 8, 8), dtype=np.float32),
+                control_image=edge_image(64, 64, seed=0), seed=0)  # seed: SD3's control image VAE sample
     value = psnr(int8(**args), fp32(**args))
-    print(f"int8 vs fp32: {value:.1f} dB")
-    assert value > 40, value  # measured 62 dB (the tiny UNet is mostly convolutions, which stay float)
+    print(f"{setup}: int8 vs fp32: {value:.1f} dB")
+    assert value > INT8_MIN_PSNR[setup], value
 
 
-def test_calibration_records_controlnet_calls(sd15_one):
+@pytest.mark.parametrize("setup, denoiser", [("sd15_one", "unet"), ("sd3_one", "transformer")])
+def test_calibration_records_controlnet_calls(request, setup, denoiser):
     """The precisions that measure the model (fp16's islands, fp8's scales) see the ControlNet's calls too:
-    one per UNet call."""
+    one per denoiser call."""
     from engines.calibration import CalibrationSettings, collect, describe
 
-    calls = describe(collect(sd15_one / "ort-fp32", CalibrationSettings(prompts=1, steps=2, size=64)))["calls"]
-    assert calls["controlnet"] == calls["unet"] > 0, calls
+    folder = request.getfixturevalue(setup)
+    calls = describe(collect(folder / "ort-fp32", CalibrationSettings(prompts=1, steps=2, size=64)))["calls"]
+    assert calls["controlnet"] == calls[denoiser] > 0, calls
 
 
 @pytest.mark.parametrize("kwargs, said", [
@@ -361,14 +371,14 @@ def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
     assert Image.open(out).size == (128, 64)
 
 
-def test_cannyedge_image(monkeypatch):
+def test_canny_edges(monkeypatch):
     """OpenCV's edge map as RGB (white on black), and one line saying how to install it when it is missing."""
     import sys
 
     from runners.controlnet import canny_edges
 
-    edges = np.asarray(cannyedge_image(edge_image(64, 64, seed=1), 50, 100))
+    edges = np.asarray(canny_edges(edge_image(64, 64, seed=1), 50, 100))
     assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
     monkeypatch.setitem(sys.modules, "cv2", None)
     with pytest.raises(ValueError, match=r"canny edge maps need OpenCV: pip install 'diffusion-aot\[canny\]'"):
-        cannyedge_image(smooth_image(64, 64))
+        canny_edges(smooth_image(64, 64))

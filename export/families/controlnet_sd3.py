@@ -81,8 +81,9 @@ def _check(config: dict, base, given: str) -> None:
             raise SourceError(f"controlnet {given} has {key}={theirs[key]}; {base.entry.name}'s transformer has "
                               f"{value}: pass a ControlNet trained for this base model")
     if not config.get("use_pos_embed", True):
-        raise SourceError(f"controlnet {given} reads the latents without its own patch embedding (use_pos_embed "
-                          "false), which StableDiffusion3ControlNetPipeline does not run: use one with it")
+        raise SourceError(f"controlnet {given} reads the latents through its base transformer's patch embedding "
+                          "(use_pos_embed false: SD3.5 Large's ControlNets), which is not supported yet: use one with "
+                          "its own (SD3-medium's, such as InstantX's)")
     if config.get("extra_conditioning_channels", 0):
         raise SourceError(f"controlnet {given} reads a mask beside the control image (extra_conditioning_channels, "
                           "StableDiffusion3ControlNetInpaintingPipeline's), which is not supported: use a ControlNet "
