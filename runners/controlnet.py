@@ -91,7 +91,9 @@ class ControlRun:
     engines: list[str]
     images: list[np.ndarray]  # per ControlNet: its controlnet_cond, at the batch it runs at
     request: ControlRequest
-    half: bool  # guess mode under guidance: the ControlNets see the conditional half only
+    half: bool  # under guidance the ControlNets see the conditional half only
+    # and the unconditional half gets zero residuals (guess mode), else the same ones (Flux's true CFG)
+    zero_uncond: bool = True
     step: tuple[int, int] = (0, 1)  # (step, number of steps) of the evaluation under way
 
     def scale(self, k: int) -> float:
@@ -131,6 +133,12 @@ class ControlNets:
     # tasks named are those diffusers has ControlNet pipelines for
     control_scales = {TEXT: 1.0, IMAGE: 0.8, INPAINT: 0.5}
     control_sets_size = True  # a request without a size takes the control image's
+    # Under guidance the ControlNets run once, on the prompt's half, and both halves take their residuals
+    # (FluxControlNetPipeline's true CFG)
+    guided_halves_share_residuals = False
+    # Whether a step cache may skip steps of a controlled call: not where the residuals are added between
+    # a transformer's blocks, which a cached step skips (SD3, Flux); DeepCache's shallow UNet takes its own
+    runs_with_step_caches = True
 
     def _controlled_text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                   num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None,
@@ -141,14 +149,9 @@ class ControlNets:
         `control_sets_size`), and the steps, guidance, strength and conditioning scale left None are
         diffusers' ControlNet pipeline's for the task."""
         task = task_of(image, mask_image)
-        if control_image is not None and task not in self.control_scales:
-            raise ValueError(f"control_image= with {task}: diffusers has no such {self.family} ControlNet pipeline; "
-                             f"{self.family} ControlNets run for {', '.join(self.control_scales)}")
-        if control_noise is not None and control_image is None:
-            raise ValueError("control_noise= is the control images' VAE sample: pass control_image= too")
-        control = self._control_request(control_image, controlnet_conditioning_scale, control_guidance_start,
-                                        control_guidance_end, guess_mode, self.control_scales.get(task),
-                                        noise=control_noise, seed=seed, vae_tiling=vae_tiling)
+        control = self._control_request(task, control_image, controlnet_conditioning_scale, control_guidance_start,
+                                        control_guidance_end, guess_mode, noise=control_noise, seed=seed,
+                                        vae_tiling=vae_tiling)
         height, width = self._control_size(control, height, width, image)
         defaults = self.control_defaults.get(task) if control is not None else None
         if defaults is not None:
@@ -175,8 +178,13 @@ class ControlNets:
         inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]
         return [t for t in inputs if t["name"].endswith("_residual") or "_residual_" in t["name"]]
 
-    def _control_request(self, control_image, scale, start, end, guess_mode, default_scale,
-                         **draws) -> ControlRequest | None:
+    def _control_request(self, task, control_image, scale, start, end, guess_mode, **draws) -> ControlRequest | None:
+        """The call's ControlNet arguments, checked; None without a control image. `draws`: see ControlRequest."""
+        if control_image is not None and task not in self.control_scales:
+            raise ValueError(f"control_image= with {task}: diffusers has no such {self.family} ControlNet pipeline; "
+                             f"{self.family} ControlNets run for {', '.join(self.control_scales)}")
+        if draws.get("noise") is not None and control_image is None:
+            raise ValueError("control_noise= is the control images' VAE sample: pass control_image= too")
         if control_image is None:
             given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, None),
                                            ("control_guidance_start", start, 0.0),
@@ -188,8 +196,8 @@ class ControlNets:
         if not self._residual_inputs():
             raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
                              "is not its family's real one): control_image= cannot be used")
-        return ControlRequest.of(self.controlnets(), control_image, default_scale if scale is None else scale, start,
-                                 end, guess_mode, **draws)
+        return ControlRequest.of(self.controlnets(), control_image, self.control_scales[task] if scale is None else scale,
+                                 start, end, guess_mode, **draws)
 
     def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
         """diffusers' U-Net ControlNet pipelines take the control image's size when the request gives none."""
@@ -203,9 +211,15 @@ class ControlNets:
         if request is None:
             self._control = None
             return
+        if not self.runs_with_step_caches and self._cache_config_of_call is not None:
+            raise ValueError(f"control_image= with cache={self._cache_config_of_call.spelled}: {self.family}'s "
+                             "ControlNet residuals are added between the transformer's blocks, which a cached step "
+                             "skips; run the ControlNets without a step cache")
         images = [self._control_input(name, given, request, height, width, n_images, per_prompt, cfg)
                   for name, given in zip(self.controlnets(), request.images)]
-        self._control = ControlRun(self.controlnets(), images, request, half=cfg and request.guess_mode)
+        shared = cfg and self.guided_halves_share_residuals
+        self._control = ControlRun(self.controlnets(), images, request, half=shared or (cfg and request.guess_mode),
+                                   zero_uncond=not shared)
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         """A ControlNet's controlnet_cond, as diffusers' prepare_image makes it: the image resized, in [0, 1];
@@ -229,39 +243,39 @@ class ControlNets:
         return super()._evaluate(step, num_steps, x, t, conditions, context)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
-        if self._residual_inputs():  # `engine` (DeepCache's shallow branch) may take some of them only
-            accepted = {i["name"] for i in self.manifest["submodules"][engine or self.constants["denoiser"]]["inputs"]}
-            residuals = self._residuals(x, t, conditions, release)
-            conditions = {**conditions, **{name: r for name, r in residuals.items() if name in accepted}}
-        return super()._predict(x, t, conditions, release, engine, **extra)
+        latents = x[:, :self.manifest["constants"]["latent_channels"]]  # an inpainting UNet's extra channels: not theirs
+        residuals = self._control_residuals(engine, latents, np.full(len(x), t, dtype=np.float32), conditions, release)
+        return super()._predict(x, t, {**conditions, **residuals}, release, engine, **extra)
 
-    def _residuals(self, x, t, conditions: dict, release: bool) -> dict[str, np.ndarray]:
-        """{residual input: array}: the scaled residuals of the ControlNets that run at this step, summed."""
-        control, specs = self._control, self._residual_inputs()
-        total = None
+    def _control_residuals(self, engine, latents, timestep, conditions: dict, release: bool, **unbatched) -> dict:
+        """{residual input: array} for the denoiser graph `engine` (default: the denoiser; DeepCache's shallow
+        branch takes some only): the scaled residuals of the ControlNets that run at this step, summed, or
+        zeros. The ControlNets read `latents` (their first input), `timestep`, the `conditions` they take
+        (batch-major: guess mode halves them) and the `unbatched` inputs they take (Flux's ids)."""
+        specs = self._residual_inputs()
+        if not specs:
+            return {}
+        accepted = {i["name"] for i in self.manifest["submodules"][engine or self.constants["denoiser"]]["inputs"]}
+        control, total, whole = self._control, None, latents
         if control is not None:
-            latents = x[:, :self.manifest["constants"]["latent_channels"]]  # an inpainting UNet's extra channels: not theirs
             if control.half:
-                latents = latents[len(latents) // 2:]
-                conditions = {k: v[len(v) // 2:] for k, v in conditions.items()}
+                n = len(latents) // 2
+                latents, timestep, conditions = latents[n:], timestep[n:], {k: v[n:] for k, v in conditions.items()}
             for k, name in enumerate(control.engines):
                 scale = control.scale(k)
                 if scale == 0:
                     continue
                 entry = self.manifest["submodules"][name]
-                accepted = {i["name"] for i in entry["inputs"]}
-                out = self.run(name, release=release, **{entry["inputs"][0]["name"]: latents},
-                               timestep=np.full(len(latents), t, dtype=np.float32),
-                               controlnet_cond=control.images[k],
-                               conditioning_scale=control.factors(scale, len(entry["outputs"])),
-                               **{n: v for n, v in conditions.items() if n in accepted})
+                feeds = {**conditions, **unbatched, entry["inputs"][0]["name"]: latents, "timestep": timestep,
+                         "controlnet_cond": control.images[k],
+                         "conditioning_scale": control.factors(scale, len(entry["outputs"]))}
+                out = self.run(name, release=release, **{i["name"]: feeds[i["name"]] for i in entry["inputs"]})
                 residuals = self._residual_feeds(name, out, specs)
                 total = [r.copy() for r in residuals] if total is None else [a + r for a, r in zip(total, residuals)]
             if total is not None and control.half:
-                total = [np.concatenate([np.zeros_like(r), r]) for r in total]
-        if total is None:
-            return self._zeros(specs, x)
-        return {s["name"]: r for s, r in zip(specs, total)}
+                total = [np.concatenate([np.zeros_like(r) if control.zero_uncond else r, r]) for r in total]
+        found = self._zeros(specs, whole) if total is None else {s["name"]: r for s, r in zip(specs, total)}
+        return {name: r for name, r in found.items() if name in accepted}
 
     def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:
         """ControlNet `name`'s outputs as the denoiser's residual inputs `specs`: the UNet's are named alike."""

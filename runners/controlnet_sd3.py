@@ -19,13 +19,7 @@ from runners.text_to_image import TEXT, given_or_drawn
 class SD3ControlNets(ControlNets):
     control_scales = {TEXT: 1.0}  # diffusers' has no Img2Img twin (its Inpainting one takes masks as channels)
     control_sets_size = False
-
-    def _start_control(self, request, height, width, n_images, per_prompt, cfg) -> None:
-        if request is not None and self._cache_config_of_call is not None:
-            raise ValueError(f"control_image= with cache={self._cache_config_of_call.spelled}: SD3's ControlNet "
-                             "residuals are added between the transformer's blocks, which a cached step skips; "
-                             "run the ControlNets without a step cache")
-        super()._start_control(request, height, width, n_images, per_prompt, cfg)
+    runs_with_step_caches = False
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         scale = self.constants["vae_scale_factor"]

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.flux_conditions import KONTEXT_MAX_AREA, control_latents, kontext_size, reference_latents
+from runners.controlnet_flux import FluxControlNets
+from runners.flux_conditions import (
+    KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
+)
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
 
-PACK = 2  # latents are packed in PACK x PACK patches
 
 # diffusers' FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline default to dev's settings
 # whatever the checkpoint; schnell's model card runs 4 steps at 256 T5 tokens, and its transformer
@@ -29,29 +31,10 @@ SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaul
 # FluxControlInpaintPipeline: dev's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
 CONTROL = DEV
+# FluxControlNetPipeline's: 28 steps at guidance 7 (its ControlNets' model cards run guidance 3.5)
+CONTROLNET = {TEXT: Defaults(28, 7.0)}
 KONTEXT = {TEXT: Defaults(28, 3.5)}  # FluxKontextPipeline's: image= is its reference, not image to image's
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
-
-
-def pack(latents: np.ndarray) -> np.ndarray:
-    """(N, C, h, w) -> (N, h/2 * w/2, 4C): diffusers' _pack_latents."""
-    n, c, h, w = latents.shape
-    patches = latents.reshape(n, c, h // PACK, PACK, w // PACK, PACK).transpose(0, 2, 4, 1, 3, 5)
-    return patches.reshape(n, (h // PACK) * (w // PACK), c * PACK * PACK)
-
-
-def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
-    """(N, h/2 * w/2, 4C) -> (N, C, h, w): diffusers' _unpack_latents (h, w: the latent's sides)."""
-    n, _, d = tokens.shape
-    c = d // (PACK * PACK)
-    patches = tokens.reshape(n, h // PACK, w // PACK, c, PACK, PACK).transpose(0, 3, 1, 4, 2, 5)
-    return patches.reshape(n, c, h, w)
-
-
-def image_ids(h: int, w: int) -> np.ndarray:
-    """Each packed token's position (0, row, column): diffusers' _prepare_latent_image_ids."""
-    rows, cols = np.meshgrid(np.arange(h // PACK), np.arange(w // PACK), indexing="ij")
-    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
 
 
 def _check_scale(name: str, value) -> None:
@@ -59,7 +42,7 @@ def _check_scale(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: use a finite number")
 
 
-class FluxPipeline(TextToImage):
+class FluxPipeline(FluxControlNets, TextToImage):
     family = "flux"
     image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
@@ -88,7 +71,7 @@ class FluxPipeline(TextToImage):
         return super().inpainting_denoiser() and not self.reads_control_image
 
     def control_images(self) -> int:
-        return int(self.reads_control_image)
+        return len(self.controlnets()) or int(self.reads_control_image)
 
     def run(self, submodule: str, release: bool = True, **feeds):
         """One engine call, whose outputs must be finite: an artifact past its numeric range (fp16 beyond
@@ -106,7 +89,8 @@ class FluxPipeline(TextToImage):
                  guidance_scale=None, true_cfg_scale=1.0, num_images_per_prompt=1, seed=None, latents=None,
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
                  strength=None, noise=None, encoder_noise=None, control_image=None, control_noise=None, max_area=None,
-                 auto_resize=True):
+                 auto_resize=True, controlnet_conditioning_scale=None, control_guidance_start=0.0,
+                 control_guidance_end=1.0):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
         guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
@@ -117,7 +101,10 @@ class FluxPipeline(TextToImage):
         seeds numpy's generator, not torch's noise: pass the draws for exact comparison.
         `control_image` (one, or one per prompt) is FLUX.1 Canny/Depth's (FluxControlPipeline, and with
         `image=` FluxControlImg2ImgPipeline, with `mask_image=` too FluxControlInpaintPipeline), which that
-        transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On FLUX.1 Kontext
+        transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On an artifact exported
+        with Flux ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those
+        of diffusers' FluxControlNetPipeline (runners/controlnet_flux.py), whose defaults are 28 steps and
+        guidance 7; `control_noise` is then one per ControlNet, as a list for several. On FLUX.1 Kontext
         (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
         aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
         at `max_area` pixels (default 1024**2)."""
@@ -129,7 +116,12 @@ class FluxPipeline(TextToImage):
         elif max_area is not None or auto_resize is not True:
             raise ValueError("max_area= and auto_resize= are FLUX.1 Kontext's (flux-kontext); this artifact is not")
         task = task_of(image, mask_image)
-        if self.reads_control_image != (control_image is not None):
+        controlnets = self._control_request(task, control_image, controlnet_conditioning_scale,
+                                            control_guidance_start, control_guidance_end, False, noise=control_noise,
+                                            seed=seed, vae_tiling=vae_tiling) if self.controlnets() else None
+        if controlnets is not None:
+            control_image = control_noise = None  # the ControlNets'
+        elif self.reads_control_image != (control_image is not None):
             raise ValueError("this artifact's transformer is FLUX.1 Canny/Depth's: pass control_image= (an edge or "
                              "depth map)" if self.reads_control_image else "control_image= is for a FLUX.1 Canny/Depth "
                              "artifact (flux-canny, flux-depth); this one's transformer reads none")
@@ -137,7 +129,8 @@ class FluxPipeline(TextToImage):
             raise ValueError("control_noise= is the control image's VAE sample: pass control_image= too")
         if task not in self.defaults:  # FLUX.1 Fill's transformer only inpaints
             self._check_task(task, image)
-        defaults = self.defaults[task]
+        defaults = CONTROLNET[task] if controlnets is not None else self.defaults[task]
+        num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         _check_scale("guidance_scale", guidance_scale)
         _check_scale("true_cfg_scale", true_cfg_scale)
@@ -159,9 +152,9 @@ class FluxPipeline(TextToImage):
                                          image=image, mask_image=mask_image, strength=strength, noise=noise,
                                          encoder_noise=encoder_noise,
                                          t5_length=max_sequence_length, guidance=guidance_scale, control=control,
-                                         reference=reference)
+                                         reference=reference, controlnets=controlnets)
         finally:
-            self._control_latents = self._reference = None
+            self._control_latents = self._reference = self._control = None
         return pack(result) if output_type == "latent" else result
 
     def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
@@ -191,8 +184,9 @@ class FluxPipeline(TextToImage):
         return height, width, reference
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance, control,
-                    reference):
+                    reference, controlnets):
         n_images = len(prompts) * per_prompt
+        self._start_control(controlnets, height, width, n_images, per_prompt, cfg)
         if control is not None:
             self._control_latents = control_latents(self, height=height, width=width, n_images=n_images, **control)
         if reference is not None:
@@ -257,8 +251,11 @@ class FluxPipeline(TextToImage):
             tokens = np.concatenate([tokens, np.concatenate([reference] * (n // len(reference)))], axis=1)
             ids = np.concatenate([ids, reference_ids])
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
+        batched = {k: v for k, v in conditions.items() if k != "txt_ids"}
+        residuals = self._control_residuals(engine, tokens, timestep, batched, release, img_ids=ids,
+                                            txt_ids=conditions["txt_ids"])
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep,
-                       img_ids=ids, **conditions, **extra)
+                       img_ids=ids, **conditions, **residuals, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"][:, :(h // PACK) * (w // PACK)], h, w)}
 
     def hidden_tokens(self, h: int, w: int) -> int:

@@ -1,7 +1,8 @@
 """What FLUX.1's conditioned models read beside the latents, prepared as their diffusers pipelines do:
-FLUX.1 Canny/Depth's control image as latents concatenated on the channel axis (FluxControlPipeline),
-and FLUX.1 Kontext's reference image as tokens appended to the image's (FluxKontextPipeline), with
-Kontext's size rules. (FLUX.1 Fill's masked image and mask are inpainting's: FluxPipeline.)"""
+FLUX.1 Canny/Depth's control image as latents concatenated on the channel axis (FluxControlPipeline; a
+Flux ControlNet's are the same latents, packed), and FLUX.1 Kontext's reference image as tokens appended
+to the image's (FluxKontextPipeline), with Kontext's size rules. (FLUX.1 Fill's masked image and mask
+are inpainting's: FluxPipeline.) The latents' packing into tokens is here too."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,17 +18,39 @@ KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800,
 KONTEXT_MAX_AREA = 1024**2  # FluxKontextPipeline's max_area
 
 
-def control_latents(pipe, control_image, height, width, n_images, noise, seed, vae_tiling) -> np.ndarray:
+def pack(latents: np.ndarray) -> np.ndarray:
+    """(N, C, h, w) -> (N, h/2 * w/2, 4C): diffusers' _pack_latents."""
+    n, c, h, w = latents.shape
+    patches = latents.reshape(n, c, h // PACK, PACK, w // PACK, PACK).transpose(0, 2, 4, 1, 3, 5)
+    return patches.reshape(n, (h // PACK) * (w // PACK), c * PACK * PACK)
+
+
+def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
+    """(N, h/2 * w/2, 4C) -> (N, C, h, w): diffusers' _unpack_latents (h, w: the latent's sides)."""
+    n, _, d = tokens.shape
+    c = d // (PACK * PACK)
+    patches = tokens.reshape(n, h // PACK, w // PACK, c, PACK, PACK).transpose(0, 3, 1, 4, 2, 5)
+    return patches.reshape(n, c, h, w)
+
+
+def image_ids(h: int, w: int) -> np.ndarray:
+    """Each packed token's position (0, row, column): diffusers' _prepare_latent_image_ids."""
+    rows, cols = np.meshgrid(np.arange(h // PACK), np.arange(w // PACK), indexing="ij")
+    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
+
+
+def control_latents(pipe, control_image, height, width, n_images, noise, seed, vae_tiling,
+                    stream: int = 1) -> np.ndarray:
     """FluxControlPipeline's control latents: the control image prepared as an image (resized, in [-1, 1]),
     repeated for the images to generate (each one's own, repeat_interleave), then a sample of its VAE
-    posterior (`noise`, or drawn from a stream of `seed` the latents' does not use), scaled."""
+    posterior (`noise`, or drawn from a `stream` of `seed` the latents' does not use), scaled."""
     scale = pipe.constants["vae_scale_factor"]
     pixels = to_model_input(control_image, height, width, multiple=scale)
     if n_images % len(pixels):
         raise ValueError(f"{len(pixels)} control images for {n_images} images to generate: pass one, or one per prompt")
     pixels = np.repeat(pixels, n_images // len(pixels), axis=0)
     shape = (n_images, pipe.manifest["constants"]["latent_channels"], height // scale, width // scale)
-    noise = given_or_drawn("control_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, 1)))
+    noise = given_or_drawn("control_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, stream)))
     return pipe._image_latents(pixels, n_images, noise, vae_tiling)
 
 

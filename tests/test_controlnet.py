@@ -49,6 +49,11 @@ def sd3_one(tmp_path_factory, sd3_tiny_build):
 
 
 @pytest.fixture(scope="module")
+def flux_one(tmp_path_factory, flux_tiny_build):
+    return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-tiny"], "flux-cn")
+
+
+@pytest.fixture(scope="module")
 def sdxl_one(tmp_path_factory, sdxl_tiny_build):
     return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
 
@@ -95,7 +100,8 @@ _SETUPS = {"sd15_one": ("sd15_one", "sd15_tiny_build", ["sd15-controlnet-tiny"],
            "sd15_two": ("sd15_two", "sd15_tiny_build", ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
                         "StableDiffusionControlNetPipeline"),
            "sdxl_one": ("sdxl_one", "sdxl_tiny_build", ["sdxl-controlnet-tiny"], "StableDiffusionXLControlNetPipeline"),
-           "sd3_one": ("sd3_one", "sd3_tiny_build", ["sd3-controlnet-tiny"], "StableDiffusion3ControlNetPipeline")}
+           "sd3_one": ("sd3_one", "sd3_tiny_build", ["sd3-controlnet-tiny"], "StableDiffusion3ControlNetPipeline"),
+           "flux_one": ("flux_one", "flux_tiny_build", ["flux-controlnet-tiny"], "FluxControlNetPipeline")}
 
 
 @pytest.fixture(scope="module")
@@ -130,23 +136,34 @@ def test_text_to_image_matches_diffusers(loaded, case):
     compare_controlled(ours, ref, unused)
 
 
-SD3_CASES = {
-    "one": dict(height=64, width=64),
-    "window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
-                                    control_guidance_start=0.2, control_guidance_end=0.8),
+TRANSFORMER_CASES = {  # (setup: the call's arguments)
+    "sd3_one": dict(height=64, width=64),
+    "sd3_window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
+                                        control_guidance_start=0.2, control_guidance_end=0.8),
+    "flux_one": dict(height=64, width=64),
+    "flux_window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
+                                         control_guidance_start=0.2, control_guidance_end=0.8),
+    "flux_true_cfg": dict(height=64, width=64, negative_prompt="blurry", true_cfg_scale=2.0),
 }
 
 
-@pytest.mark.parametrize("case", SD3_CASES)
-def test_sd3_matches_diffusers(monkeypatch, loaded, case):
-    """StableDiffusion3ControlNetPipeline: the control image's VAE sample (one per half of the guided batch,
-    as diffusers encodes the doubled image) takes our `control_noise`."""
-    pipe, reference = loaded("sd3_one")
-    kwargs = dict(SD3_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS, output_type="np")
+@pytest.mark.parametrize("case", TRANSFORMER_CASES)
+def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
+    """StableDiffusion3ControlNetPipeline and FluxControlNetPipeline. The control image's VAE sample takes our
+    `control_noise`: SD3's one per half of the guided batch (diffusers encodes the doubled image), Flux's one
+    per image (its ControlNet runs once, on the prompt's conditions, also under true CFG)."""
+    from runners.flux import pack
+
+    family = case.split("_")[0]
+    pipe, reference = loaded(f"{family}_one")
+    kwargs = dict(TRANSFORMER_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS, output_type="np")
+    if family == "flux":
+        kwargs["max_sequence_length"] = 32
     height, width = kwargs["height"], kwargs["width"]
     rng = np.random.default_rng(len(case))
     latents = rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
-    control_noise = rng.standard_normal((2, 16, height // 8, width // 8), dtype=np.float32)
+    latents = pack(latents) if family == "flux" else latents
+    control_noise = rng.standard_normal((2 if family == "sd3" else 1, 16, height // 8, width // 8), dtype=np.float32)
     monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
     control = edge_image(height, width, seed=2)
     ours = pipe(latents=latents, control_image=control, control_noise=control_noise, **kwargs)
@@ -187,27 +204,72 @@ def test_sd3_blocks_take_diffusers_residuals():
     assert (theirs - plain).abs().max() > 0.01  # the residuals changed the prediction
 
 
-def test_sd3_plain_run_and_refusals(loaded, sd3_tiny_build):
-    """Without control_image, the artifact with an SD3 ControlNet gives the base artifact's image (its
-    transformer, exported again with residual inputs, gets zeros); and what diffusers has no pipeline for
-    is refused."""
-    pipe, _ = loaded("sd3_one")
+def test_flux_blocks_take_diffusers_residuals():
+    """Flux's per-block residual inputs, fed by the runner's rule from a ControlNet of k = 2 double-stream and
+    k' = 2 single-stream blocks, give what diffusers' transformer gives from those residuals (3 double blocks:
+    0-1 take the first, 2 the second; 5 single blocks: 0-2 the first, 3-4 the second)."""
+    from diffusers import FluxTransformer2DModel
+
+    from export.families.flux import _TransformerForFlux
+    from runners.controlnet_flux import FluxControlNets
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(in_channels=16, num_layers=3, num_single_layers=5, attention_head_dim=16,
+                                         num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8,
+                                         guidance_embeds=True, axes_dims_rope=[4, 6, 6]).eval()
+    ids = np.stack(np.meshgrid(np.zeros(1), np.arange(4), np.arange(4), indexing="ij"), -1).reshape(-1, 3)
+    inputs = (torch.randn(1, 16, 16), torch.randn(1, 5, 16), torch.randn(1, 8), torch.tensor([0.5]),
+              torch.from_numpy(ids).float(), torch.zeros(5, 3), torch.tensor([3.5]))
+    out = {f"controlnet_{kind}_{j}": torch.randn(1, 16, 32).numpy() for kind in ("block", "single_block")
+           for j in range(2)}
+    runner = object.__new__(FluxControlNets)
+    runner.manifest = {"constants": {"double_layers": 3, "single_layers": 5},
+                       "submodules": {"controlnet": {"outputs": [{"name": n} for n in out]}}}
+    specs = [{"name": f"double_residual_{i}"} for i in range(3)] + [{"name": f"single_residual_{j}"} for j in range(5)]
+    feeds = runner._residual_feeds("controlnet", out, specs)
+    with torch.no_grad():
+        ours = _TransformerForFlux(transformer)(*inputs, *map(torch.from_numpy, feeds))[0]
+        kwargs = dict(hidden_states=inputs[0], encoder_hidden_states=inputs[1], pooled_projections=inputs[2],
+                      timestep=inputs[3], img_ids=inputs[4], txt_ids=inputs[5], guidance=inputs[6], return_dict=False)
+        theirs = transformer(**kwargs, controlnet_block_samples=[torch.from_numpy(out[f"controlnet_block_{j}"])
+                                                                 for j in range(2)],
+                             controlnet_single_block_samples=[torch.from_numpy(out[f"controlnet_single_block_{j}"])
+                                                              for j in range(2)])[0]
+        plain = transformer(**kwargs)[0]
+    assert [next(n for n, v in out.items() if v is f) for f in feeds] == [
+        "controlnet_block_0", "controlnet_block_0", "controlnet_block_1", *["controlnet_single_block_0"] * 3,
+        *["controlnet_single_block_1"] * 2]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert (theirs - plain).abs().max() > 0.01  # the residuals changed the prediction
+
+
+@pytest.mark.parametrize("setup", ["sd3_one", "flux_one"])
+def test_transformer_plain_run_and_refusals(loaded, request, setup):
+    """Without control_image, an artifact with a transformer family's ControlNet gives the base artifact's
+    image (its transformer, exported again with residual inputs, gets zeros); and what diffusers has no
+    pipeline for, or what a cached step would skip, is refused."""
+    from runners.flux import pack
+
+    family = setup.split("_")[0]
+    pipe, _ = loaded(setup)
+    latents = np.random.default_rng(9).standard_normal((1, 16, 8, 8), dtype=np.float32)
     args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, output_type="np",
-                latents=np.random.default_rng(9).standard_normal((1, 16, 8, 8), dtype=np.float32))
-    plain = Pipeline.load(sd3_tiny_build.folder / "ort-fp32")
-    np.testing.assert_allclose(pipe(**args), plain(**args), rtol=0, atol=1e-6)
+                latents=pack(latents) if family == "flux" else latents)
+    plain = Pipeline.load(request.getfixturevalue(f"{family}_tiny_build").folder / "ort-fp32")
+    # measured: sd3 below 1e-6, flux 2e-6 (another export's float rounding of the same graph)
+    np.testing.assert_allclose(pipe(**args), plain(**args), rtol=0, atol=5e-6)
     control = edge_image(64, 64, seed=0)
-    with pytest.raises(ValueError, match="control_image= with image to image: diffusers has no such sd3 ControlNet "
-                                         "pipeline; sd3 ControlNets run for text to image"):
+    with pytest.raises(ValueError, match=f"control_image= with image to image: diffusers has no such {family} "
+                                         f"ControlNet pipeline; {family} ControlNets run for text to image"):
         pipe("a cat", image=smooth_image(64, 64), control_image=control, num_inference_steps=2)
-    with pytest.raises(ValueError, match="control_image= with cache=first-block: SD3's ControlNet residuals"):
+    with pytest.raises(ValueError, match=f"control_image= with cache=first-block: {family}'s ControlNet residuals"):
         pipe("a cat", control_image=control, height=64, width=64, num_inference_steps=2, cache="first-block")
     with pytest.raises(ValueError, match="control_noise= is the control images' VAE sample: pass control_image="):
         pipe("a cat", control_noise=np.zeros((2, 16, 8, 8), np.float32), height=64, width=64, num_inference_steps=2)
-    with pytest.raises(ValueError, match=r"control_noise have shape \(1, 16, 8, 8\); this request needs "
-                                         r"\(2, 16, 8, 8\)"):
-        pipe("a cat", control_image=control, control_noise=np.zeros((1, 16, 8, 8), np.float32), height=64,
-             width=64, num_inference_steps=2)
+    wrong = (2 if family == "flux" else 1, 16, 8, 8)
+    with pytest.raises(ValueError, match=rf"control_noise have shape \({wrong[0]}, 16, 8, 8\); this request needs"):
+        pipe("a cat", control_image=control, control_noise=np.zeros(wrong, np.float32), height=64, width=64,
+             num_inference_steps=2)
 
 
 def test_sd3_controlnet_checks_its_base(sd3_tiny_build):
@@ -306,8 +368,8 @@ def test_plain_run_is_unchanged_by_the_controlnet_engines(loaded, sd15_tiny_buil
 
 
 # ort-int8 against ort-fp32 with one ControlNet, measured without VNNI: sd15 62.2 dB (the tiny UNet is mostly
-# convolutions, which stay float), sd3 51.3 dB. Bounds about 10 dB under.
-INT8_MIN_PSNR = {"sd15_one": 50.0, "sd3_one": 41.0}
+# convolutions, which stay float), sd3 51.3 dB, flux 57.9 dB. Bounds about 10 dB under.
+INT8_MIN_PSNR = {"sd15_one": 50.0, "sd3_one": 41.0, "flux_one": 48.0}
 
 
 @pytest.mark.parametrize("setup", INT8_MIN_PSNR)
@@ -319,16 +381,20 @@ def test_int8_stays_close_to_fp32(loaded, request, setup):
     fp32, _ = loaded(setup)
     int8 = Pipeline.load(build_artifact(request.getfixturevalue(setup), "ort", "int8"))
     assert int8.manifest["submodules"]["controlnet"]["passes"][-1]["name"] == "quantize_int8"
+    from runners.flux import pack
+
     channels = fp32.manifest["constants"]["latent_channels"]
+    latents = np.random.default_rng(1).standard_normal((1, channels, 8, 8), dtype=np.float32)
     args = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
-                latents=np.random.default_rng(1).standard_normal((1, channels, 8, 8), dtype=np.float32),
+                latents=pack(latents) if setup == "flux_one" else latents,
                 control_image=edge_image(64, 64, seed=0), seed=0)  # seed: SD3's control image VAE sample
     value = psnr(int8(**args), fp32(**args))
     print(f"{setup}: int8 vs fp32: {value:.1f} dB")
     assert value > INT8_MIN_PSNR[setup], value
 
 
-@pytest.mark.parametrize("setup, denoiser", [("sd15_one", "unet"), ("sd3_one", "transformer")])
+@pytest.mark.parametrize("setup, denoiser", [("sd15_one", "unet"), ("sd3_one", "transformer"),
+                                             ("flux_one", "transformer")])
 def test_calibration_records_controlnet_calls(request, setup, denoiser):
     """The precisions that measure the model (fp16's islands, fp8's scales) see the ControlNet's calls too:
     one per denoiser call."""

@@ -3,8 +3,8 @@ pipeline folder holds (a MultiControlNetModel saves as controlnet/, controlnet_1
 with `python -m export MODEL --controlnet FOLDER_OR_HUB_ID` (a folder or hub id of a ControlNet, or a
 random test one of `TINY_CONTROLNETS`).
 
-What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py) and
-SD3's (controlnet_sd3.py). A family without one in `KINDS` takes no ControlNet."""
+What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py), SD3's
+(controlnet_sd3.py) and Flux's (controlnet_flux.py). A family without one in `KINDS` takes no ControlNet."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,17 +12,18 @@ import json
 import sys
 from pathlib import Path
 
-from export.families import controlnet_sd3, controlnet_unet
+from export.families import controlnet_flux, controlnet_sd3, controlnet_unet
 from export.registry import ModelEntry
 from export.spec import ControlNetKind, SubmoduleSpec
 from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
-KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS}
+KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS}
 # Random-weight ControlNets for tests: {name: (base model, seed)}, made by the base family's kind; two of
 # SD1.5's differ by their seed, for tests of two ControlNets.
 TINY_CONTROLNETS = {"sd15-controlnet-tiny": ("sd15-tiny", 0), "sd15-controlnet-tiny-2": ("sd15-tiny", 1),
-                    "sdxl-controlnet-tiny": ("sdxl-tiny", 0), "sd3-controlnet-tiny": ("sd3-tiny", 0)}
+                    "sdxl-controlnet-tiny": ("sdxl-tiny", 0), "sd3-controlnet-tiny": ("sd3-tiny", 0),
+                    "flux-controlnet-tiny": ("flux-tiny", 0)}
 
 
 def engine_name(index: int) -> str:

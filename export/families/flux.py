@@ -10,6 +10,7 @@ embedding); FLUX.1-schnell's does not, and its graph has no such input.
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -18,7 +19,7 @@ from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
-from export.families.first_block import inner_dim, transformer_specs
+from export.families.first_block import HIDDEN, inner_dim, transformer_specs
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 PACK = 2  # latents are packed in PACK x PACK patches: latent sides are multiples of it
@@ -37,21 +38,38 @@ def _rope_in_float32(self, ids):
     return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
 
 
+def export_rope(pos_embed) -> None:
+    """Make a FluxPosEmbed (the transformer's, a ControlNet's) export in float32."""
+    pos_embed.forward = types.MethodType(_rope_in_float32, pos_embed)
+
+
 class _TransformerForFlux(torch.nn.Module):
-    """The transformer with its inputs as FluxPipeline feeds them (the timestep and the guidance
-    divided by 1000, the ids without a batch axis)."""
+    """The transformer with its inputs as FluxPipeline feeds them (the timestep divided by 1000, the ids
+    without a batch axis); after the guidance (dev's), when the transformer takes ControlNet residuals,
+    one per double-stream block then one per single-stream block (`double_residual_i`, `single_residual_j`)."""
 
     def __init__(self, transformer):
         super().__init__()
         self.transformer = transformer
-        transformer.pos_embed.forward = types.MethodType(_rope_in_float32, transformer.pos_embed)
+        export_rope(transformer.pos_embed)
 
-    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                guidance=None):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *rest):
+        guidance = rest[0] if self.transformer.config.guidance_embeds else None
+        residuals = rest[1:] if self.transformer.config.guidance_embeds else rest
         out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
-                               txt_ids=txt_ids, guidance=guidance, return_dict=False)
+                               txt_ids=txt_ids, guidance=guidance, return_dict=False,
+                               **self._per_block(residuals))
         return (out[0],)
+
+    def _per_block(self, residuals) -> dict:
+        """diffusers' ControlNet samples with one entry per block, so that block i adds entry i (its interval
+        is 1). The first-block graph's transformer holds double block 0 only, and takes its residual."""
+        if not residuals:
+            return {}
+        double, single = len(self.transformer.transformer_blocks), len(self.transformer.single_transformer_blocks)
+        return {"controlnet_block_samples": list(residuals[:double]),
+                "controlnet_single_block_samples": list(residuals[len(residuals) - single:]) if single else None}
 
 
 def _has_guidance(src) -> bool:
@@ -84,6 +102,16 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
                       "fp32_scopes": ("time_text_embed",)},
         when=lambda src: _has_guidance(src) == guidance,
     )
+
+
+def controlled_transformer(src) -> tuple[SubmoduleSpec, SubmoduleSpec]:
+    """The transformer's descriptions (its graph's and its first block's) with a ControlNet residual input
+    per block, double-stream then single-stream (export/families/controlnet_flux.py)."""
+    config = src.config("transformer")
+    residuals = tuple(T(f"{kind}_residual_{i}", "float32", HIDDEN) for kind, count in
+                      (("double", config["num_layers"]), ("single", config["num_single_layers"])) for i in range(count))
+    spec = _transformer(_has_guidance(src))
+    return transformer_specs(dataclasses.replace(spec, inputs=spec.inputs + residuals))
 
 
 def _image_tokens(dims: dict[str, int]) -> int:

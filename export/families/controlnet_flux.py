@@ -1,0 +1,125 @@
+"""Flux's ControlNets (diffusers' FluxControlNetModel, as FluxControlNetPipeline runs them).
+
+A Flux ControlNet is a shorter Flux transformer: its k double-stream and k' single-stream blocks each give
+a residual for the image stream. diffusers' transformer adds double residual i // ceil(N / k) after its
+double block i, and single residual j // ceil(M / k') after its single block j (N and M blocks). As for
+SD3 (controlnet_sd3.py), the transformer takes one residual input per block (`double_residual_i`,
+`single_residual_j`) only when exported with ControlNets, and the runner hands each ControlNet's
+residuals to the blocks by that rule.
+
+The engine returns its k + k' residuals times `conditioning_scale` (one factor each). It reads the control
+image as packed VAE latents (the runner encodes them), and the guidance scale where it embeds one.
+ControlNet-Union (`num_mode`, which needs a control mode per image) and XLabs' ControlNets (an image
+hint encoder, `conditioning_embedding_channels`, whose residuals repeat over the blocks) are refused."""
+from __future__ import annotations
+
+import torch
+
+from export.families.first_block import HIDDEN, inner_dim
+from export.families.flux import controlled_transformer, export_rope
+from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
+
+# The transformer's settings a ControlNet must share with it, to read its inputs and add to its stream
+_SHARED = ("in_channels", "joint_attention_dim", "pooled_projection_dim", "axes_dims_rope")
+
+
+class _FluxControlNet(torch.nn.Module):
+    def __init__(self, controlnet):
+        super().__init__()
+        self.controlnet = controlnet
+        export_rope(controlnet.pos_embed)
+
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *rest):
+        guidance = rest[0] if self.controlnet.config.guidance_embeds else None
+        controlnet_cond, conditioning_scale = rest[-2:]
+        double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
+                                         encoder_hidden_states=encoder_hidden_states,
+                                         pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
+                                         txt_ids=txt_ids, guidance=guidance, return_dict=False)
+        samples = [*(double or ()), *(single or ())]
+        return tuple(s * conditioning_scale[i] for i, s in enumerate(samples))
+
+
+def _spec(config: dict) -> SubmoduleSpec:
+    double, single = config["num_layers"], config["num_single_layers"]
+    guidance = (T("guidance", "float32", ("batch",), high=10),) if config.get("guidance_embeds") else ()
+    return SubmoduleSpec(
+        name="controlnet",
+        component="controlnet",
+        inputs=(
+            T("hidden_states", "float32", ("batch", "image_tokens", "packed_channels")),
+            T("encoder_hidden_states", "float32", ("batch", "t5_length", "joint_dim")),
+            T("pooled_projections", "float32", ("batch", "pooled_dim")),
+            T("timestep", "float32", ("batch",), high=1),
+            T("img_ids", "float32", ("image_tokens", 3), high=64),
+            T("txt_ids", "float32", ("t5_length", 3), high=64),
+            *guidance,
+            T("controlnet_cond", "float32", ("batch", "image_tokens", "packed_channels")),
+            T("conditioning_scale", "float32", (double + single,), high=2),
+        ),
+        outputs=(*(T(f"controlnet_block_{j}", "float32", HIDDEN) for j in range(double)),
+                 *(T(f"controlnet_single_block_{j}", "float32", HIDDEN) for j in range(single))),
+        wrap=_FluxControlNet,
+        # Run at every step as the transformer is, and quantized as it is (its embedders kept in float).
+        quantization={"denoiser": True, "keep_scopes": ("x_embedder", "controlnet_x_embedder", "time_text_embed",
+                                                        "context_embedder"),
+                      "fp32_scopes": ("time_text_embed",)},
+    )
+
+
+def _check(config: dict, base, given: str) -> None:
+    from export.source import SourceError
+
+    transformer = base.config("transformer")
+    shared = {**{k: transformer.get(k) for k in _SHARED}, "inner_dim": inner_dim(transformer)}
+    theirs = {**{k: config.get(k) for k in _SHARED}, "inner_dim": inner_dim(config)}
+    for key, value in shared.items():
+        if theirs[key] != value:
+            raise SourceError(f"controlnet {given} has {key}={theirs[key]}; {base.entry.name}'s transformer has "
+                              f"{value}: pass a ControlNet trained for this base model")
+    if config.get("num_mode") is not None:
+        raise SourceError(f"controlnet {given} is a ControlNet-Union (num_mode), which needs a control mode per "
+                          "image and is not supported yet: use a single-condition Flux ControlNet")
+    if config.get("conditioning_embedding_channels") is not None:
+        raise SourceError(f"controlnet {given} encodes the control image itself (conditioning_embedding_channels: "
+                          "XLabs'), which is not supported yet: use one that reads VAE latents (InstantX's, "
+                          "Shakker-Labs')")
+    if base.model_index().get("_class_name") == "FluxKontextPipeline":
+        raise SourceError(f"controlnet {given}: {base.entry.name} is FLUX.1 Kontext; ControlNets run with "
+                          "FluxPipeline's transformer (diffusers' FluxControlNetPipeline)")
+
+
+def _constants(configs: list[dict], base) -> dict:
+    transformer = base.config("transformer")
+    return {"double_layers": transformer["num_layers"], "single_layers": transformer["num_single_layers"]}
+
+
+def _build_random(base, seed: int, out) -> None:
+    """FluxControlNetModel.from_transformer of the base's transformer, one double-stream and one
+    single-stream block deep, with seeded random weights in its zero-initialised control embedding and
+    output projections (zero ones would change nothing, and a test could not tell)."""
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel.from_pretrained(base.folder / "transformer")
+    config = transformer.config
+    controlnet = FluxControlNetModel.from_transformer(transformer, num_layers=1, num_single_layers=1,
+                                                      attention_head_dim=config.attention_head_dim,
+                                                      num_attention_heads=config.num_attention_heads)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks,
+                      controlnet.controlnet_x_embedder]:
+            fan_in = layer.weight[0].numel()
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / fan_in ** 0.5)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
+    controlnet.save_pretrained(out, safe_serialization=True)
+
+
+def _denoiser(specs: list[SubmoduleSpec], base) -> list[SubmoduleSpec]:
+    controlled = {s.name: s for s in controlled_transformer(base)}
+    return [controlled.get(s.name, s) for s in specs]
+
+
+KINDS = {"flux": ControlNetKind(class_name="FluxControlNetModel", check=_check, spec=_spec, constants=_constants,
+                                build_random=_build_random, denoiser=_denoiser)}

@@ -1,0 +1,50 @@
+"""Flux's ControlNets in its runner, with the semantics of diffusers' FluxControlNetPipeline
+(export/families/controlnet_flux.py describes the engines).
+
+Each control image is resized to the request's size (which it does not set: Flux's default applies),
+repeated for the images to generate, encoded by the VAE (a sample of its posterior: `control_noise`,
+one per image; a list of them for several ControlNets), shifted, scaled and packed as the latents
+are. The ControlNets run once per step on the prompt's conditions, and under true CFG the negative
+prompt's half takes the same residuals, as diffusers passes them to both transformer calls. Double
+block i adds residual i // ceil(N / k), single block j residual j // ceil(M / k') (diffusers' rule)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runners.controlnet import ControlNets
+from runners.flux_conditions import control_latents, pack
+from runners.text_to_image import TEXT
+
+
+class FluxControlNets(ControlNets):
+    # diffusers' FluxControlNetImg2Img and Inpaint pipelines are not ported yet
+    control_scales = {TEXT: 1.0}
+    control_sets_size = False
+    guided_halves_share_residuals = True
+    runs_with_step_caches = False
+
+    def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
+        k = self.controlnets().index(name)
+        noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
+        return pack(control_latents(self, given, height, width, n_images, noise, request.seed, request.vae_tiling,
+                                    stream=2 + k))
+
+    def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:
+        """double_residual_i and single_residual_j from ControlNet `name`'s k and k' outputs by diffusers'
+        interval rule; zeros where it has no single-stream blocks."""
+        c = self.manifest["constants"]
+        counts = {kind: sum(o["name"].startswith(f"controlnet_{kind}_") for o in self.manifest["submodules"][name]
+                            ["outputs"]) for kind in ("block", "single_block")}
+        intervals = {"double": math.ceil(c["double_layers"] / max(counts["block"], 1)),
+                     "single": math.ceil(c["single_layers"] / max(counts["single_block"], 1))}
+        feeds = []
+        for spec in specs:
+            kind, _, index = spec["name"].rsplit("_", 2)
+            output = f"controlnet_{'block' if kind == 'double' else 'single_block'}_{int(index) // intervals[kind]}"
+            feeds.append(out[output] if output in out else np.zeros_like(out["controlnet_block_0"]))
+        return feeds
+
+    def _residual_dims(self, x: np.ndarray) -> dict:
+        return {"batch": x.shape[0], "image_tokens": x.shape[1]}  # x: packed tokens
