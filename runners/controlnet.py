@@ -1,5 +1,8 @@
-"""ControlNet in the U-Net families' runners, with the semantics of diffusers'
-StableDiffusion(XL)ControlNet pipelines and their Img2Img and Inpaint twins.
+"""ControlNet in the runners: what every family's ControlNets share (the request, the guidance window,
+summing several ControlNets, zeros without control), and the U-Net families' own, with the semantics of
+diffusers' StableDiffusion(XL)ControlNet pipelines and their Img2Img and Inpaint twins. SD3's and Flux's
+differ in how a control image becomes the engine's input and which residual feeds which transformer
+block (runners/controlnet_sd3.py, runners/controlnet_flux.py).
 
 Each ControlNet engine (`controlnet`, `controlnet_1`, ...) reads the latents, the timestep, the text
 conditions and its control image, and returns the UNet's residuals already scaled (one factor per

@@ -272,23 +272,48 @@ def test_transformer_plain_run_and_refusals(loaded, request, setup):
              num_inference_steps=2)
 
 
-def test_sd3_controlnet_checks_its_base(sd3_tiny_build):
-    """A ControlNet of another kind, or one whose widths differ from the transformer's, is refused with what
-    to pass instead."""
-    from export.families.controlnet import controlnet_source
-    from export.families.controlnet_sd3 import _check
-    from export.source import SourceError
+@pytest.mark.parametrize("setup", ["sd3_one", "flux_one"])
+def test_a_controlnet_pipeline_folder_exports_its_controlnet(loaded, request, shared_root, tmp_path, setup):
+    """A folder saved by StableDiffusion3ControlNetPipeline or FluxControlNetPipeline exports its ControlNet
+    beside the rest, as --controlnet adds one."""
+    import json
 
+    from export.api import export_model
+
+    _, reference = loaded(setup)
+    reference.save_pretrained(tmp_path / "pipeline")
+    onnx = export_model(str(tmp_path / "pipeline"), tmp_path / "build", reuse_from=shared_root)
+    manifest = json.loads((onnx / "manifest.json").read_text())
+    assert manifest["submodules"]["controlnet"]["source"].endswith("pipeline/controlnet")
+    added = json.loads((request.getfixturevalue(setup) / "onnx" / "manifest.json").read_text())
+    for name in ("controlnet", "transformer"):
+        assert manifest["submodules"][name]["inputs"] == added["submodules"][name]["inputs"]
+
+
+def test_transformer_controlnets_check_their_base(sd3_tiny_build):
+    """A ControlNet of another kind, one whose widths differ from the transformer's, or one of a kind not
+    supported yet is refused with what to pass instead."""
+    from export.families import controlnet_flux, controlnet_sd3
+    from export.families.controlnet import controlnet_source
+    from export.source import SourceError, resolve
+
+    sd3 = sd3_tiny_build.source
     with pytest.raises(SourceError, match="holds no SD3ControlNetModel .*'ControlNetModel'.*sd3 takes a diffusers "
                                           "SD3ControlNetModel"):
-        controlnet_source(_controlnet_folder("sd15-controlnet-tiny"), "sd15-controlnet-tiny", sd3_tiny_build.source)
-    config = {**sd3_tiny_build.source.config("transformer"), "num_attention_heads": 2}
+        controlnet_source(_controlnet_folder("sd15-controlnet-tiny"), "sd15-controlnet-tiny", sd3)
     with pytest.raises(SourceError, match="has inner_dim=16; sd3-tiny's transformer has 32: pass a ControlNet "
                                           "trained for this base model"):
-        _check(config, sd3_tiny_build.source, "x")
+        controlnet_sd3._check({**sd3.config("transformer"), "num_attention_heads": 2}, sd3, "x")
     with pytest.raises(SourceError, match="extra_conditioning_channels"):
-        _check({**sd3_tiny_build.source.config("transformer"), "extra_conditioning_channels": 1},
-               sd3_tiny_build.source, "x")
+        controlnet_sd3._check({**sd3.config("transformer"), "extra_conditioning_channels": 1}, sd3, "x")
+    flux = resolve("flux-tiny")
+    config = flux.config("transformer")
+    with pytest.raises(SourceError, match="has in_channels=384; flux-tiny's transformer has 64"):
+        controlnet_flux._check({**config, "in_channels": 384}, flux, "x")
+    with pytest.raises(SourceError, match=r"is a ControlNet-Union \(num_mode\), which needs a control mode"):
+        controlnet_flux._check({**config, "num_mode": 10}, flux, "x")
+    with pytest.raises(SourceError, match=r"encodes the control image itself \(conditioning_embedding_channels"):
+        controlnet_flux._check({**config, "conditioning_embedding_channels": 16}, flux, "x")
 
 
 @pytest.mark.parametrize("setup", ["sd15_one"])  # named for the sd15 tests' worker (conftest's groups)

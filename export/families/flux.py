@@ -171,9 +171,10 @@ FAMILY = Family(
     name="flux",
     # One transformer serves the first three, as in diffusers; FLUX.1 Fill's reads the masked image's
     # latents and the mask as more channels, FLUX.1 Canny/Depth's a control image's latents, and FLUX.1
-    # Kontext's (FLUX.1-dev's layout) a reference image's tokens after the image's.
+    # Kontext's (FLUX.1-dev's layout) a reference image's tokens after the image's; a ControlNet pipeline's
+    # folder adds its ControlNet (export/families/controlnet_flux.py).
     pipeline_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
-                      "FluxControlPipeline", "FluxKontextPipeline"),
+                      "FluxControlPipeline", "FluxKontextPipeline", "FluxControlNetPipeline"),
     submodules=(
         clip("text_encoder", "clip", ("pooler_output",)),
         t5_encoder("text_encoder_2"),

@@ -159,8 +159,10 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="sd3",
-    # One 16-channel transformer serves all three, as in diffusers.
-    pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+    # One 16-channel transformer serves all three, as in diffusers; a ControlNet pipeline's folder adds
+    # its ControlNet (export/families/controlnet_sd3.py).
+    pipeline_classes=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline",
+                      "StableDiffusion3ControlNetPipeline"),
     submodules=(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
