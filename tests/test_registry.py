@@ -98,7 +98,7 @@ def test_folder_that_is_not_a_pipeline(tmp_path):
         resolve(str(tmp_path))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "AuraFlowPipeline"}))
     with pytest.raises(SourceError, match="AuraFlowPipeline; supported pipelines: StableDiffusion3Pipeline, "
-                                          "StableDiffusion3Img2ImgPipeline, .*FluxKontextPipeline$"):
+                                          "StableDiffusion3Img2ImgPipeline, .*StableDiffusion3ControlNetPipeline, .*FluxControlNetPipeline$"):
         resolve(str(tmp_path))
 
 
