@@ -15,12 +15,12 @@ import numpy as np
 
 from runners.controlnet import ControlNets
 from runners.flux_conditions import control_latents, pack
-from runners.text_to_image import TEXT
+from runners.text_to_image import IMAGE, INPAINT, TEXT
 
 
 class FluxControlNets(ControlNets):
-    # diffusers' FluxControlNetImg2Img and Inpaint pipelines are not ported yet
-    control_scales = {TEXT: 1.0}
+    # FluxControlNetPipeline's, and its Img2Img and Inpaint twins'
+    control_scales = {TEXT: 1.0, IMAGE: 1.0, INPAINT: 1.0}
     control_sets_size = False
     guided_halves_share_residuals = True
     runs_with_step_caches = False

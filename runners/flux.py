@@ -31,8 +31,9 @@ SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaul
 # FluxControlInpaintPipeline: dev's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
 CONTROL = DEV
-# FluxControlNetPipeline's: 28 steps at guidance 7 (its ControlNets' model cards run guidance 3.5)
-CONTROLNET = {TEXT: Defaults(28, 7.0)}
+# FluxControlNetPipeline's and its Img2Img and Inpaint twins': 28 steps at guidance 7 (its ControlNets' model
+# cards run guidance 3.5)
+CONTROLNET = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(28, 7.0, 0.6), INPAINT: Defaults(28, 7.0, 0.6)}
 KONTEXT = {TEXT: Defaults(28, 3.5)}  # FluxKontextPipeline's: image= is its reference, not image to image's
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
@@ -103,8 +104,8 @@ class FluxPipeline(FluxControlNets, TextToImage):
         `image=` FluxControlImg2ImgPipeline, with `mask_image=` too FluxControlInpaintPipeline), which that
         transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On an artifact exported
         with Flux ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those
-        of diffusers' FluxControlNetPipeline (runners/controlnet_flux.py), whose defaults are 28 steps and
-        guidance 7; `control_noise` is then one per ControlNet, as a list for several. On FLUX.1 Kontext
+        of diffusers' FluxControlNetPipeline and its Img2Img and Inpaint twins (runners/controlnet_flux.py),
+        whose defaults are 28 steps and guidance 7; `control_noise` is then one per ControlNet, a list for several. On FLUX.1 Kontext
         (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
         aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
         at `max_area` pixels (default 1024**2)."""

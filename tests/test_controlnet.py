@@ -72,6 +72,7 @@ def _controlnet_folder(name: str):
 
 
 def _reference(pipeline_class: str, build, controlnets: list[str]):
+    import inspect
     import json
 
     import diffusers
@@ -80,7 +81,10 @@ def _reference(pipeline_class: str, build, controlnets: list[str]):
     nets = [getattr(diffusers, json.loads((f / "config.json").read_text())["_class_name"]).from_pretrained(f)
             for f in folders]
     base = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
-    pipe = getattr(diffusers, pipeline_class)(**base.components, controlnet=nets[0] if len(nets) == 1 else nets)
+    cls = getattr(diffusers, pipeline_class)
+    taken = inspect.signature(cls).parameters  # FluxPipeline's IP-Adapter components: not its ControlNet twins'
+    components = {k: v for k, v in base.components.items() if k in taken}
+    pipe = cls(**components, controlnet=nets[0] if len(nets) == 1 else nets)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -173,6 +177,38 @@ def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
     compare_controlled(ours, ref, unused)
 
 
+@pytest.mark.parametrize("case", ["flux_image_to_image", "flux_inpainting"])
+def test_flux_controlnet_image_tasks_match_diffusers(monkeypatch, loaded, flux_tiny_build, case):
+    """FluxControlNetImg2ImgPipeline and FluxControlNetInpaintPipeline (the known part blended back). diffusers
+    samples the VAE posteriors in this order: the control image's (`control_noise`), the image's
+    (`encoder_noise`), the masked image's (inpainting; its blending loop never reads it); then the noise."""
+    import importlib
+
+    cls, module = {"flux_image_to_image": ("FluxControlNetImg2ImgPipeline", "image_to_image"),
+                   "flux_inpainting": ("FluxControlNetInpaintPipeline", "inpainting")}[case]
+    module = importlib.import_module(f"diffusers.pipelines.flux.pipeline_flux_controlnet_{module}")
+    pipe, _ = loaded("flux_one")
+    reference = _reference(cls, flux_tiny_build, ["flux-controlnet-tiny"])
+    height, width = 64, 96
+    rng = np.random.default_rng(len(case))
+    control_noise, encoder_noise, noise = (rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
+                                           for _ in range(3))
+    kwargs = dict(prompt="a photo of a cat", image=smooth_image(height, width, seed=1), height=height, width=width,
+                  num_inference_steps=STEPS, strength=0.7, max_sequence_length=32, output_type="np",
+                  **({"mask_image": soft_mask(height, width)} if case == "flux_inpainting" else {}))
+    control = edge_image(height, width, seed=4)
+
+    def reference_image(scale):
+        draws = iter([control_noise, encoder_noise, encoder_noise])
+        monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(next(draws)))
+        monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+        return reference(control_image=control, controlnet_conditioning_scale=scale, **kwargs).images
+
+    ours = pipe(control_image=control, control_noise=control_noise, encoder_noise=encoder_noise, noise=noise,
+                **kwargs)
+    compare_controlled(ours, reference_image(1.0), reference_image(0.0))
+
+
 def test_sd3_blocks_take_diffusers_residuals():
     """The transformer's per-block residual inputs, fed by the runner's interval rule from a ControlNet of k
     blocks, give what diffusers' transformer gives from the k residuals (5 blocks, k = 2: blocks 0-2 take
@@ -259,9 +295,10 @@ def test_transformer_plain_run_and_refusals(loaded, request, setup):
     # measured: sd3 below 1e-6, flux 2e-6 (another export's float rounding of the same graph)
     np.testing.assert_allclose(pipe(**args), plain(**args), rtol=0, atol=5e-6)
     control = edge_image(64, 64, seed=0)
-    with pytest.raises(ValueError, match=f"control_image= with image to image: diffusers has no such {family} "
-                                         f"ControlNet pipeline; {family} ControlNets run for text to image"):
-        pipe("a cat", image=smooth_image(64, 64), control_image=control, num_inference_steps=2)
+    if family == "sd3":
+        with pytest.raises(ValueError, match="control_image= with image to image: diffusers has no such sd3 "
+                                             "ControlNet pipeline; sd3 ControlNets run for text to image"):
+            pipe("a cat", image=smooth_image(64, 64), control_image=control, num_inference_steps=2)
     with pytest.raises(ValueError, match=f"control_image= with cache=first-block: {family}'s ControlNet residuals"):
         pipe("a cat", control_image=control, height=64, width=64, num_inference_steps=2, cache="first-block")
     with pytest.raises(ValueError, match="control_noise= is the control images' VAE sample: pass control_image="):
