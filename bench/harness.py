@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,20 @@ def interleaved_fresh(variants: list[Variant], constants: dict, job: dict | list
         log(f"{'+'.join(j['job'] for j in jobs)} {jobs[0]['height']}x{jobs[0]['width']}: {rep + 1}/{reps} "
             "(fresh processes)")
     return samples, peaks, failed
+
+
+def timed_calls(runs: dict, reps: int) -> dict[str, list[float]]:
+    """{label: seconds of each of `reps` calls} of `runs` ({label: call}) in this process, after one warm-up
+    each, interleaved so that drift in the machine's speed reaches every one alike."""
+    for call in runs.values():
+        call()
+    times = {label: [] for label in runs}
+    for _ in range(reps):
+        for label, call in runs.items():
+            t0 = time.perf_counter()
+            call()
+            times[label].append(time.perf_counter() - t0)
+    return times
 
 
 @dataclass

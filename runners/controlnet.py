@@ -24,6 +24,12 @@ import numpy as np
 from runners.images import to_model_input
 from runners.text_to_image import IMAGE, INPAINT, TEXT, task_of
 
+def residual_inputs(entry: dict) -> list[dict]:
+    """A denoiser's ControlNet residual inputs, from its manifest entry: the UNet's down_residual_i and
+    mid_residual, a transformer's block_residual_i (SD3), double_residual_i and single_residual_j (Flux)."""
+    return [t for t in entry["inputs"] if t["name"].endswith("_residual") or "_residual_" in t["name"]]
+
+
 def _per_net(name: str, value, count: int) -> list[float]:
     """A number for every ControlNet, or one per ControlNet."""
     values = list(value) if isinstance(value, (list, tuple)) else [value] * count
@@ -178,8 +184,7 @@ class ControlNets:
 
     def _residual_inputs(self) -> list[dict]:
         """The denoiser's residual inputs; none for a UNet exported without them."""
-        inputs = self.manifest["submodules"][self.constants["denoiser"]]["inputs"]
-        return [t for t in inputs if t["name"].endswith("_residual") or "_residual_" in t["name"]]
+        return residual_inputs(self.manifest["submodules"][self.constants["denoiser"]])
 
     def _control_request(self, task, control_image, scale, start, end, guess_mode, **draws) -> ControlRequest | None:
         """The call's ControlNet arguments, checked; None without a control image. `draws`: see ControlRequest."""

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
-from conftest import assert_real_image, compare_controlled, edge_image, library_deep_cache, smooth_image, soft_mask
+from conftest import (
+    assert_real_image, compare_controlled, edge_image, int8_bounds, library_deep_cache, smooth_image, soft_mask,
+)
 from runners import DeepCacheConfig, Pipeline
 
 ONE_LEVEL = 1 / 255
@@ -429,9 +431,12 @@ def test_plain_run_is_unchanged_by_the_controlnet_engines(loaded, sd15_tiny_buil
     np.testing.assert_array_equal(pipe(**args), plain(**args))
 
 
-# ort-int8 against ort-fp32 with one ControlNet, measured without VNNI: sd15 62.2 dB (the tiny UNet is mostly
-# convolutions, which stay float), sdxl 63.3 dB, sd3 51.3 dB, flux 57.9 dB. Bounds about 10 dB under.
-INT8_MIN_PSNR = {"sd15_one": 50.0, "sdxl_one": 53.0, "sd3_one": 41.0, "flux_one": 48.0}
+# ort-int8 against ort-fp32 with one ControlNet, measured with VNNI: sd15 62.2 dB (the tiny UNet is mostly
+# convolutions, which stay float; 62 dB without VNNI too), sdxl 63.3, sd3 51.3, flux 57.9. Bounds about 10 dB
+# under. Without VNNI the others were not measured (the family tests lose up to 22 dB there): the issue's
+# floor for any image, 30 dB.
+INT8_MIN_PSNR = int8_bounds({"sd15_one": 50.0, "sdxl_one": 53.0, "sd3_one": 41.0, "flux_one": 48.0},
+                            {"sdxl_one": 30.0, "sd3_one": 30.0, "flux_one": 30.0})
 
 
 @pytest.mark.parametrize("setup", INT8_MIN_PSNR)

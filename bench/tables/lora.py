@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import in_child, log, stats
+from bench.harness import in_child, log, stats, timed_calls
 from bench.tables import Table
 
 ATTENTION = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight", "attn.to_out.0.weight")
@@ -70,20 +70,6 @@ def _steps(artifact: str, loras: dict, offline: str, size: int, steps: int, reps
             pipe(**kwargs)
             step[label].append(pipe.timings["denoise"] / steps)
     return {"apply": applies, "switch": switches, "step": step}
-
-
-def _interleaved(runs: dict, reps: int) -> dict[str, list[float]]:
-    """{label: seconds of each of `reps` calls} of `runs` ({label: call}), after one warm-up each,
-    interleaved so that drift in the machine's speed reaches every one alike."""
-    for call in runs.values():
-        call()
-    times = {label: [] for label in runs}
-    for _ in range(reps):
-        for label, call in runs.items():
-            t0 = time.perf_counter()
-            call()
-            times[label].append(time.perf_counter() - t0)
-    return times
 
 
 def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> dict:
@@ -141,7 +127,7 @@ def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> 
 
     runs = {"no adapter": lambda: base.run(feeds), "design 1: overrides, session reopened": lambda: overrides.run(feeds),
             "design 2: graph inputs, bound once": run_bound}
-    times = _interleaved(runs, reps)
+    times = timed_calls(runs, reps)
     return {"compute": compute, "switch": {"design 1: overrides, session reopened": compute + open_seconds,
                                            "design 2: graph inputs, bound once": compute + bind_seconds},
             "call": times}
@@ -216,7 +202,7 @@ def _openvino_designs(artifact: str, loras: dict, size: int, reps: int) -> dict:
     runs = {"no adapter": lambda: plain.run(feeds), "(b) branches, inputs switched": lambda: branched.run(feeds)}
     if replaced is not None:
         runs["(a) constants replaced, compiled again"] = lambda: replaced.infer(feeds)
-    return {"compute": compute, "switch": switches, "call": _interleaved(runs, reps)}
+    return {"compute": compute, "switch": switches, "call": timed_calls(runs, reps)}
 
 
 def _call_rows(what: str, got: dict, computing: str) -> list[list[str]]:
