@@ -140,3 +140,17 @@ def save_pipeline(pipeline_class: str, modules: dict, others: dict, out_dir: Pat
         else:
             index[name] = value
     (out_dir / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def redraw(layers, seed: int) -> None:
+    """Seeded random weights (normal, over the square root of the fan-in) and biases (normal, 0.1) for
+    layers a model starts at zero: a new ControlNet's output layers, which would change nothing, so that
+    a test could not tell whether it ran."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in layers:
+            fan_in = layer.weight[0].numel()
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / fan_in ** 0.5)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)

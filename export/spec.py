@@ -82,6 +82,6 @@ class ControlNetKind:
     constants: Callable[[list[dict], Any], dict]
     # (base ModelSource, seed, folder) -> writes a random test ControlNet for the base model into folder
     build_random: Callable[[Any, int, Any], None]
-    # (the base's submodule descriptions, base ModelSource) -> those to export beside ControlNets (SD3's
-    # transformer takes their residuals only then). None: the same.
-    denoiser: Callable[[list[SubmoduleSpec], Any], list[SubmoduleSpec]] | None = None
+    # base ModelSource -> the base's descriptions that differ beside ControlNets, in place of those of the
+    # same names (SD3's and Flux's transformer takes their residuals only then). None: none differ.
+    controlled: Callable[[Any], tuple[SubmoduleSpec, ...]] | None = None

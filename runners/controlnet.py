@@ -204,8 +204,8 @@ class ControlNets:
         if not self._residual_inputs():
             raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
                              "is not its family's real one): control_image= cannot be used")
-        return ControlRequest.of(self.controlnets(), control_image, self.control_scales[task] if scale is None else scale,
-                                 start, end, guess_mode, **draws)
+        scale = self.control_scales[task] if scale is None else scale
+        return ControlRequest.of(self.controlnets(), control_image, scale, start, end, guess_mode, **draws)
 
     def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
         """diffusers' U-Net ControlNet pipelines take the control image's size when the request gives none."""
@@ -233,7 +233,8 @@ class ControlNets:
         """A ControlNet's controlnet_cond, as diffusers' prepare_image makes it: the image resized, in [0, 1];
         one image serves every image to generate, a batch is one per prompt; doubled under guidance (not in
         guess mode, where the ControlNets see the conditional half only)."""
-        image = (to_model_input(given, height, width, self.constants["vae_scale_factor"]) + np.float32(1)) / np.float32(2)
+        pixels = to_model_input(given, height, width, self.constants["vae_scale_factor"])
+        image = (pixels + np.float32(1)) / np.float32(2)
         return self._control_batch(name, image, n_images, per_prompt, cfg and not request.guess_mode)
 
     @staticmethod
@@ -251,7 +252,8 @@ class ControlNets:
         return super()._evaluate(step, num_steps, x, t, conditions, context)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
-        latents = x[:, :self.manifest["constants"]["latent_channels"]]  # an inpainting UNet's extra channels: not theirs
+        # an inpainting UNet's extra channels are not the ControlNets'
+        latents = x[:, :self.manifest["constants"]["latent_channels"]]
         residuals = self._control_residuals(engine, latents, np.full(len(x), t, dtype=np.float32), conditions, release)
         return super()._predict(x, t, {**conditions, **residuals}, release, engine, **extra)
 

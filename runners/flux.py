@@ -105,7 +105,8 @@ class FluxPipeline(FluxControlNets, TextToImage):
         transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On an artifact exported
         with Flux ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those
         of diffusers' FluxControlNetPipeline and its Img2Img and Inpaint twins (runners/controlnet_flux.py),
-        whose defaults are 28 steps and guidance 7; `control_noise` is then one per ControlNet, a list for several. On FLUX.1 Kontext
+        whose defaults are 28 steps and guidance 7; `control_noise` is then one per ControlNet, a list for
+        several. On FLUX.1 Kontext
         (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
         aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
         at `max_area` pixels (default 1024**2)."""

@@ -110,4 +110,5 @@ def with_controlnets(specs: list[SubmoduleSpec], base, sources: list) -> tuple[l
     kind = KINDS[base.family.name]
     configs = [s.config(COMPONENT) for s in sources]
     controls = [dataclasses.replace(kind.spec(config), name=engine_name(i)) for i, config in enumerate(configs)]
-    return (kind.denoiser(specs, base) if kind.denoiser else specs), controls, kind.constants(configs, base)
+    replaced = {s.name: s for s in kind.controlled(base)} if kind.controlled else {}
+    return [replaced.get(s.name, s) for s in specs], controls, kind.constants(configs, base)

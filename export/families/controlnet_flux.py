@@ -17,6 +17,7 @@ import torch
 
 from export.families.first_block import HIDDEN, inner_dim
 from export.families.flux import controlled_transformer, export_rope
+from export.random_weights import redraw
 from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
 
 # The transformer's settings a ControlNet must share with it, to read its inputs and add to its stream
@@ -106,20 +107,10 @@ def _build_random(base, seed: int, out) -> None:
     controlnet = FluxControlNetModel.from_transformer(transformer, num_layers=1, num_single_layers=1,
                                                       attention_head_dim=config.attention_head_dim,
                                                       num_attention_heads=config.num_attention_heads)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks,
-                      controlnet.controlnet_x_embedder]:
-            fan_in = layer.weight[0].numel()
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / fan_in ** 0.5)
-            layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
+    redraw([*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder],
+           seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
-def _denoiser(specs: list[SubmoduleSpec], base) -> list[SubmoduleSpec]:
-    controlled = {s.name: s for s in controlled_transformer(base)}
-    return [controlled.get(s.name, s) for s in specs]
-
-
 KINDS = {"flux": ControlNetKind(class_name="FluxControlNetModel", check=_check, spec=_spec, constants=_constants,
-                                build_random=_build_random, denoiser=_denoiser)}
+                                build_random=_build_random, controlled=controlled_transformer)}

@@ -19,6 +19,7 @@ import torch
 
 from export.families.first_block import HIDDEN, inner_dim
 from export.families.sd3 import controlled_transformer, export_cropping
+from export.random_weights import redraw
 from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
 
 # The transformer's settings a ControlNet must share with it, to read its inputs and add to its stream
@@ -103,19 +104,9 @@ def _build_random(base, seed: int, out) -> None:
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel.from_pretrained(base.folder / "transformer")
     controlnet = SD3ControlNetModel.from_transformer(transformer, num_layers=1, num_extra_conditioning_channels=0)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in [*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj]:
-            fan_in = layer.weight[0].numel()
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / fan_in ** 0.5)
-            layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator) * 0.1)
+    redraw([*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj], seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
-def _denoiser(specs: list[SubmoduleSpec], base) -> list[SubmoduleSpec]:
-    controlled = {s.name: s for s in controlled_transformer(base)}
-    return [controlled.get(s.name, s) for s in specs]
-
-
 KINDS = {"sd3": ControlNetKind(class_name="SD3ControlNetModel", check=_check, spec=_spec, constants=_constants,
-                               build_random=_build_random, denoiser=_denoiser)}
+                               build_random=_build_random, controlled=controlled_transformer)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from export.families.unet import LAYOUTS, SDXL_ADDED, has_layout, residual_specs
+from export.random_weights import redraw
 from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
 
 
@@ -82,14 +83,8 @@ def _build_random(base, seed: int, out) -> None:
 
     torch.manual_seed(seed)  # from_unet draws the control image encoder's other layers from torch's generator
     controlnet = ControlNetModel.from_unet(UNet2DConditionModel.from_pretrained(base.folder / "unet"))
-    generator = torch.Generator().manual_seed(seed)
-    zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
-                  controlnet.controlnet_cond_embedding.conv_out]
-    with torch.no_grad():
-        for conv in zero_convs:
-            fan_in = conv.weight[0].numel()
-            conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) / fan_in ** 0.5)
-            conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * 0.1)
+    redraw([*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+            controlnet.controlnet_cond_embedding.conv_out], seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
