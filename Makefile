@@ -124,7 +124,7 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
-	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory,caches,controlnet \
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory,caches,controlnet-residuals,controlnet \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))

@@ -10,21 +10,8 @@ import time
 
 import numpy as np
 
-from bench.variants import Ours, timed_result
+from bench.variants import Ours, time_calls_of, timed_result
 from bench.workload import PROMPT
-
-
-def _timed_calls(owner, attr: str, seconds: list) -> None:
-    """Make `owner.attr(...)` append the seconds of each of its calls to `seconds`."""
-    call = getattr(owner, attr)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = call(*args, **kwargs)
-        seconds.append(time.perf_counter() - t0)
-        return out
-
-    setattr(owner, attr, timed)
 
 
 class FluxOurs(Ours):
@@ -42,8 +29,8 @@ class _FluxDiffusersCall:
 
     def _time_parts(self) -> None:
         self.step_seconds, self.vae_seconds = [], []
-        _timed_calls(self.pipe.transformer, "forward", self.step_seconds)
-        _timed_calls(self.pipe.vae, "decode", self.vae_seconds)
+        time_calls_of(self.pipe.transformer, "forward", self.step_seconds)
+        time_calls_of(self.pipe.vae, "decode", self.vae_seconds)
 
     def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
         import torch

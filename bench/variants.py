@@ -28,6 +28,29 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def time_calls_of(owner, attr: str, seconds: list) -> None:
+    """Make `owner.attr(...)` append the seconds of each of its calls to `seconds`."""
+    call = getattr(owner, attr)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = call(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    setattr(owner, attr, timed)
+
+
+def control_options(count: int, of: int, size: int) -> dict:
+    """The ControlNet arguments of a run with the first `count` of an artifact's `of` ControlNets: one seeded
+    edge-like control image each (engines.calibration's), the others at scale 0 (not run). {} for none."""
+    from engines.calibration import control_inputs
+
+    if not of:
+        return {}
+    return {**control_inputs(size, of, seed=0), "controlnet_conditioning_scale": [1.0] * count + [0.0] * (of - count)}
+
+
 def timed_result(seconds: float, steps: int, denoise: float, vae: float, image: np.ndarray, out: str | None,
                  **extra) -> dict:
     """A `timed_run` reply; the image (in [0, 1], HWC) is saved in a new file in the folder `out`."""
@@ -42,13 +65,13 @@ def timed_result(seconds: float, steps: int, denoise: float, vae: float, image: 
 
 
 class Ours:
-    """An artifact folder run by our numpy runner; `cache`: a step cache as `Pipeline.__call__`
-    takes it, for `timed_run`."""
+    """An artifact folder run by our numpy runner; for `timed_run`, `cache`: a step cache as `Pipeline.__call__`
+    takes it, and `controls`: how many of the artifact's ControlNets run (each on its own control image)."""
 
-    def __init__(self, artifact: str, cache: str | None = None):
+    def __init__(self, artifact: str, cache: str | None = None, controls: int = 0):
         from runners import Pipeline
 
-        self.pipe, self.cache = Pipeline.load(artifact), cache
+        self.pipe, self.cache, self.controls = Pipeline.load(artifact), cache, controls
 
     def call(self, name: str, feeds: dict) -> float:
         return _timed(lambda: self.pipe.run(name, release=False, **feeds))  # steady state, as in the loop
@@ -56,7 +79,14 @@ class Ours:
     def text_to_image(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> np.ndarray:
         """The one text-to-image call every job of this variant makes."""
         return self.pipe(PROMPT, negative_prompt=NEGATIVE, height=height, width=width, num_inference_steps=steps,
-                         latents=latents, output_type="np", max_sequence_length=T5_LENGTH, **options)
+                         latents=latents, output_type="np", **self._text_length(), **options)
+
+    def _text_length(self) -> dict:
+        """The T5 length of a family that has one (the U-Nets' CLIP length is fixed)."""
+        import inspect
+
+        takes = "max_sequence_length" in inspect.signature(self.pipe.generate).parameters
+        return {"max_sequence_length": T5_LENGTH} if takes else {}
 
     def e2e(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> float:
         return _timed(lambda: self.text_to_image(latents, height, width, steps, **options))
@@ -64,15 +94,16 @@ class Ours:
     def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
         """A whole run with the variant's cache: its denoiser and VAE times, what the cache evaluated
         (`Pipeline.cache_stats`), and its image."""
+        controls = control_options(self.controls, self.pipe.control_images() if self.controls else 0, height)
         t0 = time.perf_counter()
-        image = self.text_to_image(latents, height, width, steps, cache=self.cache)[0]
+        image = self.text_to_image(latents, height, width, steps, cache=self.cache, **controls)[0]
         seconds, timings = time.perf_counter() - t0, self.pipe.timings
         return timed_result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out,
                             cache=self.pipe.cache_stats)
 
     def images(self, prompts, latents, height: int, width: int, steps: int, out: str) -> list[str]:
         return _save([self.pipe(p, height=height, width=width, num_inference_steps=steps, latents=latents,
-                                output_type="np", max_sequence_length=T5_LENGTH)[0] for p in prompts], out)
+                                output_type="np", **self._text_length())[0] for p in prompts], out)
 
 
 class OursWithoutHook(Ours):
@@ -152,6 +183,39 @@ class Diffusers(_DiffusersCall):
         return _timed(fn)
 
 
+class DiffusersControlNet:
+    """diffusers' StableDiffusion(XL)ControlNetPipeline in fp32, eager, with the ControlNet in the folder
+    `controlnet`: a step is its UNet's and its ControlNet's calls."""
+
+    def __init__(self, folder: str, controlnet: str):
+        import diffusers
+        import torch
+
+        torch.set_grad_enabled(False)
+        base = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+        name = type(base).__name__.replace("Pipeline", "ControlNetPipeline")
+        self.pipe = getattr(diffusers, name)(**base.components,
+                                             controlnet=diffusers.ControlNetModel.from_pretrained(controlnet))
+        self.pipe.set_progress_bar_config(disable=True)
+        self.torch, self.step_seconds, self.vae_seconds = torch, [], []
+        time_calls_of(self.pipe.unet, "forward", self.step_seconds)
+        time_calls_of(self.pipe.controlnet, "forward", self.step_seconds)
+        time_calls_of(self.pipe.vae, "decode", self.vae_seconds)
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        from PIL import Image
+
+        self.step_seconds.clear()
+        self.vae_seconds.clear()
+        # diffusers reads a numpy (H, W, 3) array as a batch of H images: the same image, as PIL
+        control = Image.fromarray((control_options(1, 1, height)["control_image"] * 255).astype(np.uint8))
+        t0 = time.perf_counter()
+        image = self.pipe(PROMPT, negative_prompt=NEGATIVE, image=control,
+                          height=height, width=width, num_inference_steps=steps,
+                          latents=self.torch.from_numpy(latents), output_type="np").images[0]
+        return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out)
+
+
 class Optimum(_DiffusersCall):
     """Optimum-ONNX's ORTStableDiffusion3Pipeline on Optimum's own export (in .venv-optimum)."""
 
@@ -218,6 +282,8 @@ def make_variant(kind: str, path: str, **options):
         return OursWithoutHook(path)
     if kind == "vae-decoder":
         return VaeDecoder(path)
+    if kind == "diffusers-controlnet":
+        return DiffusersControlNet(path, **options)
     if kind in ("diffusers", "diffusers-compile"):
         return Diffusers(path, compile=kind == "diffusers-compile")
     if kind == "optimum":

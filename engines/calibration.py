@@ -132,7 +132,7 @@ def _call_inputs(pipe, size: int, seed: int) -> dict:
     inputs = _inpainting_inputs(size, seed) if pipe.inpainting_denoiser() else {}
     control_images = pipe.control_images()
     if control_images:
-        inputs.update(_control_inputs(size, control_images, seed))
+        inputs.update(control_inputs(size, control_images, seed))
     if pipe.reads_reference_image:
         inputs.update(image=_inpainting_inputs(size, seed)["image"], max_area=size * size, auto_resize=False)
     return inputs
@@ -150,7 +150,7 @@ def _inpainting_inputs(size: int, seed: int) -> dict:
     return {"image": image, "mask_image": mask}
 
 
-def _control_inputs(size: int, count: int, seed: int) -> dict:
+def control_inputs(size: int, count: int, seed: int) -> dict:
     """An artifact that takes control images (ControlNets, FLUX.1 Canny/Depth) runs on them at every
     calibration prompt: a seeded edge-like control image each (thin bright lines on black, as canny maps are)."""
     rng = np.random.default_rng(seed)

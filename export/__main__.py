@@ -25,7 +25,8 @@ def main(argv=None) -> int:
                         "vae_encoder_tiny: the runner's vae='tiny' and its live previews use it")
     p.add_argument("--controlnet", action="append", default=[], metavar="FOLDER_OR_HUB_ID",
                    help="also export this ControlNetModel (a folder, a hub id such as lllyasviel/sd-controlnet-canny, "
-                        "or a random test one: sd15-controlnet-tiny, sdxl-controlnet-tiny) as engine controlnet, "
+                        "or a random one: sd15-controlnet-tiny, sdxl-controlnet-tiny, sd3-controlnet-tiny, "
+                        "flux-controlnet-tiny, sd15-bench-controlnet) as engine controlnet, "
                         "controlnet_1, ... (repeat for several); the submodules already exported are kept as they are")
     p.add_argument("--reuse-from", default=None, metavar="FOLDER",
                    help="a folder of other models' builds (FOLDER/*/onnx): a graph of the same component, exported "

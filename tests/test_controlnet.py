@@ -66,10 +66,10 @@ _FOLDERS = {}
 def _controlnet_folder(name: str):
     """A random test ControlNet's folder, resolved once: the export and the reference read the same one
     even when another change to the family code rebuilds the random models meanwhile."""
-    from export.families.controlnet import _folder_of
+    from export.families.controlnet import folder_of
 
     if name not in _FOLDERS:
-        _FOLDERS[name] = _folder_of(name)
+        _FOLDERS[name] = folder_of(name)
     return _FOLDERS[name]
 
 

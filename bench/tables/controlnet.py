@@ -1,85 +1,96 @@
-"""The ControlNet table's first rows: what the denoiser's ControlNet residual inputs cost a step that runs
-without a ControlNet (zeros fed to them), against the same graph with those inputs taken out. The U-Net
-families' real layouts always have them (export/families/unet.py); this measures that choice."""
+"""The ControlNet steps table: the model exported with its random ControlNets (export/families/controlnet.py),
+a step with none, one and two of them running, on ort-fp32 and openvino-int8, against diffusers eager with
+one; and milliseconds per GFLOP, of the denoiser's step and of what each ControlNet adds to it."""
 from __future__ import annotations
 
-import os
-import tempfile
+import statistics
 from pathlib import Path
 
-import numpy as np
-
-from bench.harness import in_child, log, stats, timed_calls
+from bench import accuracy
+from bench.harness import Variant, in_child, interleaved, log, running
 from bench.tables import Table
-from bench.workload import make_inputs
+from bench.tables.openvino import build_openvino
 
 
-def strip_residuals(source: Path, names: list[str], out: Path) -> None:
-    """The graph at `source` without the additions of its inputs `names`: each is added to the hidden stream
-    by one Add, whose uses then take the stream itself. The inputs stay, fed as before: the exporter reads
-    some of the graph's dims from their shapes. The weights stay in `source`'s external data, linked."""
-    import onnx_ir as ir
+def export_with_controlnets(model: str, build: str, names: list[str]) -> str:
+    """The model's export beside `build` with the ControlNets `names` (its other graphs linked from `build`),
+    built for ort-fp32; returns the build folder."""
+    from engines.api import build_artifact
+    from export.api import export_model
 
-    model = ir.load(source)
-    for value in [v for v in model.graph.inputs if v.name in names]:
-        adds = [(node, index) for node, index in value.uses() if node.op_type == "Add"]
-        if len(adds) != 1:
-            raise ValueError(f"{source.name}: residual input {value.name} feeds {len(adds)} Adds, not one")
-        add, index = adds[0]
-        ir.convenience.replace_all_uses_with(add.outputs[0], add.inputs[1 - index])
-        model.graph.remove(add, safe=True)
-    for data in source.parent.glob(f"{source.name}.data"):
-        os.link(data, out.parent / data.name)
-    ir.save(model, out)
+    folder = Path(build).parent / f"{Path(build).name}-controlnets"
+    export_model(model, folder, controlnets=names, reuse_from=Path(build).parent)
+    build_artifact(folder, "ort", "fp32")
+    return str(folder)
 
 
-def _calls(artifact: str, denoiser: str, inputs: dict, reps: int) -> dict:
-    """In a fresh process: the denoiser's call with zeros added by its residual inputs, and without the adds."""
-    from runners.backends.ort import OrtSession
-    from runners.controlnet import residual_inputs
-    from runners.manifest import read_manifest
+def _graph_flops(folder: Path, run, names: list[str]) -> dict[str, int]:
+    """MatMul, Gemm and Conv FLOPs of one call of each engine `names` at the denoiser's call dims."""
+    from engines.memory.graph import graph_flops
 
-    entry = read_manifest(Path(artifact), verify=False)["submodules"][denoiser]
-    names = [t["name"] for t in residual_inputs(entry)]
-    feeds = make_inputs({denoiser: inputs})[denoiser]
-    feeds.update({n: np.zeros_like(feeds[n]) for n in names})
-    with tempfile.TemporaryDirectory(prefix="bench-residuals-") as scratch:
-        stripped = Path(scratch) / entry["file"]
-        strip_residuals(Path(artifact) / entry["file"], names, stripped)
-        options = dict(session_config=entry.get("session_config"), session_options=entry.get("session_options"))
-        full, plain = OrtSession(Path(artifact) / entry["file"], **options), OrtSession(stripped, **options)
-        times = timed_calls({"with": lambda: full.run(feeds), "without": lambda: plain.run(feeds)}, reps)
-    return {"times": times, "inputs": len(names), "bytes": sum(feeds[n].nbytes for n in names)}
+    dims = run.dims(run.args.size, run.denoiser)
+    return {n: graph_flops(folder / "onnx" / f"{n}.onnx", dims) for n in names}
 
 
 def measure(run) -> list[dict]:
-    a, denoiser = run.args, run.denoiser
-    log(f"controlnet: {denoiser} with and without its residual inputs")
-    found = in_child(_calls, str(run.default_artifact), denoiser, run.inputs(a.size, [denoiser])[denoiser],
-                     a.controlnet_reps)
-    without = found["times"]["without"]
+    a, model = run.args, run.src.entry.name
+    from export.families.controlnet import folder_of, random_controlnets
+
+    names = random_controlnets(model)[:2]
+    if not names:
+        raise ValueError(f"controlnet table: no random ControlNets are made for {model} "
+                         "(export/families/controlnet.py: RANDOM_CONTROLNETS)")
+    log(f"controlnet: exporting {model} with {', '.join(names)}")
+    folder = Path(in_child(export_with_controlnets, model, str(run.build), names))
+    artifacts = {"ort-fp32": str(folder / "ort-fp32"),
+                 **in_child(build_openvino, folder, accuracy.calibration(a), a.size,
+                            [n for n in a.controlnet_artifacts.split(",") if n != "ort-fp32"])}
+    variants = [Variant("(a) diffusers eager, 1 ControlNet", "diffusers-controlnet", str(run.src.folder),
+                        options={"controlnet": str(folder_of(names[0]))})]
+    variants += [Variant(f"ours {label}, {k} ControlNet{'s' if k != 1 else ''}", "ours", path, options={"controls": k})
+                 for label, path in artifacts.items() for k in range(len(names) + 1)]
+    job = {"job": "timed_run", "steps": a.steps, "height": a.size, "width": a.size, "out": None}
+    with running(variants, run.constants, log) as workers:
+        samples = interleaved(workers, job, a.controlnet_reps, log)
+    step = {v.label: statistics.median(r["step"] for r in samples[v.label]) for v in variants}
+    flops = _graph_flops(folder, run, [run.denoiser, "controlnet"])
     rows = []
-    for label, key in (("with its residual inputs, zeros added", "with"), ("without their additions", "without")):
-        st = stats(found["times"][key], None if key == "without" else without)
-        rows.append([label, str(found["inputs"] if key == "with" else 0),
-                     f"{found['bytes'] / 2**20:.1f}" if key == "with" else "0", f"{st.median * 1e3:.1f}",
-                     "reference" if key == "without" else f"{(1 / st.ratio - 1) * 100:+.1f}%"])
+    for v in variants:
+        k = v.options.get("controls")
+        plain = next((u.label for u in variants if u.path == v.path and u.options == {"controls": 0}), None)
+        added = step[v.label] - step[plain] if k else None
+        per_gflop = (f"{step[v.label] / (flops[run.denoiser] / 1e9) * 1e3:.2f}" if k == 0 else
+                     f"{added / k / (flops['controlnet'] / 1e9) * 1e3:.2f}" if k else "-")
+        against = "reference" if v is variants[0] else f"{step[variants[0].label] / step[v.label]:.2f}x" if k == 1 \
+            else "-"
+        rows.append([v.label, f"{step[v.label]:.3f}", f"{added:+.3f}" if added is not None else "-", against,
+                     per_gflop])
     return [{
         "reps": a.controlnet_reps,
-        "title": f"ControlNet residual inputs on the plain path at {a.size}x{a.size} ({denoiser}, one call at batch "
-                 "2, ort-fp32)",
-        "columns": ["denoiser graph", "residual inputs added", "MiB added per call", "median ms", "cost vs without"],
+        "title": f"ControlNet steps at {a.size}x{a.size}, {a.steps} steps: a step with none, one and two "
+                 "ControlNets, and ms per GFLOP of the denoiser and of what a ControlNet adds",
+        "columns": ["variant", "s per step", "s added by the ControlNets", "speed-up vs (a), one ControlNet each",
+                    "ms per GFLOP (0: denoiser; else: per ControlNet added)"],
         "rows": rows,
-        "notes": [f"Medians of {a.controlnet_reps} calls of each graph, interleaved in one process after a warm-up "
-                  "call, with the same inputs. The graph without their additions is the artifact's with each "
-                  "residual's Add taken out (bench/tables/controlnet.py): what a second, plain denoiser graph would "
-                  "compute. The residual inputs stay in it (the exporter reads some dims from their shapes); on "
-                  "the CPU a fed array is not copied, and the runner makes its zeros once per shape."]}]
+        "notes": [f"Medians of {a.controlnet_reps} repetitions of a {a.steps}-step run at guidance (batch 2), every "
+                  "variant in its own process, run in turn after a dropped warm-up run. A step is the denoiser's "
+                  "evaluation with the ControlNets that run (`Pipeline.timings`; diffusers': its UNet's and "
+                  "ControlNet's calls). One ControlNet on an artifact of two runs the other at scale 0, which the "
+                  "runner skips. GFLOP: MatMul, Gemm and Conv FLOPs of one call at batch 2 counted from the graphs "
+                  f"({run.denoiser} {flops[run.denoiser] / 1e9:.1f}, controlnet {flops['controlnet'] / 1e9:.1f}). "
+                  "The ControlNets are random "
+                  f"({', '.join(names)}: the base UNet's encoder with random output convolutions)."
+                  + (f" openvino-int8 is calibrated on {accuracy.calibration_text(a)}, with the ControlNets running."
+                     if len(artifacts) > 1 else "")]}]
 
 
 def _arguments(group) -> None:
-    group.add_argument("--controlnet-reps", type=int, default=10, help="calls of each graph in the ControlNet table")
+    group.add_argument("--controlnet-reps", type=int, default=3, help="repetitions of the ControlNet steps table")
+    group.add_argument("--controlnet-artifacts", default="ort-fp32,openvino-int8",
+                       help="comma-separated artifacts of the ControlNet steps table (ort-fp32 or the openvino "
+                            "table's labels)")
 
 
-TABLE = Table("controlnet", "ControlNet residual inputs", "the denoiser without its residual inputs (ort-fp32)",
-              ("sd15", "sdxl"), measure, _arguments, smoke=("--controlnet-reps", "2"))
+TABLE = Table("controlnet", "ControlNet steps", "the model with its random ControlNets (ort-fp32, openvino int8)",
+              ("sd15",), measure, _arguments,
+              smoke=(*accuracy.SMOKE, "--controlnet-reps", "1", "--controlnet-artifacts", "ort-fp32"))

@@ -1,7 +1,7 @@
 """ControlNets, exported beside a model as engines `controlnet`, `controlnet_1`, ...: those a ControlNet
 pipeline folder holds (a MultiControlNetModel saves as controlnet/, controlnet_1/, ...), then those given
 with `python -m export MODEL --controlnet FOLDER_OR_HUB_ID` (a folder or hub id of a ControlNet, or a
-random test one of `TINY_CONTROLNETS`).
+random test one of `RANDOM_CONTROLNETS`).
 
 What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py), SD3's
 (controlnet_sd3.py) and Flux's (controlnet_flux.py). A family without one in `KINDS` takes no ControlNet."""
@@ -19,11 +19,17 @@ from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
 KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS}
-# Random-weight ControlNets for tests: {name: (base model, seed)}, made by the base family's kind; two of
-# SD1.5's differ by their seed, for tests of two ControlNets.
-TINY_CONTROLNETS = {"sd15-controlnet-tiny": ("sd15-tiny", 0), "sd15-controlnet-tiny-2": ("sd15-tiny", 1),
-                    "sdxl-controlnet-tiny": ("sdxl-tiny", 0), "sd3-controlnet-tiny": ("sd3-tiny", 0),
-                    "flux-controlnet-tiny": ("flux-tiny", 0)}
+# Random-weight ControlNets for tests and benchmarks: {name: (base model, seed)}, made by the base family's
+# kind; two of SD1.5's differ by their seed, for runs of two ControlNets.
+RANDOM_CONTROLNETS = {"sd15-controlnet-tiny": ("sd15-tiny", 0), "sd15-controlnet-tiny-2": ("sd15-tiny", 1),
+                      "sdxl-controlnet-tiny": ("sdxl-tiny", 0), "sd3-controlnet-tiny": ("sd3-tiny", 0),
+                      "flux-controlnet-tiny": ("flux-tiny", 0),
+                      "sd15-bench-controlnet": ("sd15-bench", 0), "sd15-bench-controlnet-2": ("sd15-bench", 1)}
+
+
+def random_controlnets(model: str) -> list[str]:
+    """The random ControlNets made for the registry model `model`, in their order."""
+    return [name for name, (base, _) in RANDOM_CONTROLNETS.items() if base == model]
 
 
 def engine_name(index: int) -> str:
@@ -45,7 +51,7 @@ def _random_folder(name: str) -> Path:
     from export.source import cache_root, resolve
     from export.versions import package_versions
 
-    base_name, seed = TINY_CONTROLNETS[name]
+    base_name, seed = RANDOM_CONTROLNETS[name]
     base = resolve(base_name)
     kind = KINDS[base.family.name]
     code = [Path(module.__file__).read_text() for module in (sys.modules[__name__],
@@ -58,11 +64,13 @@ def _random_folder(name: str) -> Path:
     return write_once(cache_root() / "models" / f"{name}-{key}", "config.json", build)
 
 
-def _folder_of(given: str) -> Path:
-    """A TINY_CONTROLNETS name, a local folder, or a hub id -> the ControlNet's folder."""
+def folder_of(given: str) -> Path:
+    """A RANDOM_CONTROLNETS name, a local folder, or a hub id -> the ControlNet's folder."""
     from export.source import local_or_hub
 
-    return _random_folder(given) if given in TINY_CONTROLNETS else local_or_hub(given, "--controlnet", TINY_CONTROLNETS)
+    if given in RANDOM_CONTROLNETS:
+        return _random_folder(given)
+    return local_or_hub(given, "--controlnet", RANDOM_CONTROLNETS)
 
 
 def controlnet_source(folder: Path, given: str, base):
@@ -98,7 +106,7 @@ def controlnet_source(folder: Path, given: str, base):
 def controlnet_sources(base, given: list[str]) -> list:
     """The base's own ControlNets (a ControlNet pipeline folder's), then those `given`."""
     folders = [(f, f"{base.entry.name}/{f.name}") for f in pipeline_controlnets(base)]
-    folders += [(_folder_of(g), g) for g in given]
+    folders += [(folder_of(g), g) for g in given]
     return [controlnet_source(folder, name, base) for folder, name in folders]
 
 
