@@ -93,7 +93,9 @@ GROUP_SECONDS = {
     "test_controlnet.py::sdxl": 80, "test_flux.py::flux": 60, "test_bench_smoke.py::flux": 40, "test_lora.py": 40,
     "test_export.py": 30, "test_tiny_vae.py::sd15": 30, "test_tiny_vae.py": 30, "test_tiny_vae.py::sdxl": 30,
     "test_memory.py": 30, "test_tiny_vae.py::flux": 20, "test_runner_errors.py": 20, "test_docs_commands.py": 20,
-    "test_engines.py": 20, "test_controlnet.py": 20,
+    "test_engines.py": 20,
+    # estimated, not yet measured in a whole run: SD3's and Flux's ControlNet cases
+    "test_controlnet.py::flux": 150, "test_controlnet.py": 100,
 }
 
 
