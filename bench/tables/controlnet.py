@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from bench import accuracy
-from bench.harness import Variant, in_child, interleaved, log, running
+from bench.harness import Variant, in_child, interleaved_fresh, log
 from bench.tables import Table
 from bench.tables.openvino import build_openvino
 
@@ -50,8 +50,10 @@ def measure(run) -> list[dict]:
     variants += [Variant(f"ours {label}, {k} ControlNet{'s' if k != 1 else ''}", "ours", path, options={"controls": k})
                  for label, path in artifacts.items() for k in range(len(names) + 1)]
     job = {"job": "timed_run", "steps": a.steps, "height": a.size, "width": a.size, "out": None}
-    with running(variants, run.constants, log) as workers:
-        samples = interleaved(workers, job, a.controlnet_reps, log)
+    # One process at a time: a real model's artifact with its ControlNets holds several GB per process.
+    samples, _, failed = interleaved_fresh(variants, run.constants, job, a.controlnet_reps, log, warmup=True)
+    if failed:
+        raise RuntimeError(f"controlnet table: {'; '.join(failed.values())}")
     step = {v.label: statistics.median(r["step"] for r in samples[v.label]) for v in variants}
     flops = _graph_flops(folder, run, [run.denoiser, "controlnet"])
     rows = []
@@ -72,8 +74,9 @@ def measure(run) -> list[dict]:
         "columns": ["variant", "s per step", "s added by the ControlNets", "speed-up vs (a), one ControlNet each",
                     "ms per GFLOP (0: denoiser; else: per ControlNet added)"],
         "rows": rows,
-        "notes": [f"Medians of {a.controlnet_reps} repetitions of a {a.steps}-step run at guidance (batch 2), every "
-                  "variant in its own process, run in turn after a dropped warm-up run. A step is the denoiser's "
+        "notes": [f"Medians of {a.controlnet_reps} repetitions of a {a.steps}-step run at guidance (batch 2), each "
+                  "in a fresh process of its variant (one at a time: they do not fit the memory together) after a "
+                  "dropped warm-up run. A step is the denoiser's "
                   "evaluation with the ControlNets that run (`Pipeline.timings`; diffusers': its UNet's and "
                   "ControlNet's calls). One ControlNet on an artifact of two runs the other at scale 0, which the "
                   "runner skips. GFLOP: MatMul, Gemm and Conv FLOPs of one call at batch 2 counted from the graphs "
