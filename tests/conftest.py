@@ -19,6 +19,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     for _variable in ("DIFFUSION_AOT_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_variable, _share)
 
+from runners.backends import cpu_threads  # noqa: E402
+from runners.backends.openvino import avoid_one_thread_amx_crash  # noqa: E402
+
+# Before any test compiles an OpenVINO model in this process (oneDNN reads its ISA cap once).
+avoid_one_thread_amx_crash(cpu_threads(None))
+
 import numpy as np  # noqa: E402 (after the thread settings above)
 import pytest  # noqa: E402
 

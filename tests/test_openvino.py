@@ -371,3 +371,24 @@ def test_caches_against_ort_fp32_with_the_same_cache(tiny_artifact, precision, c
           f"{change:.1f} dB against itself uncached")
     assert stats["cached"] > 0 and change < 80  # the cache ran and changed the image
     assert psnr >= CACHE_MIN_PSNR[precision], psnr
+
+
+@pytest.mark.parametrize("threads, cores, flags, capped", [
+    (1, 2, {"avx512f", "amx_tile"}, True),
+    (None, 1, {"avx512f", "amx_tile"}, True),  # one core: `taskset -c 0`
+    (2, 2, {"avx512f", "amx_tile"}, False),
+    (1, 2, {"avx512f", "avx512_bf16"}, False),  # no AMX: nothing to avoid
+])
+def test_one_thread_on_amx_caps_onednn_below_amx(monkeypatch, threads, cores, flags, capped):
+    """OpenVINO 2026.4 dies with SIGFPE compiling sd3-tiny's bf16 T5 for one thread on an AMX CPU (this
+    suite's workers, one thread each, died so on such a machine); below AMX the same graphs compile."""
+    from runners.backends import openvino as backend
+
+    variable, value = backend.ONE_THREAD_ISA_CAP
+    monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(backend, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert backend.avoid_one_thread_amx_crash(threads) is capped
+    assert backend.os.environ.get(variable) == (value if capped else None)
+    monkeypatch.setenv(variable, "AVX2")  # the user's own cap stays
+    assert not backend.avoid_one_thread_amx_crash(1) and backend.os.environ[variable] == "AVX2"

@@ -28,6 +28,8 @@ from engines.precisions import TargetRecipe
 from engines.targets import (RESOLVED, BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions,
                              sizes_argument)
 from engines.targets import _openvino_int8, _openvino_lora
+from runners.backends import cpu_threads
+from runners.backends.openvino import openvino_core
 from runners.static import StaticRequest
 
 # What OpenVINO 2026.4's ONNX reader accepts, measured on every sd3-tiny submodule (convert_model,
@@ -150,7 +152,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         # Compiled for a device, a per-size denoiser ships its default size's static model.
         sizes = options.sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
     config = {HINT: sub.precision.runtime[HINT]}
-    core = ov.Core()
+    core = openvino_core(cpu_threads(None))  # before NNCF's first compile in this process
     if options.device:
         check_device(core, options.device)
     with tempfile.TemporaryDirectory(prefix="onnx-for-openvino-", dir=out_dir) as tmp:

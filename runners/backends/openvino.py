@@ -13,6 +13,7 @@ with a low-rank branch beside every linear layer the build recorded (runners/bac
 from then on, switching adapters (or back to none: rank 0) only changes the branches' inputs."""
 from __future__ import annotations
 
+import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -26,12 +27,40 @@ from runners.backends._openvino_lora import add_branches, branch_feeds
 KEEP_SIZES = 2
 
 
-def _core():
+# OpenVINO's CPU plugin (2026.4) dies with SIGFPE, "Floating point exception", compiling some bf16 graphs
+# (sd3-tiny's T5) to run on one thread of a CPU with AMX: one inference thread, or one core
+# (`taskset -c 0`: openvinotoolkit/openvino#33300). Capped below AMX (AVX512_BF16 and VNNI: the same
+# precisions), oneDNN compiles and runs them. It reads the cap once, at the process's first compile.
+ONE_THREAD_ISA_CAP = ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), ()))
+
+
+def avoid_one_thread_amx_crash(threads: int | None) -> bool:
+    """Cap oneDNN below AMX, where this process will compile OpenVINO models for one thread on a CPU with
+    AMX; before its first compile, and unless the cap is set already. Whether it capped."""
+    variable, value = ONE_THREAD_ISA_CAP
+    one_core = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
+    if variable in os.environ or not (threads == 1 or one_core) or "amx_tile" not in _cpu_flags():
+        return False
+    os.environ[variable] = value
+    return True
+
+
+def openvino_core(threads: int | None = None):
+    """OpenVINO's Core, for sessions (or builds) of `threads` CPU threads (None: every core)."""
     try:
         import openvino as ov
     except ImportError as e:
         raise RuntimeError(f"this artifact runs on OpenVINO, which is not installed ({e.name}): "
                            "pip install 'diffusion-aot[openvino]'") from None
+    avoid_one_thread_amx_crash(threads)
     return ov.Core()
 
 
@@ -61,14 +90,14 @@ class OpenVinoSession:
             raise ValueError(f"{path}: providers choose ONNX Runtime's execution providers; this is an OpenVINO "
                              "model (its device was chosen at build time: --ov-device)")
         self.path = Path(path)
-        self.core = _core()
+        threads = cpu_threads(threads)
+        self.core = openvino_core(threads)
         options = dict(session_options or {})
         self.device = options.get("device", "CPU")
         if self.device not in self.core.available_devices:
             raise RuntimeError(f"{path}: OpenVINO device '{self.device}' is not present on this machine; it has: "
                                f"{', '.join(self.core.available_devices)}")
         self.config = dict(session_config or {})
-        threads = cpu_threads(threads)
         if threads:
             self.config["INFERENCE_NUM_THREADS"] = threads
         if profile:  # per-layer counters, read back with `session.last.request.get_profiling_info()`
