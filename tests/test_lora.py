@@ -302,7 +302,9 @@ def test_quantized_artifacts_take_adapters_quantized_again(tiny_artifact, precis
     print(f"{precision} with an adapter against fp32 with it: PSNR {psnr:.1f} dB; the adapter's change {change:.1f} dB")
     assert psnr >= QUANTIZED_MIN_PSNR[precision], psnr
     assert change < psnr - CHANGE_MARGIN[precision], (change, psnr)
-    assert np.abs(offline - got).max() <= 1e-5  # fp8's run-time session folds less (runners/backends/ort.py)
+    # fp8's run-time session folds less (runners/backends/ort.py): measured below 1e-5 on AMD Zen 3, 4.6e-5
+    # on an AVX-512 Xeon (its kernels round the unfolded DequantizeLinear's products otherwise)
+    assert np.abs(offline - got).max() <= 1e-4
 
 
 def test_parameters_the_exporter_merged_cannot_be_changed_alone():
