@@ -68,9 +68,10 @@ def weightless_component(src, component: str, dtype: str, **load_kwargs):
 
 def checkpoint_index(folder: Path) -> dict[str, dict]:
     """{tensor name: file, dtype, shape, offset, length} over the folder's safetensors files, read
-    from their headers only."""
+    from their headers only. Files are named by their real paths: the hub's cache links a snapshot's
+    files to its blobs, which onnx-ir would otherwise refuse to read as outside the folder."""
     index = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in sorted(p.resolve() for p in Path(folder).glob("*.safetensors")):
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
             header = json.loads(f.read(size))

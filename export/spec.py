@@ -85,3 +85,9 @@ class ControlNetKind:
     # base ModelSource -> the base's descriptions that differ beside ControlNets, in place of those of the
     # same names (SD3's and Flux's transformer takes their residuals only then). None: none differ.
     controlled: Callable[[Any], tuple[SubmoduleSpec, ...]] | None = None
+    # ControlNet config -> the base component whose weights the ControlNet takes from its pipeline, which its
+    # folder lacks (SD3.5 Large's take their transformer's patch embedding), or None
+    borrows: Callable[[dict], str | None] = lambda config: None
+    # (config, ControlNet folder, base ModelSource, out folder) -> writes into `out` the ControlNet with those
+    # weights, as its pipeline runs it (its own weights linked, not copied)
+    complete: Callable[[dict, Any, Any, Any], None] | None = None

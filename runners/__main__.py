@@ -122,7 +122,8 @@ def main(argv=None) -> int:
                    help="image to image: start from this image (its size, or the model's for SD3, unless "
                         "--height/--width are given)")
     p.add_argument("--mask", type=Path, default=None, metavar="MASK.png",
-                   help="with --image: inpainting, repaint the mask's white part (a mask of the image's size)")
+                   help="with --image: inpainting, repaint the mask's white part (a mask of the image's size); "
+                        "with --control-image alone, SD3's inpainting ControlNets' mask")
     p.add_argument("--strength", type=float, default=None,
                    help="with --image: how much to change it, in (0, 1] (default: diffusers', SD3 0.6, SD1.5 0.8 and "
                         "inpainting 1, SDXL 0.3 and inpainting 0.9999, Flux 0.6)")
@@ -168,8 +169,9 @@ def main(argv=None) -> int:
 
     def generate():
         _check_out(args.out)
-        if args.mask and not args.image:
-            raise ValueError("--mask needs --image: inpainting repaints the mask's white part of an image")
+        if args.mask and not (args.image or args.control_image or args.canny):
+            raise ValueError("--mask needs --image: inpainting repaints the mask's white part of an image (or, "
+                             "for SD3's inpainting ControlNets, --control-image)")
         image = _read_image(args.image, "--image") if args.image else None
         mask = _read_image(args.mask, "--mask") if args.mask else None
         t0 = time.perf_counter()

@@ -63,6 +63,7 @@ class ControlRequest:
     noise: np.ndarray | None = None
     seed: int | None = None
     vae_tiling: bool | None = None
+    mask: object = None  # the mask of inpainting ControlNets (SD3's): white repaints the control image
 
     @classmethod
     def of(cls, engines: list[str], control_image, scale=1.0, start=0.0, end=1.0, guess_mode=False, **draws):
@@ -157,10 +158,11 @@ class ControlNets:
         """`_text_to_image` with ControlNets: the size a request leaves None is the control image's (where
         `control_sets_size`), and the steps, guidance, strength and conditioning scale left None are
         diffusers' ControlNet pipeline's for the task."""
+        mask_image, control_mask = self._control_mask(control_image, image, mask_image)
         task = task_of(image, mask_image)
         control = self._control_request(task, control_image, controlnet_conditioning_scale, control_guidance_start,
                                         control_guidance_end, guess_mode, noise=control_noise, seed=seed,
-                                        vae_tiling=vae_tiling)
+                                        vae_tiling=vae_tiling, mask=control_mask)
         height, width = self._control_size(control, height, width, image)
         defaults = self.control_defaults.get(task) if control is not None else None
         if defaults is not None:
@@ -173,6 +175,11 @@ class ControlNets:
                                        mask_image=mask_image, strength=strength, control=control, **kwargs)
         finally:
             self._control = None
+
+    def _control_mask(self, control_image, image, mask_image) -> tuple:
+        """(the request's mask_image, the ControlNets' mask): the U-Nets' inpainting ControlNet pipelines mask
+        the image, which their ControlNets do not see."""
+        return mask_image, None
 
     def controlnets(self) -> list[str]:
         """The artifact's ControlNet engines in order: controlnet, controlnet_1, ..."""

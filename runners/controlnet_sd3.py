@@ -1,45 +1,62 @@
 """SD3's ControlNets in its runner, with the semantics of diffusers' StableDiffusion3ControlNetPipeline
-(export/families/controlnet_sd3.py describes the engines).
+and StableDiffusion3ControlNetInpaintingPipeline (export/families/controlnet_sd3.py describes the engines).
 
 Each control image is resized to the request's size (which it does not set: SD3's default applies),
-repeated for the images to generate, doubled under guidance, then encoded by the VAE: a sample of its
-posterior (`control_noise`, one per image the ControlNet runs on: the doubled batch under guidance,
-as diffusers encodes both halves), shifted (unless the ControlNet forces zero pooled projections, as
-InstantX's do and diffusers reads from its config) and scaled. The transformer block i adds the
-residual int(i / (N / k)) of each ControlNet of k blocks (diffusers' interval rule; N blocks)."""
+repeated for the images to generate, then encoded by the VAE: a sample of its posterior (`control_noise`),
+shifted (unless the ControlNet forces zero pooled projections, as InstantX's do and diffusers reads from
+its config) and scaled. The ControlNet pipeline doubles the image under guidance before it encodes it
+(two samples: `control_noise` is 2N there). The transformer block i adds the residual int(i / (N / k)) of
+each ControlNet of k blocks (diffusers' interval rule; N blocks).
+
+Inpainting ControlNets (alimama's) repaint the control image where `mask_image` is white: the image with
+the masked part set to -1 is encoded (N samples) and shifted, the inverted mask at latent size is
+concatenated to its latents, and the whole is doubled under guidance. The denoising starts from noise, as
+diffusers' pipeline does (text to image: `image=` is refused)."""
 from __future__ import annotations
 
 import numpy as np
 
 from runners.controlnet import ControlNets
-from runners.images import to_model_input
+from runners.images import nearest, to_model_input
 from runners.text_to_image import TEXT, given_or_drawn
 
 
 class SD3ControlNets(ControlNets):
-    control_scales = {TEXT: 1.0}  # diffusers' has no Img2Img twin (its Inpainting one takes masks as channels)
+    control_scales = {TEXT: 1.0}  # diffusers' has no Img2Img twin; its Inpainting one is text to image, masked
     control_sets_size = False
     runs_with_step_caches = False
 
+    def _control_mask(self, control_image, image, mask_image) -> tuple:
+        if not self.manifest["constants"].get("control_masks") or control_image is None:
+            return mask_image, None
+        if mask_image is None or image is not None:
+            raise ValueError("this artifact's ControlNets inpaint (StableDiffusion3ControlNetInpaintingPipeline's): "
+                             "pass the image to repaint as control_image= and its mask as mask_image= (white: "
+                             "repainted), without image=")
+        return None, mask_image
+
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
-        scale = self.constants["vae_scale_factor"]
+        scale, masked = self.constants["vae_scale_factor"], request.mask is not None
         pixels = self._control_batch(name, to_model_input(given, height, width, scale), n_images, per_prompt, False)
+        if masked:
+            mask = self._control_batch(name, to_model_input(request.mask, height, width, scale, mask=True), n_images,
+                                       per_prompt, False)
+            pixels = np.where(mask > 0.5, np.float32(-1), pixels)
         posterior = self.vae_encode(pixels, tiling=request.vae_tiling)
-        if cfg:  # diffusers encodes the doubled batch: the same posteriors, each half its own sample
+        if cfg and not masked:  # diffusers encodes the doubled batch: the same posteriors, each half its own sample
             posterior = [np.concatenate([p, p]) for p in posterior]
-        if len(posterior) == 1:  # the tiny autoencoder's latents, as they are
-            z = posterior[0]
-        else:
-            mean, logvar = posterior
-            k = self.controlnets().index(name)
-            noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
-            rng = np.random.default_rng(None if request.seed is None else (request.seed, 2 + k))
-            z = mean + np.exp(np.float32(0.5) * logvar) * given_or_drawn("control_noise", noise, mean.shape, rng)
-        scaling, shift = self.vae_factors()
-        return (z - np.float32(0 if self._zero_pooled(name) else shift)) * np.float32(scaling)
+        k = self.controlnets().index(name)
+        noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
+        rng = np.random.default_rng(None if request.seed is None else (request.seed, 2 + k))
+        noise = given_or_drawn("control_noise", noise, posterior[0].shape, rng)
+        latents = self._posterior_latents(posterior, noise, shift=masked or not self._zero_pooled(name))
+        if not masked:
+            return latents
+        latents = np.concatenate([latents, 1 - nearest(mask, *latents.shape[2:])], axis=1)
+        return np.concatenate([latents, latents]) if cfg else latents
 
     def _zero_pooled(self, name: str) -> bool:
-        """Whether ControlNet `name` forces zero pooled projections (its graph then takes none)."""
+        """Whether ControlNet `name` takes zero pooled projections (its graph then takes none)."""
         return all(i["name"] != "pooled_projections" for i in self.manifest["submodules"][name]["inputs"])
 
     def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:

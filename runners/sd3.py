@@ -33,7 +33,8 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
         diffusers' StableDiffusion3ControlNetPipeline, for text to image (runners/controlnet_sd3.py); the
         control images' VAE samples take `control_noise` (N, 16, h, w; under guidance 2N, both halves), a
-        list of them for several ControlNets."""
+        list of them for several ControlNets. With inpainting ControlNets (StableDiffusion3ControlNetInpainting-
+        Pipeline's), `mask_image` is their mask (diffusers' `control_mask`) and `control_noise` is N."""
         if "text_encoder_3" in self.sessions:
             lo, _, hi = self.dims["t5_length"]
             if not lo <= max_sequence_length <= hi:

@@ -216,15 +216,19 @@ class TextToImage(Pipeline):
     def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
         """diffusers' _encode_vae_image: a sample of the image's latent posterior (`encoder_noise`),
         scaled as the denoiser's latents, repeated for the images to generate."""
-        posterior = self.vae_encode(pixels, tiling=vae_tiling)
+        z = self._posterior_latents(self.vae_encode(pixels, tiling=vae_tiling), encoder_noise)
+        return np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
+
+    def _posterior_latents(self, posterior, noise, shift: bool = True) -> np.ndarray:
+        """A sample of the VAE's posterior (mean, logvar) with standard normal `noise`, shifted (unless
+        `shift` is False) and scaled as the denoiser's latents."""
         if len(posterior) == 1:  # the tiny encoder's latents: diffusers takes them as they are (no sampling)
             z = posterior[0]
         else:
             mean, logvar = posterior
-            z = mean + np.exp(np.float32(0.5) * logvar) * encoder_noise
-        scaling, shift = self.vae_factors()
-        z = (z - np.float32(shift)) * np.float32(scaling)
-        return np.concatenate([z] * (n_images // len(z)))  # diffusers repeats the whole batch, not each image
+            z = mean + np.exp(np.float32(0.5) * logvar) * noise
+        scaling, shift_factor = self.vae_factors()
+        return (z - np.float32(shift_factor if shift else 0)) * np.float32(scaling)
 
     def _inpainting(self, pixels, mask, n_images, strength, schedule, noise, encoder_noise, cfg, vae_tiling):
         """diffusers' Inpaint prepare_latents and prepare_mask_latents: the starting latents (pure

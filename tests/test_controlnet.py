@@ -51,6 +51,18 @@ def sd3_one(tmp_path_factory, sd3_tiny_build):
 
 
 @pytest.fixture(scope="module")
+def sd3_inpaint(tmp_path_factory, sd3_tiny_build, sd3_one):
+    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-inpaint-tiny"], "sd3-cn-inpaint",
+                             start=sd3_one)
+
+
+@pytest.fixture(scope="module")
+def sd3_large(tmp_path_factory, sd3_tiny_build, sd3_one):
+    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-large-tiny"], "sd3-cn-large",
+                             start=sd3_one)
+
+
+@pytest.fixture(scope="module")
 def flux_one(tmp_path_factory, flux_tiny_build):
     return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-tiny"], "flux-cn")
 
@@ -107,6 +119,10 @@ _SETUPS = {"sd15_one": ("sd15_one", "sd15_tiny_build", ["sd15-controlnet-tiny"],
                         "StableDiffusionControlNetPipeline"),
            "sdxl_one": ("sdxl_one", "sdxl_tiny_build", ["sdxl-controlnet-tiny"], "StableDiffusionXLControlNetPipeline"),
            "sd3_one": ("sd3_one", "sd3_tiny_build", ["sd3-controlnet-tiny"], "StableDiffusion3ControlNetPipeline"),
+           "sd3_large": ("sd3_large", "sd3_tiny_build", ["sd3-controlnet-large-tiny"],
+                         "StableDiffusion3ControlNetPipeline"),
+           "sd3_inpaint": ("sd3_inpaint", "sd3_tiny_build", ["sd3-controlnet-inpaint-tiny"],
+                           "StableDiffusion3ControlNetInpaintingPipeline"),
            "flux_one": ("flux_one", "flux_tiny_build", ["flux-controlnet-tiny"], "FluxControlNetPipeline")}
 
 
@@ -146,6 +162,7 @@ TRANSFORMER_CASES = {  # (setup: the call's arguments)
     "sd3_one": dict(height=64, width=64),
     "sd3_window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
                                         control_guidance_start=0.2, control_guidance_end=0.8),
+    "sd3_large": dict(height=64, width=96),  # SD3.5 Large's kind: the transformer's patch embedding, no text
     "flux_one": dict(height=64, width=64),
     "flux_window_scale_non_square": dict(height=64, width=96, controlnet_conditioning_scale=0.7,
                                          control_guidance_start=0.2, control_guidance_end=0.8),
@@ -155,13 +172,14 @@ TRANSFORMER_CASES = {  # (setup: the call's arguments)
 
 @pytest.mark.parametrize("case", TRANSFORMER_CASES)
 def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
-    """StableDiffusion3ControlNetPipeline and FluxControlNetPipeline. The control image's VAE sample takes our
+    """StableDiffusion3ControlNetPipeline (with SD3.5 Large's kind of ControlNet too, to which it gives the
+    transformer's patch embedding) and FluxControlNetPipeline. The control image's VAE sample takes our
     `control_noise`: SD3's one per half of the guided batch (diffusers encodes the doubled image), Flux's one
     per image (its ControlNet runs once, on the prompt's conditions, also under true CFG)."""
     from runners.flux import pack
 
     family = case.split("_")[0]
-    pipe, reference = loaded(f"{family}_one")
+    pipe, reference = loaded(case if case in _SETUPS else f"{family}_one")
     kwargs = dict(TRANSFORMER_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS, output_type="np")
     if family == "flux":
         kwargs["max_sequence_length"] = 32
@@ -209,6 +227,32 @@ def test_flux_controlnet_image_tasks_match_diffusers(monkeypatch, loaded, flux_t
     ours = pipe(control_image=control, control_noise=control_noise, encoder_noise=encoder_noise, noise=noise,
                 **kwargs)
     compare_controlled(ours, reference_image(1.0), reference_image(0.0))
+
+
+def test_sd3_inpainting_controlnet_matches_diffusers(monkeypatch, loaded):
+    """StableDiffusion3ControlNetInpaintingPipeline: our mask_image= is its control_mask; the masked image's
+    VAE sample takes `control_noise` (one per image: diffusers encodes before it doubles the batch). A
+    ControlNet that ignored the mask or the image would fail the comparison; the same call at scale 0 proves
+    the ControlNet changed the image."""
+    pipe, reference = loaded("sd3_inpaint")
+    height, width = 64, 96
+    rng = np.random.default_rng(5)
+    latents = rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
+    control_noise = rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
+    image, mask = smooth_image(height, width, seed=3), soft_mask(height, width)
+    kwargs = dict(prompt="a photo of a cat", height=height, width=width, num_inference_steps=STEPS, output_type="np")
+    ours = pipe(latents=latents, control_image=image, mask_image=mask, control_noise=control_noise, **kwargs)
+    ref = reference(control_image=image, control_mask=mask, latents=torch.from_numpy(latents), **kwargs).images
+    unused = reference(control_image=image, control_mask=mask, latents=torch.from_numpy(latents),
+                       controlnet_conditioning_scale=0.0, **kwargs).images
+    compare_controlled(ours, ref, unused)
+    with pytest.raises(ValueError, match="this artifact's ControlNets inpaint .*pass the image to repaint as "
+                                         "control_image= and its mask as mask_image="):
+        pipe("a cat", control_image=image, height=height, width=width, num_inference_steps=2)
+    with pytest.raises(ValueError, match="without image="):
+        pipe("a cat", image=image, control_image=image, mask_image=mask, height=height, width=width,
+             num_inference_steps=2)
 
 
 def test_sd3_blocks_take_diffusers_residuals():
@@ -343,8 +387,12 @@ def test_transformer_controlnets_check_their_base(sd3_tiny_build):
     with pytest.raises(SourceError, match="has inner_dim=16; sd3-tiny's transformer has 32: pass a ControlNet "
                                           "trained for this base model"):
         controlnet_sd3._check({**sd3.config("transformer"), "num_attention_heads": 2}, sd3, "x")
-    with pytest.raises(SourceError, match="extra_conditioning_channels"):
-        controlnet_sd3._check({**sd3.config("transformer"), "extra_conditioning_channels": 1}, sd3, "x")
+    with pytest.raises(SourceError, match="reads 2 channels beside the control image's latents; "
+                                          "StableDiffusion3ControlNetInpaintingPipeline gives one"):
+        controlnet_sd3._check({**sd3.config("transformer"), "extra_conditioning_channels": 2}, sd3, "x")
+    with pytest.raises(SourceError, match="inpainting ControlNets .* and others run in different diffusers "
+                                          "pipelines: export them apart"):
+        controlnet_sd3._constants([{"extra_conditioning_channels": 1}, {}], sd3)
     flux = resolve("flux-tiny")
     config = flux.config("transformer")
     with pytest.raises(SourceError, match="has in_channels=384; flux-tiny's transformer has 64"):

@@ -127,6 +127,24 @@ def test_a_parameter_missing_from_the_checkpoint_is_named(tiny_source, setting):
         attach_weights(model, module, index, spec.component, WeightTable())
 
 
+def test_weights_linked_from_elsewhere_are_read(tmp_path):
+    """The hub's cache links a snapshot's files to its blobs (and a staged SD3.5 Large ControlNet links its
+    own weights): onnx-ir refuses a symlink out of the folder it reads from, so the index names real paths."""
+    from safetensors.numpy import save_file
+
+    from export.lazy_weights import _stored
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (tmp_path / "blobs").mkdir()
+    save_file({"proj.weight": weights}, tmp_path / "blobs" / "0123abcd")
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
+    index = checkpoint_index(tmp_path / "snapshot")
+    assert index["proj.weight"]["file"] == tmp_path / "blobs" / "0123abcd"
+    _, tensor = _stored("wrapper.proj.weight", ["wrapper.proj.weight"], index)
+    np.testing.assert_array_equal(tensor.numpy(), weights)
+
+
 def test_fp16_export_keeps_float32_io_and_t5s_wo(lazy_export):
     model, _, counts = lazy_export("text_encoder_3", "float16")
     assert model.graph.inputs[0].dtype == ir.DataType.INT64 and model.graph.outputs[0].dtype == ir.DataType.FLOAT

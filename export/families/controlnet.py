@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from export.families import controlnet_flux, controlnet_sd3, controlnet_unet
 from export.registry import ModelEntry
@@ -19,17 +20,32 @@ from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
 KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS}
-# Random-weight ControlNets for tests and benchmarks: {name: (base model, seed)}, made by the base family's
-# kind; two of SD1.5's differ by their seed, for runs of two ControlNets.
-RANDOM_CONTROLNETS = {"sd15-controlnet-tiny": ("sd15-tiny", 0), "sd15-controlnet-tiny-2": ("sd15-tiny", 1),
-                      "sdxl-controlnet-tiny": ("sdxl-tiny", 0), "sd3-controlnet-tiny": ("sd3-tiny", 0),
-                      "flux-controlnet-tiny": ("flux-tiny", 0),
-                      "sd15-bench-controlnet": ("sd15-bench", 0), "sd15-bench-controlnet-2": ("sd15-bench", 1)}
+
+
+class RandomControlNet(NamedTuple):
+    """A random-weight ControlNet for tests and benchmarks, made by its base family's kind."""
+
+    base: str  # the registry model it is made for
+    seed: int  # two of SD1.5's differ by their seed only, for runs of two ControlNets
+    options: tuple[tuple[str, object], ...] = ()  # the kind's build_random keywords (SD3's inpainting one)
+
+
+RANDOM_CONTROLNETS = {
+    "sd15-controlnet-tiny": RandomControlNet("sd15-tiny", 0),
+    "sd15-controlnet-tiny-2": RandomControlNet("sd15-tiny", 1),
+    "sdxl-controlnet-tiny": RandomControlNet("sdxl-tiny", 0),
+    "sd3-controlnet-tiny": RandomControlNet("sd3-tiny", 0),
+    "sd3-controlnet-inpaint-tiny": RandomControlNet("sd3-tiny", 0, (("extra_conditioning_channels", 1),)),
+    "sd3-controlnet-large-tiny": RandomControlNet("sd3-tiny", 0, (("use_pos_embed", False),)),
+    "flux-controlnet-tiny": RandomControlNet("flux-tiny", 0),
+    "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
+    "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1)}
 
 
 def random_controlnets(model: str) -> list[str]:
-    """The random ControlNets made for the registry model `model`, in their order."""
-    return [name for name, (base, _) in RANDOM_CONTROLNETS.items() if base == model]
+    """The random ControlNets made for the registry model `model` that run together, in their order (SD3's
+    inpainting and SD3.5-Large-like ones, made for their own tests, are left out)."""
+    return [name for name, made in RANDOM_CONTROLNETS.items() if made.base == model and not made.options]
 
 
 def engine_name(index: int) -> str:
@@ -51,15 +67,15 @@ def _random_folder(name: str) -> Path:
     from export.source import cache_root, resolve
     from export.versions import package_versions
 
-    base_name, seed = RANDOM_CONTROLNETS[name]
-    base = resolve(base_name)
+    made = RANDOM_CONTROLNETS[name]
+    base = resolve(made.base)
     kind = KINDS[base.family.name]
     code = [Path(module.__file__).read_text() for module in (sys.modules[__name__],
                                                               sys.modules[kind.build_random.__module__])]
-    key = digest([name, base.fingerprint, seed, code, package_versions(("torch", "diffusers"))])
+    key = digest([name, base.fingerprint, made.seed, made.options, code, package_versions(("torch", "diffusers"))])
 
     def build(tmp: Path) -> None:
-        kind.build_random(base, seed, tmp)
+        kind.build_random(base, made.seed, tmp, **dict(made.options))
 
     return write_once(cache_root() / "models" / f"{name}-{key}", "config.json", build)
 
@@ -90,11 +106,18 @@ def controlnet_source(folder: Path, given: str, base):
                           f"{config.get('_class_name')!r}); {family} takes a diffusers {kind.class_name} folder or "
                           "hub id")
     kind.check(config, base, given)
+    borrowed = kind.borrows(config)
     fingerprint = _folder_fingerprint(folder)
+    if borrowed:
+        fingerprint = digest([fingerprint, base.component_digest(borrowed)])
     staged = cache_root() / "controlnets" / f"{folder.name}-{fingerprint}"  # as a one-component pipeline
 
     def stage(tmp: Path) -> None:
-        (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
+        if borrowed:
+            (tmp / COMPONENT).mkdir()
+            kind.complete(config, folder, base, tmp / COMPONENT)
+        else:
+            (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
         (tmp / "model_index.json").write_text(json.dumps({"_class_name": kind.class_name,
                                                           COMPONENT: ["diffusers", kind.class_name]}))
 

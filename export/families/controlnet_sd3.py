@@ -11,9 +11,18 @@ with it (the first one added exports the transformer again): N - 1 residuals of 
 are zeros to add on a step without control.
 
 The engine returns its k residuals times `conditioning_scale` (one factor per residual). The control
-image reaches it as VAE latents (the runner encodes it), and where the ControlNet forces zero pooled
-projections (`force_zeros_for_pooled_projection`, InstantX's) the graph makes those zeros itself."""
+image reaches it as VAE latents (the runner encodes it), and where the ControlNet takes zero pooled
+projections the graph makes those zeros itself: where it forces them (`force_zeros_for_pooled_projection`,
+InstantX's), and for an inpainting ControlNet, to which StableDiffusion3ControlNetInpaintingPipeline gives
+them. An inpainting ControlNet (`extra_conditioning_channels`: 1, alimama's) reads the masked image's
+latents and the mask beside them; those and the others run in different pipelines, so one export takes one
+kind or the other. SD3.5 Large's ControlNets (`use_pos_embed` false, no text stream) read the latents
+through their transformer's patch embedding: the export stages them with a copy of it, as diffusers'
+pipeline gives them one."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -24,6 +33,7 @@ from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
 
 # The transformer's settings a ControlNet must share with it, to read its inputs and add to its stream
 _SHARED = ("in_channels", "patch_size", "pooled_projection_dim")
+WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 class _SD3ControlNet(torch.nn.Module):
@@ -36,19 +46,30 @@ class _SD3ControlNet(torch.nn.Module):
         config, inputs = self.controlnet.config, list(inputs)
         text = inputs.pop(0) if config.joint_attention_dim is not None else None
         pooled = hidden_states.new_zeros(hidden_states.shape[0], config.pooled_projection_dim) \
-            if config.force_zeros_for_pooled_projection else inputs.pop(0)
+            if _zero_pooled(config) else inputs.pop(0)
         controlnet_cond, conditioning_scale = inputs
         samples = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond, timestep=timestep,
                                   encoder_hidden_states=text, pooled_projections=pooled, return_dict=False)[0]
         return tuple(s * conditioning_scale[i] for i, s in enumerate(samples))
 
 
+def _masks(config) -> bool:
+    """Whether the ControlNet inpaints: reads a mask beside the masked image's latents."""
+    return bool(config.get("extra_conditioning_channels", 0))
+
+
+def _zero_pooled(config) -> bool:
+    """Whether the ControlNet's pipeline gives it zero pooled projections: its own setting, or always for an
+    inpainting one (StableDiffusion3ControlNetInpaintingPipeline, unless called with others)."""
+    return bool(config.get("force_zeros_for_pooled_projection", True)) or _masks(config)
+
+
 def _spec(config: dict) -> SubmoduleSpec:
     layers = config["num_layers"]
     text = (T("encoder_hidden_states", "float32", ("batch", "joint_length", "joint_dim")),) \
         if config.get("joint_attention_dim") is not None else ()
-    pooled = () if config.get("force_zeros_for_pooled_projection", True) else (
-        T("pooled_projections", "float32", ("batch", "pooled_dim")),)
+    pooled = () if _zero_pooled(config) else (T("pooled_projections", "float32", ("batch", "pooled_dim")),)
+    channels = config["in_channels"] + config["extra_conditioning_channels"] if _masks(config) else "latent_channels"
     return SubmoduleSpec(
         name="controlnet",
         component="controlnet",
@@ -57,7 +78,7 @@ def _spec(config: dict) -> SubmoduleSpec:
             T("timestep", "float32", ("batch",), high="num_train_timesteps"),
             *text,
             *pooled,
-            T("controlnet_cond", "float32", ("batch", "latent_channels", "latent_height", "latent_width")),
+            T("controlnet_cond", "float32", ("batch", channels, "latent_height", "latent_width")),
             T("conditioning_scale", "float32", (layers,), high=2),
         ),
         outputs=tuple(T(f"controlnet_block_{j}", "float32", HIDDEN) for j in range(layers)),
@@ -81,32 +102,90 @@ def _check(config: dict, base, given: str) -> None:
         if theirs[key] != value:
             raise SourceError(f"controlnet {given} has {key}={theirs[key]}; {base.entry.name}'s transformer has "
                               f"{value}: pass a ControlNet trained for this base model")
-    if not config.get("use_pos_embed", True):
-        raise SourceError(f"controlnet {given} reads the latents through its base transformer's patch embedding "
-                          "(use_pos_embed false: SD3.5 Large's ControlNets), which is not supported yet: use one with "
-                          "its own (SD3-medium's, such as InstantX's)")
-    if config.get("extra_conditioning_channels", 0):
-        raise SourceError(f"controlnet {given} reads a mask beside the control image (extra_conditioning_channels, "
-                          "StableDiffusion3ControlNetInpaintingPipeline's), which is not supported: use a ControlNet "
-                          "without it")
+    if config.get("extra_conditioning_channels", 0) not in (0, 1):
+        raise SourceError(f"controlnet {given} reads {config['extra_conditioning_channels']} channels beside the "
+                          "control image's latents; StableDiffusion3ControlNetInpaintingPipeline gives one (the mask)")
 
 
 def _constants(configs: list[dict], base) -> dict:
-    return {"transformer_layers": base.config("transformer")["num_layers"]}
+    from export.source import SourceError
+
+    if len({_masks(c) for c in configs}) > 1:
+        raise SourceError("inpainting ControlNets (extra_conditioning_channels) and others run in different diffusers "
+                          "pipelines: export them apart")
+    return {"transformer_layers": base.config("transformer")["num_layers"], "control_masks": int(_masks(configs[0]))}
 
 
-def _build_random(base, seed: int, out) -> None:
+def _borrows(config) -> str | None:
+    """SD3.5 Large's ControlNets (use_pos_embed false) run with their transformer's patch embedding."""
+    return "transformer" if config.get("use_pos_embed", True) is False else None
+
+
+def _complete(config: dict, folder: Path, base, out: Path) -> None:
+    """A ControlNet that borrows its transformer's patch embedding, as one that has it: diffusers'
+    StableDiffusion3ControlNetPipeline gives it a copy of the transformer's (_get_pos_embed_from_transformer).
+    Its config says use_pos_embed, with the transformer's patch embedding settings; an index adds the
+    embedding's weights (a file of their own) to the ControlNet's, which are linked."""
+    from safetensors.torch import save_file
+
+    own = _weight_map(folder)
+    for file in set(own.values()):
+        (out / file).symlink_to((folder / file).resolve())
+    borrowed = _tensors(base.folder / "transformer", "pos_embed.")
+    save_file(borrowed, out / "pos_embed.safetensors")
+    index = {"metadata": {}, "weight_map": {**own, **dict.fromkeys(borrowed, "pos_embed.safetensors")}}
+    (out / f"{WEIGHTS}.index.json").write_text(json.dumps(index))
+    transformer = base.config("transformer")
+    (out / "config.json").write_text(json.dumps({
+        **config, "use_pos_embed": True, "pos_embed_type": "sincos",
+        **{k: transformer[k] for k in ("sample_size", "pos_embed_max_size")}}))
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: file} of a diffusers model folder's safetensors weights, one file or sharded."""
+    from safetensors import safe_open
+
+    index = folder / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    with safe_open(folder / WEIGHTS, "pt") as f:
+        return dict.fromkeys(f.keys(), WEIGHTS)
+
+
+def _tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a model folder whose names start with `prefix`, read from their files alone."""
+    from safetensors import safe_open
+
+    found = {}
+    for name, file in _weight_map(folder).items():
+        if name.startswith(prefix):
+            with safe_open(folder / file, "pt") as f:
+                found[name] = f.get_tensor(name)
+    return found
+
+
+def _build_random(base, seed: int, out, extra_conditioning_channels: int = 0, use_pos_embed: bool = True) -> None:
     """SD3ControlNetModel.from_transformer of the base's transformer, one block deep (real ones are
     shallower than their transformer too), with seeded random weights in its zero-initialised control
-    image embedding and output projections (zero ones would change nothing, and a test could not tell)."""
+    image embedding and output projections (zero ones would change nothing, and a test could not tell).
+    `extra_conditioning_channels` 1: an inpainting one; `use_pos_embed` False: one like SD3.5 Large's,
+    without a patch embedding or text stream of its own (single-stream blocks)."""
     from diffusers import SD3ControlNetModel, SD3Transformer2DModel
 
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel.from_pretrained(base.folder / "transformer")
-    controlnet = SD3ControlNetModel.from_transformer(transformer, num_layers=1, num_extra_conditioning_channels=0)
+    if use_pos_embed:
+        controlnet = SD3ControlNetModel.from_transformer(transformer, num_layers=1,
+                                                         num_extra_conditioning_channels=extra_conditioning_channels)
+    else:
+        controlnet = SD3ControlNetModel.from_config({
+            **transformer.config, "num_layers": 1, "joint_attention_dim": None, "use_pos_embed": False,
+            "pos_embed_type": None, "force_zeros_for_pooled_projection": False,
+            "extra_conditioning_channels": extra_conditioning_channels})
     redraw([*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj], seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
 KINDS = {"sd3": ControlNetKind(class_name="SD3ControlNetModel", check=_check, spec=_spec, constants=_constants,
-                               build_random=_build_random, controlled=controlled_transformer)}
+                               build_random=_build_random, controlled=controlled_transformer, borrows=_borrows,
+                               complete=_complete)}
