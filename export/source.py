@@ -111,7 +111,8 @@ def _random_key(entry: ModelEntry) -> str:
     versions of the libraries that code drives."""
     here = Path(__file__).parent
     files = sorted(p for name in _RANDOM_MODEL_CODE for p in ([here / name] if name.endswith(".py")
-                                                             else (here / name).glob("*.py")))
+                                                             else (here / name).glob("*.py"))
+                   if not p.name.startswith("controlnet"))  # random ControlNets have keys of their own
     return digest([entry.random_configs, [(p.name, p.read_text()) for p in files],
                    package_versions(_RANDOM_MODEL_PACKAGES)])
 
