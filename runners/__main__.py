@@ -56,7 +56,7 @@ def _numbered(path: Path, count: int) -> list[Path]:
 
 CONTROL_OPTIONS = {"control_image": "--control-image/--canny", "controlnet_conditioning_scale": "--control-scale",
                    "control_guidance_start": "--control-start", "control_guidance_end": "--control-end",
-                   "guess_mode": "--guess-mode"}  # the call's argument each sets
+                   "guess_mode": "--guess-mode", "control_mode": "--control-mode"}  # the call's argument each sets
 
 
 def _control_arguments(args) -> dict:
@@ -71,7 +71,9 @@ def _control_arguments(args) -> dict:
     control = {"control_image": images if len(images) > 1 else images[0] if images else None,
                "controlnet_conditioning_scale": scales if len(scales) > 1 else scales[0] if scales else None,
                "control_guidance_start": args.control_start, "control_guidance_end": args.control_end,
-               "guess_mode": True if args.guess_mode else None}
+               "guess_mode": True if args.guess_mode else None,
+               "control_mode": args.control_mode if len(args.control_mode) > 1 else
+               args.control_mode[0] if args.control_mode else None}
     return {k: v for k, v in control.items() if v is not None}
 
 
@@ -155,6 +157,9 @@ def main(argv=None) -> int:
                    help="the ControlNets act from this fraction of the steps (default 0)")
     p.add_argument("--control-end", type=float, default=None, metavar="F",
                    help="... up to this fraction of the steps (default 1)")
+    p.add_argument("--control-mode", type=int, action="append", default=[], metavar="M",
+                   help="a Flux ControlNet-Union's control mode (the kind of control image: its model card lists "
+                        "them): one for every ControlNet, or one per ControlNet")
     p.add_argument("--guess-mode", action="store_true",
                    help="ControlNet guess mode: the ControlNets see the conditional half of guidance only")
     p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
@@ -193,8 +198,9 @@ def main(argv=None) -> int:
         refused = [CONTROL_OPTIONS[k] for k in control if k not in inspect.signature(pipe.generate).parameters]
         if refused:
             raise ValueError(f"{', '.join(refused)}: this artifact ({pipe.family}) does not take them (the U-Net "
-                             "families' ControlNets take every --control-* option; SD3's all but --guess-mode; FLUX.1 "
-                             "Canny/Depth --control-image or --canny)")
+                             "families' ControlNets take every --control-* option but --control-mode; SD3's all but "
+                             "--guess-mode and --control-mode; Flux's all but --guess-mode; FLUX.1 Canny/Depth "
+                             "--control-image or --canny)")
         given = {**control, "num_inference_steps": args.steps, "guidance_scale": args.guidance,
                  "max_sequence_length": args.max_sequence_length, "image": image, "mask_image": mask,
                  "strength": args.strength, "true_cfg_scale": args.true_cfg_scale}  # unset: the family's defaults

@@ -64,6 +64,7 @@ class ControlRequest:
     seed: int | None = None
     vae_tiling: bool | None = None
     mask: object = None  # the mask of inpainting ControlNets (SD3's): white repaints the control image
+    modes: list | None = None  # per ControlNet, a ControlNet-Union's control mode (Flux's), else None
 
     @classmethod
     def of(cls, engines: list[str], control_image, scale=1.0, start=0.0, end=1.0, guess_mode=False, **draws):
@@ -200,6 +201,9 @@ class ControlNets:
                              f"{self.family} ControlNets run for {', '.join(self.control_scales)}")
         if draws.get("noise") is not None and control_image is None:
             raise ValueError("control_noise= is the control images' VAE sample: pass control_image= too")
+        if draws.get("modes") is not None and control_image is None:
+            raise ValueError("control_mode= is the kind of each control image (ControlNet-Union): pass control_image= "
+                             "too")
         if control_image is None:
             given = [n for n, v, unset in (("controlnet_conditioning_scale", scale, None),
                                            ("control_guidance_start", start, 0.0),
@@ -212,7 +216,30 @@ class ControlNets:
             raise ValueError(f"this artifact's {self.constants['denoiser']} takes no ControlNet residuals (its layout "
                              "is not its family's real one): control_image= cannot be used")
         scale = self.control_scales[task] if scale is None else scale
+        draws["modes"] = self._control_modes(draws.get("modes"))
         return ControlRequest.of(self.controlnets(), control_image, scale, start, end, guess_mode, **draws)
+
+    def _control_modes(self, given) -> list | None:
+        """The control mode of each ControlNet-Union of the artifact (diffusers' `control_mode`: an int for all,
+        or a list with one per ControlNet, None for those of one condition), checked; None without any."""
+        names = self.controlnets()
+        counts = dict(zip(names, self.manifest["constants"].get("control_modes") or [0] * len(names)))
+        unions = [name for name, count in counts.items() if count]
+        if given is None:
+            if unions:
+                raise ValueError(f"{', '.join(unions)}: ControlNet-Union, which needs control_mode= (the kind of its "
+                                 f"control image, 0 to {counts[unions[0]] - 1}: its model card lists them)")
+            return None
+        modes = list(given) if isinstance(given, (list, tuple)) else [given] * len(counts)
+        if len(modes) != len(counts):
+            raise ValueError(f"control_mode={given!r}: pass one, or a list of {len(counts)} (one per ControlNet)")
+        for (name, count), mode in zip(counts.items(), modes):
+            if not count and mode is not None:
+                raise ValueError(f"control_mode: {name} is not a ControlNet-Union (it has one condition): give it "
+                                 "None in a list, or give no control_mode=")
+            if count and (isinstance(mode, bool) or not isinstance(mode, (int, np.integer)) or not 0 <= mode < count):
+                raise ValueError(f"control_mode={mode!r} for {name}: use an integer from 0 to {count - 1}")
+        return modes
 
     def _control_size(self, request: ControlRequest | None, height, width, image) -> tuple:
         """diffusers' U-Net ControlNet pipelines take the control image's size when the request gives none."""
@@ -286,6 +313,8 @@ class ControlNets:
                 feeds = {**conditions, **unbatched, entry["inputs"][0]["name"]: latents, "timestep": timestep,
                          "controlnet_cond": control.images[k],
                          "conditioning_scale": control.factors(scale, len(entry["outputs"]))}
+                if control.request.modes and control.request.modes[k] is not None:
+                    feeds["controlnet_mode"] = np.full((len(latents), 1), control.request.modes[k], dtype=np.int64)
                 out = self.run(name, release=release, **{i["name"]: feeds[i["name"]] for i in entry["inputs"]})
                 residuals = self._residual_feeds(name, out, specs)
                 total = [r.copy() for r in residuals] if total is None else [a + r for a, r in zip(total, residuals)]

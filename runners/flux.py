@@ -91,7 +91,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                  output_type="pil", max_sequence_length=None, vae_tiling=None, image=None, mask_image=None,
                  strength=None, noise=None, encoder_noise=None, control_image=None, control_noise=None, max_area=None,
                  auto_resize=True, controlnet_conditioning_scale=None, control_guidance_start=0.0,
-                 control_guidance_end=1.0):
+                 control_guidance_end=1.0, control_mode=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`, which adds `profile=DIR`); from an
         `image` too (image to image, with `strength`), and a `mask_image` (inpainting). Unset steps,
         guidance, strength and `max_sequence_length` take the variant's defaults (`defaults`; dev 512
@@ -106,7 +106,8 @@ class FluxPipeline(FluxControlNets, TextToImage):
         with Flux ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those
         of diffusers' FluxControlNetPipeline and its Img2Img and Inpaint twins (runners/controlnet_flux.py),
         whose defaults are 28 steps and guidance 7; `control_noise` is then one per ControlNet, a list for
-        several. On FLUX.1 Kontext
+        several, and `control_mode` is a ControlNet-Union's (an int, or a list: one per ControlNet, None for
+        those of one condition). On FLUX.1 Kontext
         (FluxKontextPipeline) `image` is the reference to edit, resized to the trained resolution of its
         aspect ratio unless `auto_resize=False`, and the output size is the requested one's aspect ratio
         at `max_area` pixels (default 1024**2)."""
@@ -118,9 +119,12 @@ class FluxPipeline(FluxControlNets, TextToImage):
         elif max_area is not None or auto_resize is not True:
             raise ValueError("max_area= and auto_resize= are FLUX.1 Kontext's (flux-kontext); this artifact is not")
         task = task_of(image, mask_image)
+        if control_mode is not None and not self.controlnets():
+            raise ValueError("control_mode= is a ControlNet-Union's setting: this artifact has no ControlNet")
         controlnets = self._control_request(task, control_image, controlnet_conditioning_scale,
                                             control_guidance_start, control_guidance_end, False, noise=control_noise,
-                                            seed=seed, vae_tiling=vae_tiling) if self.controlnets() else None
+                                            seed=seed, vae_tiling=vae_tiling, modes=control_mode) \
+            if self.controlnets() else None
         if controlnets is not None:
             control_image = control_noise = None  # the ControlNets'
         elif self.reads_control_image != (control_image is not None):

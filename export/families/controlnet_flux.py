@@ -9,8 +9,10 @@ residuals to the blocks by that rule.
 
 The engine returns its k + k' residuals times `conditioning_scale` (one factor each). It reads the control
 image as packed VAE latents (the runner encodes them), and the guidance scale where it embeds one.
-ControlNet-Union (`num_mode`, which needs a control mode per image) and XLabs' ControlNets (an image
-hint encoder, `conditioning_embedding_channels`, whose residuals repeat over the blocks) are refused."""
+A ControlNet-Union (`num_mode`, InstantX's and Shakker-Labs' Union ones) also reads the control mode of
+its image (`controlnet_mode`: which kind of control image it is, canny, depth, ...), embedded as one more
+text token. XLabs' ControlNets (an image hint encoder, `conditioning_embedding_channels`, whose residuals
+repeat over the blocks) are refused."""
 from __future__ import annotations
 
 import torch
@@ -31,10 +33,12 @@ class _FluxControlNet(torch.nn.Module):
         export_rope(controlnet.pos_embed)
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *rest):
-        guidance = rest[0] if self.controlnet.config.guidance_embeds else None
-        controlnet_cond, conditioning_scale = rest[-2:]
+        config, rest = self.controlnet.config, list(rest)
+        guidance = rest.pop(0) if config.guidance_embeds else None
+        mode = rest.pop(0) if config.num_mode is not None else None
+        controlnet_cond, conditioning_scale = rest
         double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
-                                         encoder_hidden_states=encoder_hidden_states,
+                                         controlnet_mode=mode, encoder_hidden_states=encoder_hidden_states,
                                          pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
                                          txt_ids=txt_ids, guidance=guidance, return_dict=False)
         samples = [*(double or ()), *(single or ())]
@@ -44,6 +48,8 @@ class _FluxControlNet(torch.nn.Module):
 def _spec(config: dict) -> SubmoduleSpec:
     double, single = config["num_layers"], config["num_single_layers"]
     guidance = (T("guidance", "float32", ("batch",), high=10),) if config.get("guidance_embeds") else ()
+    mode = (T("controlnet_mode", "int64", ("batch", 1), high=config["num_mode"]),) \
+        if config.get("num_mode") is not None else ()
     return SubmoduleSpec(
         name="controlnet",
         component="controlnet",
@@ -55,6 +61,7 @@ def _spec(config: dict) -> SubmoduleSpec:
             T("img_ids", "float32", ("image_tokens", 3), high=64),
             T("txt_ids", "float32", ("t5_length", 3), high=64),
             *guidance,
+            *mode,
             T("controlnet_cond", "float32", ("batch", "image_tokens", "packed_channels")),
             T("conditioning_scale", "float32", (double + single,), high=2),
         ),
@@ -78,9 +85,6 @@ def _check(config: dict, base, given: str) -> None:
         if theirs[key] != value:
             raise SourceError(f"controlnet {given} has {key}={theirs[key]}; {base.entry.name}'s transformer has "
                               f"{value}: pass a ControlNet trained for this base model")
-    if config.get("num_mode") is not None:
-        raise SourceError(f"controlnet {given} is a ControlNet-Union (num_mode), which needs a control mode per "
-                          "image and is not supported yet: use a single-condition Flux ControlNet")
     if config.get("conditioning_embedding_channels") is not None:
         raise SourceError(f"controlnet {given} encodes the control image itself (conditioning_embedding_channels: "
                           "XLabs'), which is not supported yet: use one that reads VAE latents (InstantX's, "
@@ -92,18 +96,23 @@ def _check(config: dict, base, given: str) -> None:
 
 def _constants(configs: list[dict], base) -> dict:
     transformer = base.config("transformer")
-    return {"double_layers": transformer["num_layers"], "single_layers": transformer["num_single_layers"]}
+    return {"double_layers": transformer["num_layers"], "single_layers": transformer["num_single_layers"],
+            # each ControlNet's number of control modes, 0 for one of one condition (the runner checks control_mode=)
+            "control_modes": [c.get("num_mode") or 0 for c in configs]}
 
 
-def _build_random(base, seed: int, out) -> None:
+def _build_random(base, seed: int, out, num_mode: int | None = None) -> None:
     """FluxControlNetModel.from_transformer of the base's transformer, one double-stream and one
     single-stream block deep, with seeded random weights in its zero-initialised control embedding and
-    output projections (zero ones would change nothing, and a test could not tell)."""
+    output projections (zero ones would change nothing, and a test could not tell). `num_mode`: a
+    ControlNet-Union of that many control modes."""
     from diffusers import FluxControlNetModel, FluxTransformer2DModel
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel.from_pretrained(base.folder / "transformer")
     config = transformer.config
+    if num_mode is not None:  # from_transformer reads the transformer's config, which has none
+        transformer.register_to_config(num_mode=num_mode)
     controlnet = FluxControlNetModel.from_transformer(transformer, num_layers=1, num_single_layers=1,
                                                       attention_head_dim=config.attention_head_dim,
                                                       num_attention_heads=config.num_attention_heads)
