@@ -125,43 +125,30 @@ def _complete(config: dict, folder: Path, base, out: Path) -> None:
     """A ControlNet that borrows its transformer's patch embedding, as one that has it: diffusers'
     StableDiffusion3ControlNetPipeline gives it a copy of the transformer's (_get_pos_embed_from_transformer).
     Its config says use_pos_embed, with the transformer's patch embedding settings; an index adds the
-    embedding's weights (a file of their own) to the ControlNet's, which are linked."""
+    embedding's weights (a file of their own) to the ControlNet's, whose files are linked (by names
+    ending in .safetensors: a hub cache's real files are blobs named by their hash)."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    own = _weight_map(folder)
-    for file in set(own.values()):
-        (out / file).symlink_to((folder / file).resolve())
-    borrowed = _tensors(base.folder / "transformer", "pos_embed.")
+    from export.lazy_weights import checkpoint_index
+
+    own = {name: t["file"] for name, t in checkpoint_index(folder).items()}
+    link = {file: file.with_suffix(".safetensors").name for file in set(own.values())}
+    for file, name in link.items():
+        (out / name).symlink_to(file)
+    borrowed = {}
+    for name, t in checkpoint_index(base.folder / "transformer").items():
+        if name.startswith("pos_embed."):
+            with safe_open(t["file"], "pt") as f:
+                borrowed[name] = f.get_tensor(name)
     save_file(borrowed, out / "pos_embed.safetensors")
-    index = {"metadata": {}, "weight_map": {**own, **dict.fromkeys(borrowed, "pos_embed.safetensors")}}
+    weight_map = {name: link[file] for name, file in own.items()} | dict.fromkeys(borrowed, "pos_embed.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map}
     (out / f"{WEIGHTS}.index.json").write_text(json.dumps(index))
     transformer = base.config("transformer")
     (out / "config.json").write_text(json.dumps({
         **config, "use_pos_embed": True, "pos_embed_type": "sincos",
         **{k: transformer[k] for k in ("sample_size", "pos_embed_max_size")}}))
-
-
-def _weight_map(folder: Path) -> dict[str, str]:
-    """{tensor name: file} of a diffusers model folder's safetensors weights, one file or sharded."""
-    from safetensors import safe_open
-
-    index = folder / f"{WEIGHTS}.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    with safe_open(folder / WEIGHTS, "pt") as f:
-        return dict.fromkeys(f.keys(), WEIGHTS)
-
-
-def _tensors(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors of a model folder whose names start with `prefix`, read from their files alone."""
-    from safetensors import safe_open
-
-    found = {}
-    for name, file in _weight_map(folder).items():
-        if name.startswith(prefix):
-            with safe_open(folder / file, "pt") as f:
-                found[name] = f.get_tensor(name)
-    return found
 
 
 def _build_random(base, seed: int, out, extra_conditioning_channels: int = 0, use_pos_embed: bool = True) -> None:
