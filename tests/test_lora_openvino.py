@@ -1,7 +1,8 @@
-"""LoRA on OpenVINO artifacts (fp32, bf16, int8) of sd3-tiny: adapters as low-rank branches beside the
-IR's linear layers (runners/lora_branches.py), the base weights as built (int8 ones too). fp32 against
-diffusers' fused LoRA within 1/255; bf16 and int8 against ort-fp32 with the same adapter, bounded in
-PSNR 5 dB under what was measured, each far closer to it than the adapter's own change of the image."""
+"""LoRA on OpenVINO artifacts (fp32, bf16, int8) of sd3-tiny, and fp32 of sd15-, sdxl- and flux-tiny:
+adapters as low-rank branches beside the IR's linear layers (runners/lora_branches.py), the base
+weights as built (int8 ones too). fp32 against diffusers' fused LoRA within 1/255; bf16 and int8
+against ort-fp32 with the same adapter, bounded in PSNR 5 dB under what was measured, each far closer
+to it than the adapter's own change of the image."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,8 @@ from engines.lora import apply_loras  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
 from runners import Pipeline  # noqa: E402
 from runners.lora import LoraError  # noqa: E402
-from test_lora import CALL, ONE_LEVEL, _latents, _reference  # noqa: E402
+from lora_adapters import ATTENTION, CLIP_ATTENTION, make_adapter  # noqa: E402
+from test_lora import CALL, FLUX_CALL, ONE_LEVEL, _flux_latents, _latents, _reference  # noqa: E402
 
 SD3 = dict(max_sequence_length=32)
 # PSNR (dB) against ort-fp32 with adapter a at 0.4, 64x64, 4 steps, latents seed 0. Measured: bf16 40.1 and
@@ -106,3 +108,33 @@ def test_an_adapter_on_a_layer_no_branch_reaches_is_refused(ov_artifacts, sd3_ad
     with pytest.raises(LoraError, match=r"pos_embed.proj is a convolution; adapters reach an OpenVINO artifact's "
                                         r"linear layers only"):
         Pipeline.load(ov_artifacts["fp32"], loras={conv: 1.0})
+
+
+# --- the other families: SD1.5, SDXL (the U-Net's attention and the CLIPs'), Flux (both kinds of block) ---
+FAMILY_ADAPTERS = {  # linear layers only: the branches reach no convolution (the U-Nets' proj_in is one)
+    "sd15": {"unet": ATTENTION, "text_encoder": CLIP_ATTENTION},
+    "sdxl": {"unet": ATTENTION, "text_encoder": CLIP_ATTENTION, "text_encoder_2": ["q_proj", "v_proj"]},
+    "flux": {"transformer": ATTENTION + ["proj_mlp", "norm1.linear"], "text_encoder": CLIP_ATTENTION},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_ADAPTERS))
+def test_each_familys_fp32_with_an_adapter_matches_diffusers(family, request, tmp_path):
+    """openvino-fp32 of sd15-, sdxl- and flux-tiny with an adapter, at run time and applied offline,
+    against diffusers' fused LoRA within 1/255; the adapter must change diffusers' image."""
+    from diffusers import FluxPipeline, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    build = request.getfixturevalue(f"{family}_tiny_build")
+    cls = {"sd15": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline, "flux": FluxPipeline}[family]
+    adapter = make_adapter(cls, build.source.folder, tmp_path / "adapter", FAMILY_ADAPTERS[family], seed=5)
+    call = FLUX_CALL if family == "flux" else CALL
+    latents = _flux_latents(seed=5) if family == "flux" else _latents(4, seed=5)
+    reference = dict(max_sequence_length=16) if family == "flux" else {}
+    ref = _reference(cls, build.source.folder, {adapter: 0.8}, latents, **reference)
+    assert np.abs(ref - _reference(cls, build.source.folder, {}, latents, **reference)).max() > 0.05
+    fp32 = build_artifact(build.folder, "openvino", "fp32")
+    runtime = Pipeline.load(fp32, loras={adapter: 0.8})(latents=latents, **call)
+    print(f"{family} openvino-fp32 with an adapter: max abs error {np.abs(runtime - ref).max():.1e}")
+    assert np.abs(runtime - ref).max() <= ONE_LEVEL
+    offline = apply_loras(fp32, {adapter: 0.8}, tmp_path / "art")
+    assert np.array_equal(Pipeline.load(offline)(latents=latents, **call), runtime)
