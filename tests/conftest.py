@@ -100,6 +100,7 @@ GROUP_SECONDS = {
     "test_openvino.py": 60, "test_controlnet.py::sdxl": 50, "test_flux.py::flux": 40, "test_export.py": 20,
     "test_tiny_vae.py::sd15": 20, "test_lora.py": 20, "test_tiny_vae.py::sdxl": 20, "test_bench_smoke.py::flux": 20,
     "test_tiny_vae.py::flux": 20, "test_tiny_vae.py": 20, "test_engines.py": 20,
+    "test_trt.py::flux": 40, "test_serving.py::flux": 40,  # estimated
 }
 
 
@@ -182,6 +183,27 @@ def sd3_adapters(tiny_source, tmp_path_factory):
                      {"transformer": ["ff.net.2", "norm1.linear", "add_q_proj"], "text_encoder_2": ["q_proj", "v_proj"]},
                      seed=2, rank=2, alpha=2.0)
     return {"a": a, "b": b}
+
+
+@pytest.fixture(scope="session")
+def flux_adapters(flux_tiny_build, tmp_path_factory):
+    """A: the attention of both kinds of block, the single blocks' MLP input (fused with their q, k, v)
+    and CLIP's attention; B: the feed-forward, the adaLN projections (fused by fuse_qkv) and the final
+    projection; kohya's Flux format and ComfyUI's of random FLUX.1-named layers."""
+    from diffusers import FluxPipeline
+
+    from lora_adapters import (ATTENTION, CLIP_ATTENTION, FLUX_ORIGINAL, flux_original_adapter,
+                               make_adapter)
+
+    folder, src = tmp_path_factory.mktemp("flux-loras"), flux_tiny_build.source.folder
+    return {
+        "a": make_adapter(FluxPipeline, src, folder / "a", {"transformer": ATTENTION + ["proj_mlp", "add_k_proj"],
+                                                            "text_encoder": CLIP_ATTENTION}, seed=1),
+        "b": make_adapter(FluxPipeline, src, folder / "b", {"transformer": ["ff.net.2", "norm1.linear", "proj_out"]},
+                          seed=2, rank=2, alpha=2.0),
+        "kohya": flux_original_adapter(src, FLUX_ORIGINAL, folder / "kohya.safetensors", seed=3),
+        "comfy": flux_original_adapter(src, FLUX_ORIGINAL, folder / "comfy.safetensors", seed=3, comfy=True),
+    }
 
 
 @dataclass(frozen=True)

@@ -184,9 +184,21 @@ def test_offline_artifact_shares_unchanged_files_and_records_the_adapters(tiny_a
     Pipeline.load(sd3_lora_artifact)  # its manifest's checksums hold (the linked files' are the source's)
 
 
-def test_lora_command_lines(tiny_artifact, sd3_adapters, tmp_path):
+def _runner_cli_gives_the_offline_image(artifact, lora: str, offline, image) -> list[str]:
+    """The runner's `--lora` applies the adapter for one run (2 steps, 64x64, seed 0): the offline-applied
+    artifact's image exactly. Returns the command line without --lora and --out."""
     from PIL import Image
 
+    run = [sys.executable, "-m", "runners", str(artifact), "--prompt", "a cat", "--steps", "2", "--height", "64",
+           "--width", "64"]
+    done = subprocess.run(run + ["--lora", lora, "--out", str(image)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    expected = Pipeline.load(offline)("a cat", num_inference_steps=2, height=64, width=64, seed=0, output_type="np")[0]
+    assert np.array_equal(np.asarray(Image.open(image)), (expected * 255).round().astype(np.uint8))
+    return run
+
+
+def test_lora_command_lines(tiny_artifact, sd3_adapters, tmp_path):
     out = tmp_path / "cli"
     done = subprocess.run([sys.executable, "-m", "engines", "lora", str(tiny_artifact), "--lora",
                            f"{sd3_adapters['b']}:0.5", "--out", str(out)], capture_output=True, text=True)
@@ -197,15 +209,7 @@ def test_lora_command_lines(tiny_artifact, sd3_adapters, tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "missing.safetensors does not exist" in bad.stderr
     assert not (tmp_path / "x").exists()
-    # The runner's --lora applies the same adapter for one run: the offline artifact's image exactly.
-    image = tmp_path / "lora.png"
-    run = [sys.executable, "-m", "runners", str(tiny_artifact), "--prompt", "a cat", "--steps", "2", "--height", "64",
-           "--width", "64"]
-    done = subprocess.run(run + ["--lora", f"{sd3_adapters['b']}:0.5", "--out", str(image)], capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr
-    offline = Pipeline.load(out)("a cat", num_inference_steps=2, height=64, width=64, seed=0, output_type="np")[0]
-    assert np.array_equal(np.asarray(Image.open(image)), (offline * 255).round().astype(np.uint8))
+    run = _runner_cli_gives_the_offline_image(tiny_artifact, f"{sd3_adapters['b']}:0.5", out, tmp_path / "lora.png")
     bad = subprocess.run(run + ["--lora", f"{tmp_path / 'missing.safetensors'}:0.5", "--out", str(tmp_path / "no.png")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "missing.safetensors does not exist" in bad.stderr
@@ -357,26 +361,6 @@ def _flux_latents(seed: int) -> np.ndarray:  # packed, as FluxPipeline takes the
     return np.random.default_rng(seed).standard_normal((1, 16, 64), dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def flux_adapters(flux_tiny_build, tmp_path_factory):
-    """A: the attention of both kinds of block, the single blocks' MLP input (fused with their q, k, v)
-    and CLIP's attention; B: the feed-forward, the adaLN projections (fused by fuse_qkv) and the final
-    projection; kohya's Flux format and ComfyUI's of random FLUX.1-named layers."""
-    from diffusers import FluxPipeline
-
-    from lora_adapters import FLUX_ORIGINAL, flux_original_adapter
-
-    folder, src = tmp_path_factory.mktemp("flux-loras"), flux_tiny_build.source.folder
-    return {
-        "a": make_adapter(FluxPipeline, src, folder / "a", {"transformer": ATTENTION + ["proj_mlp", "add_k_proj"],
-                                                            "text_encoder": CLIP_ATTENTION}, seed=1),
-        "b": make_adapter(FluxPipeline, src, folder / "b", {"transformer": ["ff.net.2", "norm1.linear", "proj_out"]},
-                          seed=2, rank=2, alpha=2.0),
-        "kohya": flux_original_adapter(src, FLUX_ORIGINAL, folder / "kohya.safetensors", seed=3),
-        "comfy": flux_original_adapter(src, FLUX_ORIGINAL, folder / "comfy.safetensors", seed=3, comfy=True),
-    }
-
-
 @pytest.mark.parametrize("adapter", ["a", "b", "kohya", "comfy"])
 def test_flux_formats_match_diffusers(flux_tiny_build, flux_adapters, adapter):
     from diffusers import FluxPipeline
@@ -412,8 +396,8 @@ def test_flux_original_names_diffusers_does_not_apply(flux_tiny_build, tmp_path)
 
 
 def test_flux_offline_runtime_and_a_b_a_switching(flux_tiny_build, flux_adapters, tmp_path):
-    """`python -m engines lora`'s artifact equals the runtime adapter exactly, and switching A -> B -> A
-    -> none gives each exactly (every switch starts from the artifact's own weights)."""
+    """`python -m engines lora`'s artifact equals the runtime adapter exactly (and the runner's --lora), and
+    switching A -> B -> A -> none gives each exactly (every switch starts from the artifact's own weights)."""
     artifact = flux_tiny_build.folder / "ort-fp32"
     a, b = flux_adapters["a"], flux_adapters["kohya"]
     latents = _flux_latents(seed=5)
@@ -421,6 +405,7 @@ def test_flux_offline_runtime_and_a_b_a_switching(flux_tiny_build, flux_adapters
     done = subprocess.run([sys.executable, "-m", "engines", "lora", str(artifact), "--lora", f"{a}:0.7", "--out",
                            str(out)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    _runner_cli_gives_the_offline_image(artifact, f"{a}:0.7", out, tmp_path / "cli.png")
     offline = {"a": Pipeline.load(out)(latents=latents, **FLUX_CALL),
                "b": Pipeline.load(apply_loras(artifact, {b: 0.7}, tmp_path / "b"))(latents=latents, **FLUX_CALL)}
     pipe = Pipeline.load(artifact)

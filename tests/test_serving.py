@@ -537,3 +537,25 @@ def test_fifty_switches_keep_the_servers_memory_bounded(lora_served):
             rss.append(server.rss_bytes())
     print(f"server RSS {rss[0] / 2**20:.1f} MiB after 25 switches, {(rss[1] - rss[0]) / 2**20:+.2f} MiB after 50")
     assert rss[1] - rss[0] < 0.05 * rss[0]
+
+
+def test_flux_adapters_chosen_per_request(flux_tiny_build, flux_adapters, tmp_path):
+    """flux-tiny served with --lora-dir holding a diffusers-format adapter and a kohya-format one: requests
+    naming one, both and none, in turn, each get the Pipeline's image with that set, and each set changed it."""
+    import shutil
+
+    folder, artifact = tmp_path / "loras", flux_tiny_build.folder / "ort-fp32"
+    folder.mkdir()
+    for name in ("a", "kohya"):
+        shutil.copy(flux_adapters[name], folder / f"{name}.safetensors")
+    model = write_repository(artifact, tmp_path / "repository", lora_dir=str(folder), max_loras=MAX_LORAS)
+    sets = {"a": {"a": 0.8}, "both": {"a": 0.5, "kohya": 1.0}, "none": {}}
+    references = {}
+    for label, loras in sets.items():
+        with Pipeline.load(artifact, loras={str(folder / f"{n}.safetensors"): s for n, s in loras.items()}) as pipe:
+            references[label] = _reference(pipe, seed=1)
+    assert all(not np.array_equal(references[label], references["none"]) for label in ("a", "both"))
+    with server_for(tmp_path / "repository") as server:
+        client = tritonclient_http.InferenceServerClient(server.http_url, network_timeout=120)
+        for label in ("a", "both", "none", "a"):
+            assert np.array_equal(_adapter_image(client, model.name, sets[label], seed=1), references[label]), label

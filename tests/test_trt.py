@@ -9,6 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -423,16 +425,41 @@ def _linked_export(tiny_build, folder):
     return folder
 
 
-@pytest.fixture(scope="module")
-def refittable(tiny_build, tmp_path_factory):
-    """trt-rtx-fp32 built --refittable, and {submodule: the weights its TensorRT network marked}. Without
-    a GPU TensorRT-RTX cannot compile refittable engines (test_without_a_gpu_...): every step before the
-    compile is the real one (each graph parsed by TensorRT-RTX, the map's weights marked on its network),
-    and the compile is a stand-in that returns a placeholder engine, which the GPU double never reads."""
+# The families whose refittable builds are checked: sd3-tiny's (the default model) and flux-tiny's, each
+# named by its build and adapters fixtures, with the starting latents and settings of a short call.
+REFIT_FAMILIES = {
+    "sd3": ("sd3_tiny_build", "sd3_adapters", (1, 16, 16, 16), {}),
+    "flux": ("flux_tiny_build", "flux_adapters", (1, 16, 64), dict(height=64, width=64, max_sequence_length=16)),
+}
+
+
+@dataclass(frozen=True)
+class Refittable:
+    folder: Path  # trt-rtx-fp32-refittable
+    marked: dict  # {submodule: the weights its TensorRT network marked}
+    ort: Path  # the same export's ort-fp32 artifact
+    adapters: dict  # {"a": ..., "b": ...}: the family's adapter files
+    latents: tuple
+    settings: dict
+
+    def images(self, pipe, seed: int, steps: int = 3):
+        latents = np.random.default_rng(seed).standard_normal(self.latents, dtype=np.float32)
+        return pipe("a photo of a cat", latents=latents, num_inference_steps=steps, output_type="np", **self.settings)
+
+
+@pytest.fixture(scope="module", params=list(REFIT_FAMILIES))
+def refittable(request, tmp_path_factory) -> Refittable:
+    """trt-rtx-fp32 of the family's tiny model built --refittable, and the weights its TensorRT networks
+    marked. Without a GPU TensorRT-RTX cannot compile refittable engines (test_without_a_gpu_...): every
+    step before the compile is the real one (each graph parsed by TensorRT-RTX, the map's weights marked
+    on its network), and the compile is a stand-in that returns a placeholder engine, which the GPU double
+    never reads."""
     import engines.targets.trt as trt_target
     from engines.api import build_artifact
 
-    folder = _linked_export(tiny_build, tmp_path_factory.mktemp("sd3-tiny-refittable"))
+    build_fixture, adapters_fixture, latents, settings = REFIT_FAMILIES[request.param]
+    build = request.getfixturevalue(build_fixture)
+    folder = _linked_export(build.folder, tmp_path_factory.mktemp(f"{request.param}-tiny-refittable"))
     marked, mark = {}, trt_target._mark_refittable
 
     def spy(network, names, sub_name):
@@ -444,23 +471,24 @@ def refittable(tiny_build, tmp_path_factory):
         if GPUS == 0:
             patch.setattr(trt_target, "_compile", lambda *args: b"placeholder: compiled only where a GPU is")
         artifact = build_artifact(folder, "trt-rtx", "fp32", options=rtx_options(refittable=True))
-    return artifact, marked
+    return Refittable(artifact, marked, build.folder / "ort-fp32", request.getfixturevalue(adapters_fixture),
+                      latents, settings)
 
 
 @needs_rtx
-def test_a_refittable_build_marks_every_weight_adapters_change(refittable, tiny_artifact):
+def test_a_refittable_build_marks_every_weight_adapters_change(refittable):
     """--refittable marks every Linear and Conv weight of the provenance table refittable on TensorRT's
     network (its parser names engine weights after the graph's initializers: the table is the refit map),
     and keeps their values beside the engine, equal to the graph's (the ONNX Runtime artifact's: the same
     passes make the same initializers)."""
     from runners.lora import artifact_weights, submodule_tables
 
-    folder, marked = refittable
+    folder, marked, ort = refittable.folder, refittable.marked, refittable.ort
     m = manifest(folder)
     assert folder.name == "trt-rtx-fp32-refittable" and m["refittable"]
-    ort_tables, ort_values = submodule_tables(tiny_artifact, manifest(tiny_artifact)), artifact_weights(tiny_artifact)
+    ort_tables, ort_values = submodule_tables(ort, manifest(ort)), artifact_weights(ort)
     tables, values = submodule_tables(folder, m), artifact_weights(folder)
-    assert sorted(tables) == sorted(marked) == SUBMODULES
+    assert sorted(tables) == sorted(marked) == sorted(manifest(ort)["submodules"])
     for name, table in tables.items():
         mapped = {n: r for n, r in table.items() if len(r["shape"]) >= 2}
         assert mapped and sorted(marked[name]) == sorted(mapped), name  # every one, on the real network
@@ -506,27 +534,22 @@ def test_a_weight_the_network_lacks_stops_the_refittable_build(tiny_build, tmp_p
 
 
 @needs_rtx
-def test_adapters_switch_by_refitting_the_loaded_engines(refittable, tiny_artifact, sd3_adapters, monkeypatch):
+def test_adapters_switch_by_refitting_the_loaded_engines(refittable, monkeypatch):
     """Through the GPU double, which refits as TensorRT's Refitter does (only marked weights, at their
     dtype and shape): adapters A, B, A and none give the ONNX Runtime artifact's images with the same
     adapters exactly, each engine refitted in place (never opened again), and A changed the image."""
     from gpu_double import RefitSession
 
-    double = SharedBuffers.install(monkeypatch, tiny_artifact)
-    refittable, _ = refittable
-    a, b = {sd3_adapters["a"]: 0.8}, {sd3_adapters["b"]: 1.0}
-    latents = np.random.default_rng(5).standard_normal((1, 16, 16, 16), dtype=np.float32)
-
-    def images(pipe):
-        return pipe("a photo of a cat", latents=latents, num_inference_steps=3, output_type="np")
-
-    expected = {key: images(Pipeline.load(tiny_artifact, loras=loras)) for key, loras in (("a", a), ("b", b), ("none", {}))}
-    pipe = Pipeline.load(refittable, loras=a)
+    double = SharedBuffers.install(monkeypatch, refittable.ort)
+    a, b = {refittable.adapters["a"]: 0.8}, {refittable.adapters["b"]: 1.0}
+    expected = {key: refittable.images(Pipeline.load(refittable.ort, loras=loras), seed=5)
+                for key, loras in (("a", a), ("b", b), ("none", {}))}
+    pipe = Pipeline.load(refittable.folder, loras=a)
     opened = len(double.opened)
-    assert np.array_equal(images(pipe), expected["a"])
+    assert np.array_equal(refittable.images(pipe, seed=5), expected["a"])
     for key, loras in (("b", b), ("a", a), ("none", {})):
         pipe.set_loras(loras)
-        assert np.array_equal(images(pipe), expected[key]), key
+        assert np.array_equal(refittable.images(pipe, seed=5), expected[key]), key
     assert len(double.opened) == opened  # refitted, not reopened
     assert any(s.weights for s in double.opened if isinstance(s, RefitSession))
     assert np.abs(expected["a"] - expected["none"]).max() > 0.05
@@ -534,18 +557,15 @@ def test_adapters_switch_by_refitting_the_loaded_engines(refittable, tiny_artifa
 
 @needs_rtx
 @needs_gpu
-def test_refitted_engines_give_the_onnx_runtime_images_with_the_adapter(refittable, tiny_artifact, sd3_adapters):
+def test_refitted_engines_give_the_onnx_runtime_images_with_the_adapter(refittable):
     """On a GPU: the refittable engines load, take adapter A by a refit and give ONNX Runtime's images
     with A; back to none, its images without."""
-    latents = np.random.default_rng(3).standard_normal((1, 16, 16, 16), dtype=np.float32)
-    a = {sd3_adapters["a"]: 0.8}
-    kwargs = dict(latents=latents, num_inference_steps=4, output_type="np")
-    with Pipeline.load(refittable[0], loras=a) as pipe:
-        assert np.abs(pipe("a photo of a cat", **kwargs) - Pipeline.load(tiny_artifact, loras=a)(
-            "a photo of a cat", **kwargs)).max() <= 1e-3
-        pipe.set_loras({})
-        assert np.abs(pipe("a photo of a cat", **kwargs) - Pipeline.load(tiny_artifact)(
-            "a photo of a cat", **kwargs)).max() <= 1e-3
+    a = {refittable.adapters["a"]: 0.8}
+    with Pipeline.load(refittable.folder, loras=a) as pipe:
+        for loras in (a, {}):
+            pipe.set_loras(loras)
+            expected = refittable.images(Pipeline.load(refittable.ort, loras=loras), seed=3, steps=4)
+            assert np.abs(refittable.images(pipe, seed=3, steps=4) - expected).max() <= 1e-3
 
 
 def test_refit_sets_every_weight_by_name_and_refits_once():
