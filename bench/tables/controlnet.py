@@ -24,6 +24,20 @@ def export_with_controlnets(model: str, build: str, names: list[str]) -> str:
     return str(folder)
 
 
+def with_controlnets(run, table: str) -> tuple[Path, list[str]]:
+    """The run's model exported with its random ControlNets (the first two) and built for ort-fp32, in a
+    child process: (that build folder, their names)."""
+    from export.families.controlnet import random_controlnets
+
+    model = run.src.entry.name
+    names = random_controlnets(model)[:2]
+    if not names:
+        raise ValueError(f"{table} table: no random ControlNets are made for {model} "
+                         "(export/families/controlnet.py: RANDOM_CONTROLNETS)")
+    log(f"{table}: exporting {model} with {', '.join(names)}")
+    return Path(in_child(export_with_controlnets, model, str(run.build), names)), names
+
+
 def _graph_flops(folder: Path, run, names: list[str]) -> dict[str, int]:
     """MatMul, Gemm and Conv FLOPs of one call of each engine `names` at the denoiser's call dims."""
     from engines.memory.graph import graph_flops
@@ -33,15 +47,10 @@ def _graph_flops(folder: Path, run, names: list[str]) -> dict[str, int]:
 
 
 def measure(run) -> list[dict]:
-    a, model = run.args, run.src.entry.name
-    from export.families.controlnet import folder_of, random_controlnets
+    from export.families.controlnet import folder_of
 
-    names = random_controlnets(model)[:2]
-    if not names:
-        raise ValueError(f"controlnet table: no random ControlNets are made for {model} "
-                         "(export/families/controlnet.py: RANDOM_CONTROLNETS)")
-    log(f"controlnet: exporting {model} with {', '.join(names)}")
-    folder = Path(in_child(export_with_controlnets, model, str(run.build), names))
+    a = run.args
+    folder, names = with_controlnets(run, "controlnet")
     artifacts = {"ort-fp32": str(folder / "ort-fp32"),
                  **in_child(build_openvino, folder, accuracy.calibration(a), a.size,
                             [n for n in a.controlnet_artifacts.split(",") if n != "ort-fp32"])}

@@ -1,6 +1,7 @@
 """The ControlNet residual table: what the denoiser's ControlNet residual inputs cost a step that runs without
 a ControlNet (zeros added), against the same graph with their additions taken out. The U-Net families'
-real layouts always have them (export/families/unet.py); this measures that choice."""
+real layouts always have them (export/families/unet.py); this measures that choice. SD3's and Flux's
+transformers take them (one per block) only in an export with ControlNets, whose plain path this measures."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import numpy as np
 
 from bench.harness import in_child, log, stats, timed_calls
 from bench.tables import Table
+from bench.tables.controlnet import with_controlnets
 from bench.workload import make_inputs
 
 
@@ -48,15 +50,32 @@ def _graph_calls(path: str, entry: dict, inputs: dict, names: list[str]) -> list
     return timed_calls({"call": lambda: session.run(feeds)}, CALLS_PER_PROCESS)["call"]
 
 
-def measure(run) -> list[dict]:
+def _with_residuals(run) -> Path:
+    """An ort-fp32 artifact whose denoiser takes ControlNet residual inputs: the default one where it always
+    does (the U-Nets' real layouts), else the model's export with its random ControlNets (SD3's and Flux's
+    transformers take them only there)."""
     from runners.controlnet import residual_inputs
     from runners.manifest import read_manifest
 
-    a, denoiser, artifact = run.args, run.denoiser, Path(run.default_artifact)
+    if residual_inputs(read_manifest(run.default_artifact, verify=False)["submodules"][run.denoiser]):
+        return Path(run.default_artifact)
+    return with_controlnets(run, "controlnet-residuals")[0] / Path(run.default_artifact).name
+
+
+def measure(run) -> list[dict]:
+    from export.shapes import concrete
+    from runners.controlnet import residual_inputs
+    from runners.manifest import read_manifest
+
+    a, denoiser, artifact = run.args, run.denoiser, _with_residuals(run)
     log(f"controlnet-residuals: {denoiser} with and without its residual additions")
     entry = read_manifest(artifact, verify=False)["submodules"][denoiser]
-    names = [t["name"] for t in residual_inputs(entry)]
-    inputs = run.inputs(a.size, [denoiser])[denoiser]
+    residuals, dims = residual_inputs(entry), run.dims(a.size, denoiser)
+    names = [t["name"] for t in residuals]
+    # The family's denoiser inputs, and the residuals as the manifest has them (the transformers' spec lacks them)
+    inputs = {**run.inputs(a.size, [denoiser])[denoiser],
+              **{t["name"]: {"shape": list(concrete(t["shape"], dims, run.constants)), "dtype": t["dtype"],
+                             "high": None} for t in residuals}}
     times = {"with": [], "without": []}
     with tempfile.TemporaryDirectory(prefix="bench-residuals-") as scratch:
         graphs = {"with": artifact / entry["file"], "without": Path(scratch) / entry["file"]}
@@ -72,18 +91,21 @@ def measure(run) -> list[dict]:
         st = stats(times[key], None if key == "without" else times["without"])
         rows.append([label, str(len(names)) if key == "with" else "0", f"{added:.1f}" if key == "with" else "0",
                      f"{st.median * 1e3:.1f}", "reference" if key == "without" else f"{(1 / st.ratio - 1) * 100:+.1f}%"])
+    where = ("the default artifact's" if artifact == Path(run.default_artifact) else
+             f"that of the model's export with its random ControlNets ({artifact.parent.name})")
     return [{
         "reps": a.residuals_reps,
-        "title": f"ControlNet residual inputs on the plain path at {a.size}x{a.size} ({denoiser}, one call at batch "
-                 "2, ort-fp32)",
+        "title": f"ControlNet residual inputs on the plain path at {a.size}x{a.size} ({denoiser} of "
+                 f"{run.src.entry.name}, one call at batch 2, ort-fp32)",
         "columns": ["denoiser graph", "residual inputs added", "MiB added per call", "median ms", "cost vs without"],
         "rows": rows,
         "notes": [f"Medians of {a.residuals_reps * CALLS_PER_PROCESS} calls of each graph with the same inputs: "
                   f"{CALLS_PER_PROCESS} calls after a warm-up in each of {a.residuals_reps} fresh processes per graph, "
-                  "one process at a time, the graphs alternating. The graph without their additions is the "
-                  "artifact's with each residual's Add taken out (bench/tables/controlnet_residuals.py): what a "
-                  "second, plain denoiser graph would compute. The residual inputs stay in it (the exporter reads "
-                  "some dims from their shapes); on the CPU a fed array is not copied, and the runner makes its "
+                  f"one process at a time, the graphs alternating. The graph with them is {where}. The graph "
+                  "without their additions is that artifact's with each residual's Add taken out "
+                  "(bench/tables/controlnet_residuals.py): what a second, plain denoiser graph would compute. The "
+                  "residual inputs stay in it (the exporter reads some dims from their shapes); on the CPU a fed "
+                  "array is not copied, and the runner makes its "
                   "zeros once per shape."]}]
 
 
@@ -94,4 +116,4 @@ def _arguments(group) -> None:
 
 
 TABLE = Table("controlnet-residuals", "ControlNet residual inputs", "the denoiser without its residual additions",
-              ("sd15", "sdxl"), measure, _arguments, smoke=("--residuals-reps", "1"))
+              ("sd3", "sd15", "sdxl", "flux"), measure, _arguments, smoke=("--residuals-reps", "1"))

@@ -40,7 +40,9 @@ RANDOM_CONTROLNETS = {
     "flux-controlnet-tiny": RandomControlNet("flux-tiny", 0),
     "flux-controlnet-union-tiny": RandomControlNet("flux-tiny", 0, (("num_mode", 4),)),
     "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
-    "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1)}
+    "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1),
+    "sd3-bench-controlnet": RandomControlNet("sd3-bench", 0),
+    "flux-bench-controlnet": RandomControlNet("flux-bench", 0)}
 
 
 def random_controlnets(model: str) -> list[str]:
