@@ -39,16 +39,21 @@ def image_ids(h: int, w: int) -> np.ndarray:
     return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
 
 
-def control_latents(pipe, control_image, height, width, n_images, noise, seed, vae_tiling,
-                    stream: int = 1) -> np.ndarray:
-    """FluxControlPipeline's control latents: the control image prepared as an image (resized, in [-1, 1]),
-    repeated for the images to generate (each one's own, repeat_interleave), then a sample of its VAE
-    posterior (`noise`, or drawn from a `stream` of `seed` the latents' does not use), scaled."""
-    scale = pipe.constants["vae_scale_factor"]
-    pixels = to_model_input(control_image, height, width, multiple=scale)
+def control_pixels(pipe, control_image, height, width, n_images) -> np.ndarray:
+    """The control image prepared as an image (resized, in [-1, 1]), repeated for the images to generate
+    (each one's own, repeat_interleave): (n_images, 3, height, width)."""
+    pixels = to_model_input(control_image, height, width, multiple=pipe.constants["vae_scale_factor"])
     if n_images % len(pixels):
         raise ValueError(f"{len(pixels)} control images for {n_images} images to generate: pass one, or one per prompt")
-    pixels = np.repeat(pixels, n_images // len(pixels), axis=0)
+    return np.repeat(pixels, n_images // len(pixels), axis=0)
+
+
+def control_latents(pipe, control_image, height, width, n_images, noise, seed, vae_tiling,
+                    stream: int = 1) -> np.ndarray:
+    """FluxControlPipeline's control latents: `control_pixels`, then a sample of its VAE
+    posterior (`noise`, or drawn from a `stream` of `seed` the latents' does not use), scaled."""
+    scale = pipe.constants["vae_scale_factor"]
+    pixels = control_pixels(pipe, control_image, height, width, n_images)
     shape = (n_images, pipe.manifest["constants"]["latent_channels"], height // scale, width // scale)
     noise = given_or_drawn("control_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, stream)))
     return pipe._image_latents(pixels, n_images, noise, vae_tiling)

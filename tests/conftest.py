@@ -94,7 +94,7 @@ def _group(item: pytest.Item) -> str:
 GROUP_SECONDS = {
     "test_family_targets.py::flux": 360, "test_family_targets.py::sd15": 340, "test_family_targets.py::sdxl": 290,
     "test_trt.py": 290, "test_controlnet.py": 170,  # with SD3's inpainting and SD3.5 Large cases, estimated
-    "test_controlnet.py::flux": 230, "test_bench_smoke.py": 130, "test_controlnet.py::sd15": 200,
+    "test_controlnet.py::flux": 280, "test_bench_smoke.py": 130, "test_controlnet.py::sd15": 150,
     "test_precision.py": 110, "test_lora_openvino.py": 90, "test_flux_conditioned.py::flux": 90,
     "test_lazy_export.py": 90, "test_bench_smoke.py::sd15": 80, "test_passes.py": 80, "test_serving.py": 70,
     "test_openvino.py": 60, "test_controlnet.py::sdxl": 50, "test_flux.py::flux": 40, "test_export.py": 20,

@@ -77,6 +77,12 @@ def flux_union(tmp_path_factory, flux_tiny_build, flux_one):
 
 
 @pytest.fixture(scope="module")
+def flux_xlabs(tmp_path_factory, flux_tiny_build, flux_one):
+    return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-xlabs-tiny"], "flux-cn-xlabs",
+                             start=flux_one)
+
+
+@pytest.fixture(scope="module")
 def sdxl_one(tmp_path_factory, sdxl_tiny_build):
     return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
 
@@ -133,7 +139,8 @@ _SETUPS = {"sd15_one": ("sd15_one", "sd15_tiny_build", ["sd15-controlnet-tiny"],
            "sd3_inpaint": ("sd3_inpaint", "sd3_tiny_build", ["sd3-controlnet-inpaint-tiny"],
                            "StableDiffusion3ControlNetInpaintingPipeline"),
            "flux_one": ("flux_one", "flux_tiny_build", ["flux-controlnet-tiny"], "FluxControlNetPipeline"),
-           "flux_union": ("flux_union", "flux_tiny_build", ["flux-controlnet-union-tiny"], "FluxControlNetPipeline")}
+           "flux_union": ("flux_union", "flux_tiny_build", ["flux-controlnet-union-tiny"], "FluxControlNetPipeline"),
+           "flux_xlabs": ("flux_xlabs", "flux_tiny_build", ["flux-controlnet-xlabs-tiny"], "FluxControlNetPipeline")}
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +185,7 @@ TRANSFORMER_CASES = {  # (setup: the call's arguments)
                                          control_guidance_start=0.2, control_guidance_end=0.8),
     "flux_true_cfg": dict(height=64, width=64, negative_prompt="blurry", true_cfg_scale=2.0),
     "flux_union": dict(height=64, width=64, control_mode=2),  # a ControlNet-Union: its mode is one more token
+    "flux_xlabs": dict(height=64, width=96),  # XLabs' kind: the image in pixels, its residuals repeated
 }
 
 
@@ -332,10 +340,19 @@ def test_sd3_blocks_take_diffusers_residuals():
     assert (theirs - plain).abs().max() > 0.01  # the residuals changed the prediction
 
 
-def test_flux_blocks_take_diffusers_residuals():
-    """Flux's per-block residual inputs, fed by the runner's rule from a ControlNet of k = 2 double-stream and
-    k' = 2 single-stream blocks, give what diffusers' transformer gives from those residuals (3 double blocks:
-    0-1 take the first, 2 the second; 5 single blocks: 0-2 the first, 3-4 the second)."""
+# {repeat: (the ControlNet's double and single blocks, the output each of the 3 double and 5 single blocks takes)}
+FLUX_RULES = {
+    False: ((2, 2), ["block_0", "block_0", "block_1", *["single_block_0"] * 3, *["single_block_1"] * 2]),
+    True: ((2, 0), ["block_0", "block_1", "block_0", *[None] * 5]),  # XLabs': repeated, no single blocks
+}
+
+
+@pytest.mark.parametrize("repeat", FLUX_RULES)
+def test_flux_blocks_take_diffusers_residuals(repeat):
+    """Flux's per-block residual inputs, fed by the runner's rule from a ControlNet's outputs, give what
+    diffusers' transformer gives from those residuals: k = 2 double-stream and k' = 2 single-stream blocks
+    by the interval rule (3 double blocks: 0-1 take the first, 2 the second; 5 single blocks: 0-2 the first,
+    3-4 the second), and XLabs' 2 double blocks repeated (`controlnet_blocks_repeat`: 0, 1, 0)."""
     from diffusers import FluxTransformer2DModel
 
     from export.families.flux import _TransformerForFlux
@@ -348,25 +365,26 @@ def test_flux_blocks_take_diffusers_residuals():
     ids = np.stack(np.meshgrid(np.zeros(1), np.arange(4), np.arange(4), indexing="ij"), -1).reshape(-1, 3)
     inputs = (torch.randn(1, 16, 16), torch.randn(1, 5, 16), torch.randn(1, 8), torch.tensor([0.5]),
               torch.from_numpy(ids).float(), torch.zeros(5, 3), torch.tensor([3.5]))
-    out = {f"controlnet_{kind}_{j}": torch.randn(1, 16, 32).numpy() for kind in ("block", "single_block")
-           for j in range(2)}
+    counts, taken = FLUX_RULES[repeat]
+    kinds = dict(zip(("block", "single_block"), counts))
+    out = {f"controlnet_{kind}_{j}": torch.randn(1, 16, 32).numpy() for kind, k in kinds.items() for j in range(k)}
     runner = object.__new__(FluxControlNets)
-    runner.manifest = {"constants": {"double_layers": 3, "single_layers": 5},
+    runner.manifest = {"constants": {"double_layers": 3, "single_layers": 5, "controlnet_blocks_repeat": int(repeat)},
                        "submodules": {"controlnet": {"outputs": [{"name": n} for n in out]}}}
     specs = [{"name": f"double_residual_{i}"} for i in range(3)] + [{"name": f"single_residual_{j}"} for j in range(5)]
     feeds = runner._residual_feeds("controlnet", out, specs)
+    samples = {kind: [torch.from_numpy(out[f"controlnet_{kind}_{j}"]) for j in range(k)] or None
+               for kind, k in kinds.items()}
     with torch.no_grad():
         ours = _TransformerForFlux(transformer)(*inputs, *map(torch.from_numpy, feeds))[0]
         kwargs = dict(hidden_states=inputs[0], encoder_hidden_states=inputs[1], pooled_projections=inputs[2],
                       timestep=inputs[3], img_ids=inputs[4], txt_ids=inputs[5], guidance=inputs[6], return_dict=False)
-        theirs = transformer(**kwargs, controlnet_block_samples=[torch.from_numpy(out[f"controlnet_block_{j}"])
-                                                                 for j in range(2)],
-                             controlnet_single_block_samples=[torch.from_numpy(out[f"controlnet_single_block_{j}"])
-                                                              for j in range(2)])[0]
+        theirs = transformer(**kwargs, controlnet_block_samples=samples["block"],
+                             controlnet_single_block_samples=samples["single_block"],
+                             controlnet_blocks_repeat=repeat)[0]
         plain = transformer(**kwargs)[0]
-    assert [next(n for n, v in out.items() if v is f) for f in feeds] == [
-        "controlnet_block_0", "controlnet_block_0", "controlnet_block_1", *["controlnet_single_block_0"] * 3,
-        *["controlnet_single_block_1"] * 2]
+    assert [next((n[len("controlnet_"):] for n, v in out.items() if v is f), None) for f in feeds] == taken
+    assert all(not f.any() for f, name in zip(feeds, taken) if name is None)  # zeros
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert (theirs - plain).abs().max() > 0.01  # the residuals changed the prediction
 
@@ -443,8 +461,8 @@ def test_transformer_controlnets_check_their_base(sd3_tiny_build):
     config = flux.config("transformer")
     with pytest.raises(SourceError, match="has in_channels=384; flux-tiny's transformer has 64"):
         controlnet_flux._check({**config, "in_channels": 384}, flux, "x")
-    with pytest.raises(SourceError, match=r"encodes the control image itself \(conditioning_embedding_channels"):
-        controlnet_flux._check({**config, "conditioning_embedding_channels": 16}, flux, "x")
+    with pytest.raises(SourceError, match=r"these ControlNets mix XLabs' kind .* diffusers runs one kind at a time"):
+        controlnet_flux._constants([config, {**config, "conditioning_embedding_channels": 16}], flux)
 
 
 @pytest.mark.parametrize("setup", ["sd15_one"])  # named for the sd15 tests' worker (conftest's groups)
@@ -566,7 +584,7 @@ def test_other_targets_stay_close_to_fp32(loaded, request, setup, target, precis
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
-@pytest.mark.parametrize("setup", ["sd15_one", "flux_one"])
+@pytest.mark.parametrize("setup", ["flux_one"])  # a transformer with residual inputs; U-Nets build in test_family_targets
 def test_tensorrt_rtx_builds_the_controlnets(loaded, request, setup, monkeypatch):
     """Real TensorRT-RTX engines (fp16) of the ControlNet and of the denoiser with its residual inputs, each
     profile covering its inputs; through the GPU stand-in (tests/gpu_double.py: ONNX Runtime's graphs held to

@@ -39,6 +39,7 @@ RANDOM_CONTROLNETS = {
     "sd3-controlnet-large-tiny": RandomControlNet("sd3-tiny", 0, (("use_pos_embed", False),)),
     "flux-controlnet-tiny": RandomControlNet("flux-tiny", 0),
     "flux-controlnet-union-tiny": RandomControlNet("flux-tiny", 0, (("num_mode", 4),)),
+    "flux-controlnet-xlabs-tiny": RandomControlNet("flux-tiny", 0, (("conditioning_embedding_channels", 16),)),
     "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
     "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1),
     "sd3-bench-controlnet": RandomControlNet("sd3-bench", 0),
@@ -47,8 +48,8 @@ RANDOM_CONTROLNETS = {
 
 def random_controlnets(model: str) -> list[str]:
     """The random ControlNets made for the registry model `model` that run together, in their order (those
-    of other kinds, SD3's inpainting and SD3.5-Large-like ones and Flux's Union, made for their own tests,
-    are left out)."""
+    of other kinds, SD3's inpainting and SD3.5-Large-like ones and Flux's Union and XLabs' ones, made for
+    their own tests, are left out)."""
     return [name for name, made in RANDOM_CONTROLNETS.items() if made.base == model and not made.options]
 
 

@@ -11,8 +11,11 @@ The engine returns its k + k' residuals times `conditioning_scale` (one factor e
 image as packed VAE latents (the runner encodes them), and the guidance scale where it embeds one.
 A ControlNet-Union (`num_mode`, InstantX's and Shakker-Labs' Union ones) also reads the control mode of
 its image (`controlnet_mode`: which kind of control image it is, canny, depth, ...), embedded as one more
-text token. XLabs' ControlNets (an image hint encoder, `conditioning_embedding_channels`, whose residuals
-repeat over the blocks) are refused."""
+text token. XLabs' ControlNets (`conditioning_embedding_channels`) encode the control image themselves (an
+image hint encoder), so their engine reads it in pixels, and their k residuals repeat over the double
+blocks (block i adds residual i % k; they have no single-stream blocks): diffusers'
+`controlnet_blocks_repeat`, which the constant of that name tells the runner. One export takes ControlNets
+of one of the two kinds, as diffusers' pipeline decides for all of them from the first."""
 from __future__ import annotations
 
 import torch
@@ -45,6 +48,11 @@ class _FluxControlNet(torch.nn.Module):
         return tuple(s * conditioning_scale[i] for i, s in enumerate(samples))
 
 
+def _encodes_image(config: dict) -> bool:
+    """XLabs' kind: an image hint encoder of its own, which reads the control image in pixels."""
+    return config.get("conditioning_embedding_channels") is not None
+
+
 def _spec(config: dict) -> SubmoduleSpec:
     double, single = config["num_layers"], config["num_single_layers"]
     guidance = (T("guidance", "float32", ("batch",), high=10),) if config.get("guidance_embeds") else ()
@@ -62,7 +70,8 @@ def _spec(config: dict) -> SubmoduleSpec:
             T("txt_ids", "float32", ("t5_length", 3), high=64),
             *guidance,
             *mode,
-            T("controlnet_cond", "float32", ("batch", "image_tokens", "packed_channels")),
+            T("controlnet_cond", "float32", ("batch", 3, "image_height", "image_width") if _encodes_image(config)
+              else ("batch", "image_tokens", "packed_channels")),
             T("conditioning_scale", "float32", (double + single,), high=2),
         ),
         outputs=(*(T(f"controlnet_block_{j}", "float32", HIDDEN) for j in range(double)),
@@ -85,27 +94,32 @@ def _check(config: dict, base, given: str) -> None:
         if theirs[key] != value:
             raise SourceError(f"controlnet {given} has {key}={theirs[key]}; {base.entry.name}'s transformer has "
                               f"{value}: pass a ControlNet trained for this base model")
-    if config.get("conditioning_embedding_channels") is not None:
-        raise SourceError(f"controlnet {given} encodes the control image itself (conditioning_embedding_channels: "
-                          "XLabs'), which is not supported yet: use one that reads VAE latents (InstantX's, "
-                          "Shakker-Labs')")
     if base.model_index().get("_class_name") == "FluxKontextPipeline":
         raise SourceError(f"controlnet {given}: {base.entry.name} is FLUX.1 Kontext; ControlNets run with "
                           "FluxPipeline's transformer (diffusers' FluxControlNetPipeline)")
 
 
 def _constants(configs: list[dict], base) -> dict:
+    from export.source import SourceError
+
     transformer = base.config("transformer")
+    if len({_encodes_image(c) for c in configs}) > 1:
+        raise SourceError("these ControlNets mix XLabs' kind (conditioning_embedding_channels: it encodes the control "
+                          "image itself) with the kind that reads VAE latents; diffusers runs one kind at a time: "
+                          "export them separately")
     return {"double_layers": transformer["num_layers"], "single_layers": transformer["num_single_layers"],
+            "controlnet_blocks_repeat": int(_encodes_image(configs[0])),
             # each ControlNet's number of control modes, 0 for one of one condition (the runner checks control_mode=)
             "control_modes": [c.get("num_mode") or 0 for c in configs]}
 
 
-def _build_random(base, seed: int, out, num_mode: int | None = None) -> None:
+def _build_random(base, seed: int, out, num_mode: int | None = None,
+                  conditioning_embedding_channels: int | None = None) -> None:
     """FluxControlNetModel.from_transformer of the base's transformer, one double-stream and one
     single-stream block deep, with seeded random weights in its zero-initialised control embedding and
     output projections (zero ones would change nothing, and a test could not tell). `num_mode`: a
-    ControlNet-Union of that many control modes."""
+    ControlNet-Union of that many control modes. `conditioning_embedding_channels`: one of XLabs' kind,
+    with its image hint encoder, two double-stream blocks and no single-stream ones, as theirs."""
     from diffusers import FluxControlNetModel, FluxTransformer2DModel
 
     torch.manual_seed(seed)
@@ -116,8 +130,13 @@ def _build_random(base, seed: int, out, num_mode: int | None = None) -> None:
     controlnet = FluxControlNetModel.from_transformer(transformer, num_layers=1, num_single_layers=1,
                                                       attention_head_dim=config.attention_head_dim,
                                                       num_attention_heads=config.num_attention_heads)
-    redraw([*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder],
-           seed)
+    if conditioning_embedding_channels is not None:  # seeded weights of its own (its blocks are not the transformer's)
+        controlnet = FluxControlNetModel.from_config({
+            **controlnet.config, "num_layers": 2, "num_single_layers": 0,
+            "conditioning_embedding_channels": conditioning_embedding_channels})
+    hint = [controlnet.input_hint_block.conv_out] if controlnet.input_hint_block is not None else []
+    redraw([*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder,
+            *hint], seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
