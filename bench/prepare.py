@@ -17,6 +17,19 @@ def export_and_build(model: str, build_root: Path) -> Path:
     return build
 
 
+def build_with_tiny_vae(model, build: Path, tiny: str) -> Path:
+    """`build`'s model exported with the tiny autoencoder `tiny` beside its VAE (export/families/tiny_vae.py)
+    and built for ort-fp32, in the folder beside `build` named after both, which it returns. The export
+    links `build`'s graphs: only the tiny autoencoder is traced."""
+    from engines.api import build_artifact
+    from export.api import export_model
+
+    folder = build.parent / f"{build.name}-{tiny}"
+    export_model(model, folder, tiny_vae=tiny, reuse_from=build.parent)
+    build_artifact(folder, "ort", "fp32")
+    return folder
+
+
 def build_memory(build: Path) -> Path:
     """The `--memory` artifact beside the default one (cached like it)."""
     from engines.api import build_artifact

@@ -232,6 +232,24 @@ def _tiny_build(shared_root: Path, source) -> TinyBuild:
     return TinyBuild(source, folder)
 
 
+TINY_VAE = "taesd3-tiny"  # sd3-tiny's random tiny autoencoder (export/families/tiny_vae.py)
+
+
+def with_tiny_vae(build: TinyBuild, tiny: str) -> TinyBuild:
+    """`build`'s model exported with the random AutoencoderTiny `tiny` beside its VAE and built for ort-fp32,
+    beside `build` in the shared root (the bench's tiny-vae table builds the same folder)."""
+    from bench.prepare import build_with_tiny_vae
+
+    return TinyBuild(build.source, build_with_tiny_vae(build.source, build.folder, tiny))
+
+
+@pytest.fixture(scope="session")
+def sd3_tiny_vae_build(sd3_tiny_build) -> TinyBuild:
+    """sd3-tiny exported with taesd3-tiny beside its VAE, built for ort-fp32 (the tiny-VAE tests and the
+    bench smoke test share it)."""
+    return with_tiny_vae(sd3_tiny_build, TINY_VAE)
+
+
 def _tiny_build_fixture(name: str, shares_with: str | None):
     @pytest.fixture(scope="session")
     def build(shared_root, request):

@@ -24,8 +24,10 @@ from bench.tables import TABLES, for_family
 FAMILIES = sorted({family for table in TABLES.values() for family in table.families})
 SMOKED = {table.families[0] for table in TABLES.values()}  # the family each table is run on
 COMMON = ["--reps", "1", "--size", "128", "--steps", "2", "--gemm-size", "256"]
-# Session fixtures holding an artifact a family's tables would build again (the build folder links them).
+# Session fixtures holding an artifact a family's tables would build again (the build folder links them),
+# and builds beside the model's that its tables would make again (the bench's build root links them).
 SHARED_ARTIFACTS = {"sd3": ["tiny_memory_artifact"]}
+SHARED_BUILDS = {"sd3": ["sd3_tiny_vae_build"]}
 
 
 def _smoke_options(names: list[str]) -> list[str]:
@@ -62,6 +64,9 @@ def test_every_table_runs(family, tmp_path, request):
     for fixture in SHARED_ARTIFACTS.get(family, []):
         request.getfixturevalue(fixture)
     _linked_build(tmp_path / "build", model, request.getfixturevalue(f"{family}_tiny_build"))
+    for fixture in SHARED_BUILDS.get(family, []):
+        folder = request.getfixturevalue(fixture).folder
+        os.symlink(folder, tmp_path / "build" / folder.name)
     out = tmp_path / "BENCHMARKS.md"
     args = ["--model", model, *COMMON, *_smoke_options(names), "--tables", ",".join(names),
             "--out", str(out), "--build-dir", str(tmp_path / "build")]

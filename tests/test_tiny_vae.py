@@ -3,37 +3,14 @@ the pipeline with vae="tiny" against diffusers' with `pipe.vae = AutoencoderTiny
 previews through the tiny decoder."""
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import TinyBuild, assert_real_image, manifest, smooth_image
+from conftest import TINY_VAE, assert_real_image, manifest, smooth_image, with_tiny_vae
 from runners import Pipeline
 
 ONE_LEVEL = 1 / 255
-TINY = "taesd3-tiny"
-
-
-def _with_tiny_vae(tmp_path_factory, build: TinyBuild, tiny: str) -> TinyBuild:
-    """`build`'s export with the random AutoencoderTiny `tiny` beside its VAE, built for ort-fp32. The
-    export starts from a linked copy of the session's, so only the tiny autoencoder is traced."""
-    from engines.api import build_artifact
-    from export.api import export_model
-
-    folder = tmp_path_factory.mktemp(f"{build.source.entry.name}-{tiny}")
-    shutil.copytree(build.folder / "onnx", folder / "onnx", copy_function=os.link)
-    export_model(build.source, folder, tiny_vae=tiny)
-    build_artifact(folder, "ort", "fp32")
-    return TinyBuild(build.source, folder)
-
-
-@pytest.fixture(scope="module")
-def sd3_tiny_vae_build(tmp_path_factory, sd3_tiny_build) -> TinyBuild:
-    """sd3-tiny exported with the random taesd3-tiny beside its VAE, and built for ort-fp32."""
-    return _with_tiny_vae(tmp_path_factory, sd3_tiny_build, TINY)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +19,7 @@ def tiny_autoencoder():
 
     from export.families.tiny_vae import COMPONENT, tiny_vae_source
 
-    return AutoencoderTiny.from_pretrained(tiny_vae_source(TINY, 16).folder / COMPONENT).eval()
+    return AutoencoderTiny.from_pretrained(tiny_vae_source(TINY_VAE, 16).folder / COMPONENT).eval()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +31,7 @@ def tiny_pipe(sd3_tiny_vae_build):
 def test_manifest_and_engines(sd3_tiny_vae_build, tiny_pipe):
     manifest = tiny_pipe.manifest
     assert {"vae_decoder_tiny", "vae_encoder_tiny"} <= set(manifest["submodules"])
-    assert manifest["pipeline"]["tiny_vae"] == {"scaling_factor": 1.5305, "shift_factor": 0.0609, "source": TINY}
+    assert manifest["pipeline"]["tiny_vae"] == {"scaling_factor": 1.5305, "shift_factor": 0.0609, "source": TINY_VAE}
     assert "vae_decoder" not in tiny_pipe.sessions and "vae_decoder_tiny" in tiny_pipe.sessions
 
 
@@ -135,7 +112,7 @@ FAMILY_TINY = {"sd15": ("taesd-tiny", (1, 4, 8, 16)), "sdxl": ("taesdxl-tiny", (
 
 
 @pytest.mark.parametrize("family", FAMILY_TINY)
-def test_each_familys_tiny_vae_matches_diffusers(family, tmp_path_factory, request):
+def test_each_familys_tiny_vae_matches_diffusers(family, request):
     """Decode parity with AutoencoderTiny, and the pipeline with vae="tiny" against diffusers' with
     `pipe.vae = AutoencoderTiny(...)`, on SD1.5, SDXL and Flux; the tiny VAE must change the image."""
     import diffusers
@@ -144,7 +121,7 @@ def test_each_familys_tiny_vae_matches_diffusers(family, tmp_path_factory, reque
     from export.families.tiny_vae import COMPONENT, tiny_vae_source
 
     tiny, shape = FAMILY_TINY[family]
-    build = _with_tiny_vae(tmp_path_factory, request.getfixturevalue(f"{family}_tiny_build"), tiny)
+    build = with_tiny_vae(request.getfixturevalue(f"{family}_tiny_build"), tiny)
     channels = manifest(build.folder / "onnx")["constants"]["latent_channels"]
     autoencoder = AutoencoderTiny.from_pretrained(tiny_vae_source(tiny, channels).folder / COMPONENT).eval()
     reference = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)

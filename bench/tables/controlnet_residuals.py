@@ -105,8 +105,7 @@ def measure(run) -> list[dict]:
                   "without their additions is that artifact's with each residual's Add taken out "
                   "(bench/tables/controlnet_residuals.py): what a second, plain denoiser graph would compute. The "
                   "residual inputs stay in it (the exporter reads some dims from their shapes); on the CPU a fed "
-                  "array is not copied, and the runner makes its "
-                  "zeros once per shape."]}]
+                  "array is not copied, and the runner makes its zeros once per shape."]}]
 
 
 def _arguments(group) -> None:

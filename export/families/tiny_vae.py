@@ -23,15 +23,18 @@ from runners.manifest import digest, write_once
 COMPONENT = "vae_tiny"
 _TINY_WIDTHS = {"encoder_block_out_channels": [8, 8, 8, 8], "decoder_block_out_channels": [8, 8, 8, 8],
                 "num_encoder_blocks": [1, 1, 1, 1], "num_decoder_blocks": [1, 1, 1, 1]}
-# Random-weight tiny autoencoders at tiny widths, with the latent channels and the scaling and shift
-# factors of the real ones' configs (madebyollin/taesd and taesdxl: 4 channels, factors 1 and 0, their
-# latents being already the VAE's scaled ones; taesd3 and taef1: 16 channels and SD3's and FLUX.1's VAE factors).
-TINY_VAES = {
-    "taesd-tiny": {**_TINY_WIDTHS, "latent_channels": 4, "scaling_factor": 1.0, "shift_factor": 0.0},
-    "taesdxl-tiny": {**_TINY_WIDTHS, "latent_channels": 4, "scaling_factor": 1.0, "shift_factor": 0.0},
-    "taesd3-tiny": {**_TINY_WIDTHS, "latent_channels": 16, "scaling_factor": 1.5305, "shift_factor": 0.0609},
-    "taef1-tiny": {**_TINY_WIDTHS, "latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159},
-}
+# The latent channels, scaling and shift factors of madebyollin's configs: taesd and taesdxl have 4
+# channels and factors 1 and 0 (their latents are already the VAE's scaled ones); taesd3 and taef1 have
+# 16 and SD3's and FLUX.1's VAE factors.
+_FACTORS = {"taesd": (4, 1.0, 0.0), "taesdxl": (4, 1.0, 0.0), "taesd3": (16, 1.5305, 0.0609),
+            "taef1": (16, 0.3611, 0.1159)}
+# Random-weight tiny autoencoders with those factors: "-tiny" at tiny widths (tests), "-bench" at the real
+# ones' architecture, AutoencoderTiny's defaults (benchmarks).
+TINY_VAES = {f"{name}-{size}": {**widths, "latent_channels": c, "scaling_factor": scaling, "shift_factor": shift}
+             for name, (c, scaling, shift) in _FACTORS.items()
+             for size, widths in (("tiny", _TINY_WIDTHS), ("bench", {}))}
+# Each family's tiny autoencoder among madebyollin's (a hub id under madebyollin/).
+FAMILY_TINY_VAE = {"sd15": "taesd", "sdxl": "taesdxl", "sd3": "taesd3", "flux": "taef1"}
 RANDOM_SEED = 0
 
 
