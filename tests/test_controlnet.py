@@ -595,9 +595,8 @@ def test_tensorrt_rtx_builds_the_controlnets(loaded, request, setup, monkeypatch
     build, (fp32, _) = request.getfixturevalue(setup), loaded(setup)
     folder = build_artifact(build, "trt-rtx", "fp16", options=rtx_options())
     subs = manifest(folder)["submodules"]
-    denoiser = "unet" if "unet" in subs else "transformer"
-    assert residual_inputs(subs[denoiser])
-    for name in ("controlnet", denoiser):
+    assert residual_inputs(subs["transformer"])
+    for name in ("controlnet", "transformer"):
         assert (folder / subs[name]["file"]).stat().st_size > 100_000, name  # a serialized engine, not a stub
         assert set(subs[name]["engine"]["profile"]) == {t["name"] for t in subs[name]["inputs"]}, name
     double = SharedBuffers.install(monkeypatch, build / "ort-fp32")
