@@ -103,6 +103,8 @@ def _sha256(path: Path, size: int, mtime_ns: int) -> str:
 # offline tokenizers. A change to any of them, or to the libraries that construct and save the
 # modules (torch draws their initial weights), builds the folder anew.
 _RANDOM_MODEL_CODE = ("families", "random_weights.py", "offline_tokenizers.py")
+# families/ files whose random folders (ControlNets, tiny autoencoders) have keys of their own
+_OWN_KEYS = ("controlnet", "tiny_vae")
 _RANDOM_MODEL_PACKAGES = ("torch", "diffusers", "transformers", "tokenizers", "sentencepiece", "safetensors")
 
 
@@ -112,7 +114,7 @@ def _random_key(entry: ModelEntry) -> str:
     here = Path(__file__).parent
     files = sorted(p for name in _RANDOM_MODEL_CODE for p in ([here / name] if name.endswith(".py")
                                                              else (here / name).glob("*.py"))
-                   if not p.name.startswith("controlnet"))  # random ControlNets have keys of their own
+                   if not p.name.startswith(_OWN_KEYS))
     return digest([entry.random_configs, [(p.name, p.read_text()) for p in files],
                    package_versions(_RANDOM_MODEL_PACKAGES)])
 

@@ -131,6 +131,28 @@ def test_random_model_key_covers_code_and_libraries(monkeypatch, tmp_path):
     assert source._random_key(entry) != key
 
 
+def test_random_model_key_leaves_out_what_has_keys_of_its_own(monkeypatch, tmp_path):
+    """A change to the code of the random ControlNets or tiny autoencoders rebuilds those, not every model
+    (their folders have keys of their own); a change to a family's builders still rebuilds the model."""
+    import shutil
+    from pathlib import Path
+
+    import export.source as source
+
+    code = tmp_path / "export"
+    shutil.copytree(Path(source.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(source, "__file__", str(code / "source.py"))
+    entry = MODELS["sd3-tiny"]
+    key = source._random_key(entry)
+    for name in ("tiny_vae.py", "controlnet.py", "controlnet_sd3.py"):
+        with open(code / "families" / name, "a") as f:
+            f.write("\n# changed\n")
+    assert source._random_key(entry) == key
+    with open(code / "families" / "parts.py", "a") as f:
+        f.write("\n# changed\n")
+    assert source._random_key(entry) != key
+
+
 def _hub_error(name: str):
     """The error the hub client raises for `name`: its HTTP errors by class name (made without the
     HTTP response their constructor reads: no request exists), or a full disk."""
