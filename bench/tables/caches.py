@@ -47,7 +47,7 @@ def _per_evaluation(stats: dict, kind: str) -> str:
     return f"{stats[f'{kind}_seconds'] / stats[kind]:.3f}" if stats.get(kind) else "-"
 
 
-def _hit_cost(run, variants: list[Variant], samples: dict) -> list[str]:
+def _hit_cost(run, built: dict[str, str], variants: list[Variant], samples: dict) -> list[str]:
     """What a First-Block Cache hit costs (HIT_COST's rows), against the first block's share of the
     transformer's FLOPs times the same artifact's uncached evaluation: issue 35's goal is at most 1.3x."""
     from engines.memory.graph import graph_flops
@@ -64,7 +64,7 @@ def _hit_cost(run, variants: list[Variant], samples: dict) -> list[str]:
         uncached = samples[next(u.label for u in variants if u.path == v.path and u.options == {"cache": None})]
         bound = share * statistics.median(r["cache"]["full_seconds"] / r["cache"]["full"] for r in uncached)
         hit = statistics.median(r["cache"]["cached_seconds"] / r["cache"]["cached"] for r in samples[v.label])
-        artifact = v.label[len("ours "):v.label.index(",")]
+        artifact = next(label for label, path in built.items() if path == v.path)
         said.append(f"{artifact} {hit:.3f} s, {hit / bound:.2f}x that share's time ({bound:.3f} s)")
     return [f"A First-Block Cache hit (the {HIT_COST} rows: every step after the first hits) runs the graph of the "
             f"embeddings, the first block and the output projection, whose MatMul, Gemm and Conv FLOPs are "
@@ -109,13 +109,14 @@ def measure(run) -> list[dict]:
                     "end to end s", "speed-up vs uncached", "image PSNR dB vs uncached"],
         "rows": rows,
         "notes": [f"Medians of {a.caches_reps} repetitions; each runs every variant in a fresh process, in turn, "
-                  "after a dropped 1-step image, from the same starting latents and prompt. Evaluations and their seconds "
-                  "are the runner's `cache_stats` (a cached evaluation of First-Block Cache runs the first block "
-                  "and compares its residual; DeepCache's runs the U-Net's shallow branch; TaylorSeer's extrapolates "
-                  "without running the denoiser). openvino.genai's "
+                  "after a dropped 1-step image, from the same starting latents and prompt. Evaluations and their "
+                  "seconds are the runner's `cache_stats` (a cached evaluation of First-Block Cache runs the first "
+                  "block and compares its residual; DeepCache's runs the U-Net's shallow branch; TaylorSeer's "
+                  "extrapolates without running the denoiser). openvino.genai's "
                   "row is against our uncached ort-fp32. Random weights say nothing about how many steps a real "
                   "model can skip: the PSNR column measures the mechanism on these weights, not image quality. "
-                  f"openvino-int8 is calibrated on {accuracy.calibration_text(a)}.", *_hit_cost(run, variants, samples)]}]
+                  f"openvino-int8 is calibrated on {accuracy.calibration_text(a)}.",
+                  *_hit_cost(run, built, variants, samples)]}]
 
 
 def _arguments(group) -> None:

@@ -19,17 +19,22 @@ from bench.tables import Table
 from bench.workload import PROMPT
 
 
-def tiny_vae_name(run) -> str:
+def _tiny_vae_name(run) -> str:
     from export.families.tiny_vae import FAMILY_TINY_VAE
 
     return f"{FAMILY_TINY_VAE[run.src.entry.family]}-{'tiny' if run.src.entry.name.endswith('-tiny') else 'bench'}"
+
+
+def _latent(channels: int, size: int) -> np.ndarray:
+    """The one latent every decoder of the table decodes: `size` pixels square, batch 1."""
+    return np.random.default_rng(0).standard_normal((1, channels, size // 8, size // 8)).astype(np.float32)
 
 
 def _decodes(artifact: str, channels: int, size: int, reps: int) -> dict[str, list[float]]:
     """Seconds of `reps` calls of each decoder of `artifact` on one latent of `size` pixels, interleaved."""
     from runners import Pipeline
 
-    latent = np.random.default_rng(0).standard_normal((1, channels, size // 8, size // 8)).astype(np.float32)
+    latent = _latent(channels, size)
     with Pipeline.load(artifact, submodules=["vae_decoder", "vae_decoder_tiny"]) as pipe:
         return timed_calls({name: lambda name=name: pipe.run(name, latent=latent)
                             for name in ("vae_decoder", "vae_decoder_tiny")}, reps)
@@ -43,8 +48,7 @@ def _diffusers_decodes(folder: str, tiny_folder: str, channels: int, size: int, 
 
     torch.set_grad_enabled(False)
     diffusers.utils.logging.set_verbosity_error()  # random configs' notices
-    latent = torch.from_numpy(np.random.default_rng(0).standard_normal((1, channels, size // 8, size // 8))
-                              .astype(np.float32))
+    latent = torch.from_numpy(_latent(channels, size))
     vaes = {"AutoencoderKL": AutoencoderKL.from_pretrained(Path(folder) / "vae").eval(),
             "AutoencoderTiny": AutoencoderTiny.from_pretrained(tiny_folder).eval()}
     return timed_calls({name: lambda vae=vae: vae.decode(latent) for name, vae in vaes.items()}, reps)
@@ -68,7 +72,7 @@ def measure(run) -> list[dict]:
     from export.families.tiny_vae import COMPONENT, tiny_vae_source
 
     a, size, channels = run.args, run.args.size, run.constants["latent_channels"]
-    tiny = tiny_vae_name(run)
+    tiny = _tiny_vae_name(run)
     log(f"tiny-vae: {run.src.entry.name} with {tiny}")
     artifact = str(in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny) / "ort-fp32")
     ours = in_child(_decodes, artifact, channels, size, a.tiny_vae_reps)
@@ -93,11 +97,12 @@ def measure(run) -> list[dict]:
         "columns": ["decoder", "VAE decode ms", "tiny decode ms", "speed-up of the tiny decode [min-max]"],
         "rows": rows,
         "notes": [f"Medians of {a.tiny_vae_reps} calls of each decoder on the same latent (batch 1), after a "
-                  "warm-up, the two alternating in one process. Ours: the model's export with the tiny "
-                  f"autoencoder {tiny} beside its VAE (`python -m export {run.src.entry.name} --tiny-vae {tiny}`), "
-                  "built for ort-fp32, both decoders in one artifact. The tiny autoencoder is a random "
-                  "AutoencoderTiny at the architecture of madebyollin's one for this family (its decode time does "
-                  "not depend on the weights). The goal of issue 35: the tiny decode at least 10x faster.",
+                  "warm-up, the two alternating in one process (ours in one, diffusers' in another). Ours: the "
+                  f"model's export with the tiny autoencoder {tiny} beside its VAE (`python -m export "
+                  f"{run.src.entry.name} --tiny-vae {tiny}`), built for ort-fp32, both decoders in one artifact. "
+                  "The tiny autoencoder is a random AutoencoderTiny at the architecture of madebyollin's one for "
+                  "this family (its decode time does not depend on the weights). The goal of issue 35: the tiny "
+                  "decode at least 10x faster.",
                   f"A live preview (`preview_every=1`), in a {a.tiny_vae_steps}-step ort-fp32 image after a "
                   f"1-step warm-up: {'; '.join(said)} (`timings[\"previews\"]` against the rest of "
                   "`timings[\"denoise\"]`)."]}]
