@@ -17,12 +17,13 @@ import json
 import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 from runners.provenance import WeightTable, dtype_name
 
-_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64}  # FLUX.1, SD3.5: BF16
 
 
 class WeightsError(RuntimeError):

@@ -49,24 +49,55 @@ class ParityResult:
 
 class TypedIO(torch.nn.Module):
     """Runs a submodule wrapper whose weights are in `dtype` on float32 inputs: floating inputs
-    are cast to `dtype` and outputs back to float32, so a graph's I/O are the same whatever its
-    precision. The wrapper's children become this module's own: weight names do not change."""
+    are cast to `dtype` (but those at positions `kept`, which the wrapper takes in float32) and
+    outputs back to float32, so a graph's I/O are the same whatever its precision. The wrapper's
+    children become this module's own: weight names do not change."""
 
-    def __init__(self, wrapper: torch.nn.Module, dtype: str):
+    def __init__(self, wrapper: torch.nn.Module, dtype: str, kept: frozenset = frozenset()):
         super().__init__()
         self._modules.update(wrapper._modules)
         self.__dict__["wrapper"] = wrapper  # not a child: its parameters are already ours
         self.dtype = getattr(torch, dtype)
+        self.kept = kept
 
     def forward(self, *inputs):
-        cast = [x.to(self.dtype) if x.is_floating_point() else x for x in inputs]
+        cast = [x.to(self.dtype) if x.is_floating_point() and i not in self.kept else x for i, x in enumerate(inputs)]
         return tuple(y.float() for y in self.wrapper(*cast))
 
 
 def wrapped(spec: SubmoduleSpec, component, dtype: str = "float32") -> torch.nn.Module:
-    """The module the exporter traces: the spec's wrapper, with float32 I/O when `dtype` is not."""
-    module = spec.wrap(component).eval()
-    return module if dtype == "float32" else TypedIO(module, dtype).eval()
+    """The module the exporter traces: the spec's wrapper, with float32 I/O when `dtype` is not, and
+    the modules the family keeps in fp32 in an fp16 engine (`fp32_scopes`) kept so in an fp16 export."""
+    if dtype == "float32":
+        return spec.wrap(component).eval()
+    keep_in_fp32(component, spec.quantization.get("fp32_scopes", ()))
+    kept = frozenset(i for i, t in enumerate(spec.inputs) if t.name in spec.quantization.get("fp32_inputs", ()))
+    return TypedIO(spec.wrap(component).eval(), dtype, kept).eval()
+
+
+def keep_in_fp32(component: torch.nn.Module, scopes) -> None:
+    """Run the modules named in `scopes` in fp32: their weights cast up, their floating inputs cast to
+    fp32 and their outputs back to the inputs' dtype. Flux's timestep embedding takes timesteps and
+    guidance times 1000, where fp16's spacing turns its sinusoids' phases wrong (docs/precision.md)."""
+    came_in = {}  # module -> its inputs' dtype (a forward hook sees the inputs as cast)
+
+    def up(sub, args, kwargs):
+        floating = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
+        came_in[sub] = floating[0].dtype if floating else torch.float32
+        wide = tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        return wide, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+
+    def down(sub, args, kwargs, output):
+        return output.to(came_in[sub])
+
+    for name, sub in component.named_modules():
+        if name and (name in scopes or name.rsplit(".", 1)[-1] in scopes):
+            for holder in sub.modules():  # not .float(): it cannot swap a traced export's FakeTensor weights
+                for key, p in holder._parameters.items():
+                    if p is not None and p.dtype != torch.float32:
+                        holder._parameters[key] = torch.nn.Parameter(p.float(), requires_grad=False)
+            sub.register_forward_pre_hook(up, with_kwargs=True)
+            sub.register_forward_hook(down, with_kwargs=True)
 
 
 def example_inputs(spec: SubmoduleSpec, dims: dict, constants: dict, seed: int) -> list[np.ndarray]:
@@ -233,40 +264,58 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
     }
 
 
-class Float32Products(torch.overrides.TorchFunctionMode):
-    """Matrix products and convolutions of fp16 tensors computed in fp32 and rounded back to fp16,
-    as GPUs do them (fp32 accumulation). PyTorch's own fp16 products on a CPU without fp16 matrix
-    units are orders of magnitude slower than fp32: a real-size fp16 reference would take hours. Only
-    one product's operands are ever in fp32: the weights stay in fp16."""
-
-    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
-                torch.baddbmm, torch.nn.functional.conv2d, torch.nn.functional.scaled_dot_product_attention}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.PRODUCTS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float16 for a in args):
-            wide = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            wide_kwargs = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                           for k, v in kwargs.items()}
-            return func(*wide, **wide_kwargs).half()
-        return func(*args, **kwargs)
+# Weights above which the parity check holds no component whole (export/streamed_parity.py): the
+# reference and then ONNX Runtime would each hold them once, next to the process's other memory.
+WHOLE_PARITY_MAX_BYTES = 8 << 30
 
 
-def check_parity(spec, src, dtype, constants, probes, onnx_path) -> list[ParityResult]:
-    """PyTorch (the component from_pretrained in `dtype`) against ONNX Runtime at each probe.
-    The references are computed and the module freed before the session opens."""
-    import contextlib
+def check_parity(spec, src, dtype, constants, probes, onnx_path,
+                 whole_max_bytes: int = WHOLE_PARITY_MAX_BYTES, segment_bytes: int | None = None) -> list[ParityResult]:
+    """PyTorch against ONNX Runtime at each probe; the references are computed and freed before the
+    session opens.
 
+    The reference of an fp32 export is the component from_pretrained. That of an fp16 export is the
+    component computed in fp32 over the export's weights (each rounded to the dtype the graph holds it
+    in): ONNX Runtime's CPU kernels compute fp16 graphs in fp32 behind casts (and drop a cast pair
+    where one meets its inverse), so an fp16 reference would differ from them by its own rounding,
+    not by the graph's (Flux's timesteps, rounded to fp16 before their sinusoids: 2 to 3 % of the
+    output). It reads one module's weights at a time, as does a component over `whole_max_bytes`,
+    whose graph ONNX Runtime then runs in segments."""
+    from export import streamed_parity
+
+    feeds = [example_inputs(spec, dims, constants, seed=100 + i) for i, dims in enumerate(probes)]
+    weights = sum(t["length"] for t in checkpoint_index(src.folder / spec.component).values())
+    streamed = weights > whole_max_bytes
+    if streamed or dtype != "float32":
+        refs = streamed_parity.streamed_reference(spec, src, dtype, feeds)
+    else:
+        module = wrapped(spec, src.load(spec.component, **spec.load_kwargs).eval())
+        with torch.no_grad():
+            refs = [[r.numpy() for r in module(*[torch.from_numpy(a) for a in inputs])] for inputs in feeds]
+        del module
+    gc.collect()
+    named = [{t.name: a for t, a in zip(spec.inputs, inputs)} for inputs in feeds]
+    options = _parity_session_options()
+    if streamed:
+        outputs = streamed_parity.segmented_outputs(onnx_path, named, options,
+                                                    segment_bytes or streamed_parity.SEGMENT_BYTES)
+    else:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        outputs = [session.run(None, feed) for feed in named]
+    results = []
+    for dims, got, ref in zip(probes, outputs, refs):
+        err = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref))
+        scale = max(float(np.max(np.abs(r))) for r in ref)
+        used = {k: v for k, v in dims.items() if any(k in t.shape for t in spec.inputs + spec.outputs)}
+        results.append(ParityResult(used, err, scale, PARITY_RTOL[dtype]))
+    return results
+
+
+def _parity_session_options():
     import onnxruntime as ort
 
-    component = src.load(spec.component, torch_dtype=getattr(torch, dtype), **spec.load_kwargs)
-    module = wrapped(spec, component.eval(), dtype)
-    feeds = [example_inputs(spec, dims, constants, seed=100 + i) for i, dims in enumerate(probes)]
-    products = Float32Products() if dtype == "float16" else contextlib.nullcontext()
-    with torch.no_grad(), products:
-        refs = [[r.numpy() for r in module(*[torch.from_numpy(a) for a in inputs])] for inputs in feeds]
-    del module, component
-    gc.collect()
     options = ort.SessionOptions()
     # ONNX Runtime's CPU kernels run fp16 MatMuls in fp32 behind Casts of the weights. At the full
     # optimization level those Casts are folded: fp32 copies of all the weights at once. At the
@@ -276,12 +325,4 @@ def check_parity(spec, src, dtype, constants, probes, onnx_path) -> list[ParityR
     options.enable_cpu_mem_arena = False
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     options.intra_op_num_threads = cpu_threads(None) or 0
-    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    results = []
-    for dims, inputs, ref in zip(probes, feeds, refs):
-        got = session.run(None, {t.name: a for t, a in zip(spec.inputs, inputs)})
-        err = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref))
-        scale = max(float(np.max(np.abs(r))) for r in ref)
-        used = {k: v for k, v in dims.items() if any(k in t.shape for t in spec.inputs + spec.outputs)}
-        results.append(ParityResult(used, err, scale, PARITY_RTOL[dtype]))
-    return results
+    return options

@@ -37,7 +37,8 @@ class SubmoduleSpec:
     # submodule run at every step (fp8 quantizes only it); "keep_scopes" names the modules (path
     # components of the exporter's name scopes, or whole paths where they hold a dot) whose linear
     # layers stay in float when quantized;
-    # "fp32_scopes" names modules to_fp16 keeps in fp32 (Flux's timestep embedding);
+    # "fp32_scopes" names modules to_fp16 (and an fp16 export) keeps in fp32 (Flux's timestep
+    # embedding); "fp32_inputs" names inputs an fp16 export takes in fp32 (the timesteps it feeds it);
     # "activations": True quantizes activations too where a target's int8 quantizes whole
     # submodules (engines/targets/_openvino_int8.py), as it does the denoiser's.
     quantization: dict = field(default_factory=dict)

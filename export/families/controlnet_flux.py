@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from export.families.first_block import HIDDEN, inner_dim
-from export.families.flux import controlled_transformer, export_rope
+from export.families.flux import controlled_transformer, exact_timesteps, export_rope
 from export.random_weights import redraw
 from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
 
@@ -40,10 +40,11 @@ class _FluxControlNet(torch.nn.Module):
         guidance = rest.pop(0) if config.guidance_embeds else None
         mode = rest.pop(0) if config.num_mode is not None else None
         controlnet_cond, conditioning_scale = rest
-        double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
-                                         controlnet_mode=mode, encoder_hidden_states=encoder_hidden_states,
-                                         pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
-                                         txt_ids=txt_ids, guidance=guidance, return_dict=False)
+        with exact_timesteps(self.controlnet, timestep, guidance):
+            double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
+                                             controlnet_mode=mode, encoder_hidden_states=encoder_hidden_states,
+                                             pooled_projections=pooled_projections, timestep=timestep,
+                                             img_ids=img_ids, txt_ids=txt_ids, guidance=guidance, return_dict=False)
         samples = [*(double or ()), *(single or ())]
         return tuple(s * conditioning_scale[i] for i, s in enumerate(samples))
 
@@ -80,7 +81,7 @@ def _spec(config: dict) -> SubmoduleSpec:
         # Run at every step as the transformer is, and quantized as it is (its embedders kept in float).
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "controlnet_x_embedder", "time_text_embed",
                                                         "context_embedder"),
-                      "fp32_scopes": ("time_text_embed",)},
+                      "fp32_scopes": ("time_text_embed",), "fp32_inputs": ("timestep", "guidance")},
     )
 
 

@@ -10,6 +10,7 @@ embedding); FLUX.1-schnell's does not, and its graph has no such input.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -43,6 +44,24 @@ def export_rope(pos_embed) -> None:
     pos_embed.forward = types.MethodType(_rope_in_float32, pos_embed)
 
 
+@contextlib.contextmanager
+def exact_timesteps(model, timestep, guidance):
+    """Give `model`'s (a transformer's, a ControlNet's) time embedding the timestep and guidance times
+    1000 as they come in (float32 in an fp16 export too: the spec's "fp32_inputs"). The model itself
+    casts them to its dtype first: in fp16, a timestep's rounding (1 part in 2048) times 1000 turns
+    the sinusoids' fastest phases by up to a quarter radian. In float32 this changes nothing."""
+    exact = [timestep.float() * 1000] + ([guidance.float() * 1000] if guidance is not None else [])
+
+    def substitute(_, args):
+        return (*exact, *args[len(exact):])
+
+    handle = model.time_text_embed.register_forward_pre_hook(substitute)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class _TransformerForFlux(torch.nn.Module):
     """The transformer with its inputs as FluxPipeline feeds them (the timestep divided by 1000, the ids
     without a batch axis); after the guidance (dev's), when the transformer takes ControlNet residuals,
@@ -56,10 +75,11 @@ class _TransformerForFlux(torch.nn.Module):
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *rest):
         guidance = rest[0] if self.transformer.config.guidance_embeds else None
         residuals = rest[1:] if self.transformer.config.guidance_embeds else rest
-        out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                               pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
-                               txt_ids=txt_ids, guidance=guidance, return_dict=False,
-                               **self._per_block(residuals))
+        with exact_timesteps(self.transformer, timestep, guidance):
+            out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                   pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
+                                   txt_ids=txt_ids, guidance=guidance, return_dict=False,
+                                   **self._per_block(residuals))
         return (out[0],)
 
     def _per_block(self, residuals) -> dict:
@@ -98,8 +118,8 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_text_embed", "context_embedder",
                                                         "norm_out", "transformer.proj_out"),
                       # fp16: the sinusoidal timestep and guidance embeddings (arguments up to a few
-                      # thousand) stay fp32 (engines/passes/to_fp16.py)
-                      "fp32_scopes": ("time_text_embed",)},
+                      # thousand) stay fp32 (engines/passes/to_fp16.py), fed in fp32 (exact_timesteps)
+                      "fp32_scopes": ("time_text_embed",), "fp32_inputs": ("timestep", "guidance")},
         when=lambda src: _has_guidance(src) == guidance,
     )
 
