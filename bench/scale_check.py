@@ -28,11 +28,31 @@ from pathlib import Path
 from bench.report import machine, machine_size, with_section
 
 # The lines that end a stage: "[export] transformer: 312.4 s, ..." and "[engines] transformer: ort-fp16 in ..."
-_DONE = re.compile(r"^\[(export|engines)\] (\w+): (?:[\d.]+ s,|(\w+-\w+) in )")
+_DONE = re.compile(r"^\[(export|engines)\] (\w+): (?:[\d.]+ s,|([\w-]+) in )")
+_WROTE = re.compile(r"^\[engines\] wrote (.+)$")
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a model's check builds after its export, each a (target, precision, options) of `python -m
+    engines`; and whether each output is deleted as soon as no later stage reads it (the model folder
+    after the export, each artifact once measured, the export at the end), for models whose stages
+    would not fit on the disk side by side."""
+
+    builds: tuple = ()
+    stream_disk: bool = False
+
+
 # The real-size models export in fp16, which builds fp16 only (engines/plan.py). OpenVINO's bf16 artifact
 # is the same IR as its fp16 one (weights stored as fp16): only the precision hint its runtime reads differs.
-PRECISION = "fp16"
-TARGETS = ("ort", "openvino")
+DEFAULT = Check(builds=(("ort", "fp16", ()), ("openvino", "fp16", ())))
+CHECKS = {
+    # FLUX.1's 12 B transformer is 24 GB in fp16: OpenVINO's IR in fp16 could not be compiled in 24 GiB, so
+    # it gets int8 weights; and the model folder, the export and an artifact (24 GB each) do not fit
+    # on a disk with 70 GB free side by side.
+    "flux-fullsize": Check(builds=(("ort", "fp16", ()), ("openvino", "fp16", ("--ov-weights", "int8"))),
+                           stream_disk=True),
+}
 
 
 @dataclass
@@ -52,10 +72,12 @@ def _reset_peak(pid: int) -> None:
         f.write("5")
 
 
-def run_measured(command: list[str], label: str, interval: float = 0.05, lines: list | None = None) -> list[Stage]:
+def run_measured(command: list[str], label: str, interval: float = 0.05, lines: list | None = None,
+                 may_fail: bool = False) -> list[Stage]:
     """Run `command`, echoing its output (and appending it to `lines`); one Stage per submodule it
     reports done, named by the artifact it builds, and one for what follows the last (named `label`:
-    writing the manifest, or the whole command if it reports no submodules).
+    writing the manifest, or the whole command if it reports no submodules). A command that fails
+    stops the check, or with `may_fail` ends in a stage that says so (a build the machine cannot hold).
 
     The child's high-water mark is sampled every `interval` seconds and the largest kept per
     stage: the export resets its own mark as it starts each submodule (for the manifest's
@@ -93,7 +115,7 @@ def run_measured(command: list[str], label: str, interval: float = 0.05, lines: 
                     stages.append(Stage(name, time.perf_counter() - start, peak[0]))
                     peak[0] = 0.0
                 start = time.perf_counter()
-        if child.wait():
+        if child.wait() and not may_fail:
             raise SystemExit(f"[scale-check] {label} failed (exit {child.returncode}); see its output above")
     except BaseException:
         child.kill()
@@ -101,6 +123,8 @@ def run_measured(command: list[str], label: str, interval: float = 0.05, lines: 
     finally:
         done.set()
         sampler.join()
+    if child.returncode:  # killed by a signal (the kernel's OOM killer: 9) or an error
+        label = f"{label}: **failed** (exit {child.returncode})"
     stages.append(Stage(label, time.perf_counter() - start, peak[0]))
     return stages
 
@@ -133,46 +157,61 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="build folder (default build/MODEL)")
     p.add_argument("--report", default="BENCHMARKS.md")
     p.add_argument("--remove-after", action="store_true",
-                   help="delete the build folder afterwards (tens of GB at real sizes)")
+                   help="delete each output once no later stage reads it, the build folder at the end (tens of "
+                        "GB at real sizes; always so for the models whose stages do not fit on a disk together)")
     args = p.parse_args(argv)
     python, out = sys.executable, Path(args.out or f"build/{args.model}")
+    check = CHECKS.get(args.model, DEFAULT)
+    remove = args.remove_after or check.stream_disk
     t0 = time.perf_counter()
     printed: list[str] = []
     stages = run_measured([python, "-m", "export.source", args.model], "model folder (random weights)", lines=printed)
-    written = [("model folder (random weights)", Path(printed[-1]))]
+    seen: set = set()
+    model_folder = Path(printed[-1])
+    disk = [("model folder (random weights)", new_bytes(model_folder, seen))]
     # --force: a check measures every stage, it never reuses an earlier run's output
     stages += run_measured([python, "-m", "export", args.model, "--out", str(out), "--force"],
                            "export: tokenizers, manifest")
-    written.append(("export", out / "onnx"))
-    for target in TARGETS:
-        artifact = f"{target}-{PRECISION}"
-        stages += run_measured([python, "-m", "engines", str(out), "--target", target, "--precision", PRECISION,
-                                "--force"], f"{artifact}: tokenizers, manifest")
-        written.append((artifact, out / artifact))
-    seen: set = set()
-    disk = [f"| {name} | {new_bytes(folder, seen) / 2**30:.2f} |" for name, folder in written]
+    disk.append(("export", new_bytes(out / "onnx", seen)))
+    if remove:
+        shutil.rmtree(model_folder)
+    for target, precision, options in check.builds:
+        printed = []
+        stages += run_measured([python, "-m", "engines", str(out), "--target", target, "--precision", precision,
+                                *options, "--force"], f"{target}-{precision}: tokenizers, manifest", lines=printed,
+                               may_fail=True)
+        wrote = [Path(m[1]) for m in map(_WROTE.match, printed) if m]
+        if not wrote:  # failed: its stage says so; a build writes its artifact whole or not at all
+            continue
+        disk.append((wrote[-1].name, new_bytes(wrote[-1], seen)))
+        if remove:
+            shutil.rmtree(wrote[-1])
+    if remove:
+        shutil.rmtree(out, ignore_errors=True)
+    disk_rows = [f"| {name} | {size / 2**30:.2f} |" for name, size in disk]
     budget = args.budget_gib * 1024
     command = f"python -m bench.scale_check {' '.join(argv if argv is not None else sys.argv[1:])}".strip()
     over = [s for s in stages if s.peak_mib > budget]
+    failed = [s for s in stages if "**failed**" in s.name]
     body = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {(time.perf_counter() - t0) / 60:.0f} min "
             f"(`make scale-check` runs it) on {machine()}: `{command}`", "",
             "Each stage is a submodule's export (trace without weights, weights streamed from the checkpoint, "
             "parity against PyTorch at two shapes), its ORT fp16 build (graph passes, writing, a session "
-            "opened once) or its OpenVINO fp16 build (the IR converted and saved; OpenVINO's bf16 is the same "
-            "IR). Peak RSS is the child process's VmHWM, sampled from outside every 50 ms and reset "
-            "at the line that ends each stage; it counts memory-mapped weight pages too.", "",
+            "opened once) or its OpenVINO build (the IR converted, saved and compiled once; OpenVINO's bf16 is "
+            "the same IR as its fp16). Peak RSS is the child process's VmHWM, sampled from outside every "
+            "50 ms and reset at the line that ends each stage; it counts memory-mapped weight pages too.", "",
             *_table(stages, budget), "",
-            "Disk each command wrote (GiB; files hard-linked from an earlier command's are not counted again):", "",
-            "| command | disk (GiB) |", "|---|---|", *disk, "",
+            "Disk each command wrote (GiB; files hard-linked from an earlier command's are not counted again)"
+            + (", each output deleted once no later stage read it" if remove else "") + ":", "",
+            "| command | disk (GiB) |", "|---|---|", *disk_rows, "",
             f"Budget {args.budget_gib:g} GiB: " + ("every stage within it." if not over else
-                                                   f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")]
+                                                   f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")
+            + (f" Failed: {', '.join(s.name for s in failed)}." if failed else "")]
     report = Path(args.report)
     previous = report.read_text() if report.exists() else ""
     report.write_text(with_section(previous, f"Scale check: {args.model} on {machine_size()}", "\n".join(body)))
     print(f"[scale-check] wrote the table to {report}", flush=True)
-    if args.remove_after:
-        shutil.rmtree(out, ignore_errors=True)
-    return 1 if over else 0
+    return 1 if over or failed else 0
 
 
 if __name__ == "__main__":

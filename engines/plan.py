@@ -138,7 +138,7 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     fallback_target = get_target(fallback, precision) if fallback else None
     options = _options(tgt, options)
     source = _source(build_dir)
-    options = options.resolved(build_dir, source)
+    options = options.resolved(build_dir, source, precision)
     if memory and tgt.memory is None:
         raise TargetError(f"target '{target}' plans its own activation memory: --memory is for the ort target")
     if memory_budget is not None and not memory:

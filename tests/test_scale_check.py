@@ -48,3 +48,11 @@ def test_the_table_replaces_its_own_section_only():
     after = with_section(before, "Scale check: m", "new")
     assert after == "# Benchmarks\n\n## A\n\nold a\n\n## Scale check: m\n\nnew\n\n## B\n\nb\n"
     assert with_section("# Benchmarks\n", "Scale check: m", "new").endswith("## Scale check: m\n\nnew\n")
+
+
+def test_a_build_that_fails_ends_in_a_stage_that_says_so():
+    """A build the machine cannot hold (the kernel kills it) is a row of the table, not a lost table."""
+    child = "print('[engines] transformer: ort-fp16 in 1.0 s, ...', flush=True); raise SystemExit(3)"
+    stages = run_measured([sys.executable, "-c", child], "ort-fp16: tokenizers, manifest", may_fail=True)
+    assert [s.name for s in stages] == ["engines transformer (ort-fp16)",
+                                        "ort-fp16: tokenizers, manifest: **failed** (exit 3)"]

@@ -139,7 +139,7 @@ def test_another_targets_flags_are_refused_in_one_line(tmp_path, capsys, flags, 
 @pytest.mark.parametrize("target, kwargs, message", [
     ("ort", {"static": None}, "static is an option of the trt, trt-rtx targets; target 'ort' takes none of it"),
     ("trt-rtx", {"device": "CPU"}, "device is an option of the openvino target; target 'trt-rtx' takes none of it"),
-    ("openvino", {"speed": 2}, "speed is no option of any target; target 'openvino' takes: device, shapes, sizes"),
+    ("openvino", {"speed": 2}, "speed is no option of any target; target 'openvino' takes: device, shapes, sizes, weights"),
 ])
 def test_the_python_api_refuses_them_as_the_cli_does(target, kwargs, message):
     with pytest.raises(TargetError, match=f"^{message}$"):

@@ -62,9 +62,9 @@ class TargetOptions:
         """What changes an engine: part of the artifact's cache key and its manifest's build_options."""
         return {}
 
-    def resolved(self, build_dir: Path, source: dict) -> "TargetOptions":
+    def resolved(self, build_dir: Path, source: dict, precision: str) -> "TargetOptions":
         """The options with the defaults that depend on the build filled in and checked against the
-        export's manifest `source` (TargetError when they do not fit)."""
+        export's manifest `source` and the `precision` built (TargetError when they do not fit)."""
         return self
 
     def variant(self) -> str:

@@ -27,7 +27,7 @@ from typing import ClassVar
 from engines.precisions import TargetRecipe
 from engines.targets import (RESOLVED, BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions,
                              sizes_argument)
-from engines.targets import _openvino_int8, _openvino_lora
+from engines.targets import _openvino_int8, _openvino_lora, _openvino_weights
 from runners.backends import cpu_threads
 from runners.backends.openvino import openvino_core
 from runners.static import StaticRequest
@@ -73,6 +73,7 @@ class OpenVinoOptions(TargetOptions):
     # shapes at its first call, cached per size); None: the target's default (DENOISER_SHAPES).
     shapes: str | None = None
     sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
+    weights: str | None = None  # "int8": the float precisions' linear weights in int8 (_openvino_weights)
     # The export's pipeline constants (filled in by `resolved`): how a size sets every dim the denoiser's
     # graphs take (image tokens, a U-Net's ControlNet residual sides), as the runner will call them.
     pipeline: dict | None = dataclasses.field(default=None, compare=False, repr=False, metadata=RESOLVED)
@@ -89,20 +90,34 @@ class OpenVinoOptions(TargetOptions):
         group.add_argument("--ov-sizes", type=sizes_argument, default=(), metavar="512x512[,HxW...]",
                            help="also compile the denoiser static for these image sizes (height x width) at build "
                                 "time, for --ov-device (alone, --ov-device does it for the model's default size)")
+        group.add_argument("--ov-weights", choices=_openvino_weights.WEIGHTS, default=None,
+                           help="store the linear layers' weights in int8 (one scale per output channel), computed "
+                                "in the precision's float type: half the IR of fp16/bf16, quantized a weight at a "
+                                "time (for models too large for NNCF's in memory; default: the precision's own)")
 
     @classmethod
     def from_args(cls, args) -> OpenVinoOptions:
-        return cls(args.ov_device, args.ov_shapes, args.ov_sizes)
+        return cls(args.ov_device, args.ov_shapes, args.ov_sizes, args.ov_weights)
 
     def settings(self) -> dict:
-        settings = {"device": self.device, "ov_shapes": self.shapes, "ov_sizes": [list(s) for s in self.sizes]}
+        settings = {"device": self.device, "ov_shapes": self.shapes, "ov_sizes": [list(s) for s in self.sizes],
+                    "ov_weights": self.weights}
         return {k: v for k, v in settings.items() if v}
 
-    def resolved(self, build_dir: Path, source: dict) -> OpenVinoOptions:
+    def variant(self) -> str:
+        return f"-{self.weights}-weights" if self.weights else ""
+
+    def resolved(self, build_dir: Path, source: dict, precision: str) -> OpenVinoOptions:
         if self.sizes and not self.device:
             raise TargetError("--ov-sizes compiles the denoiser for a device at build time: add --ov-device CPU")
         if self.shapes not in (None, *SHAPES):
             raise TargetError(f"--ov-shapes {self.shapes}: the openvino target takes {' or '.join(SHAPES)}")
+        if self.weights not in (None, *_openvino_weights.WEIGHTS):
+            raise TargetError(f"--ov-weights {self.weights}: the openvino target takes "
+                              f"{' or '.join(_openvino_weights.WEIGHTS)}")
+        if self.weights and PRECISIONS[precision].quantize:
+            raise TargetError(f"--ov-weights {self.weights} is for the float precisions: --precision {precision} "
+                              f"quantizes the weights itself (NNCF)")
         return dataclasses.replace(self, pipeline=source["pipeline"])
 
 
@@ -157,6 +172,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         check_device(core, options.device)
     with tempfile.TemporaryDirectory(prefix="onnx-for-openvino-", dir=out_dir) as tmp:
         onnx_path = Path(tmp) / f"{sub.name}.onnx"
+        compressed = _openvino_weights.compress_weights(sub.model) if options.weights else 0
         ir.save(sub.model, onnx_path, external_data=f"{sub.name}.onnx.data")  # any size: weights beside it
         try:
             model = ov.convert_model(onnx_path)
@@ -192,7 +208,9 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         session_options["static_models"] = static
     return files, {"session_config": config, "session_options": session_options,
                    "engine": {"openvino": ov.get_version(),
-                              "weights": "f32" if config[HINT] == "f32" else "i8 and f16" if quantized else "f16",
+                              "weights": ("i8 and f32" if compressed else "f32") if config[HINT] == "f32" else
+                              "i8 and f16" if quantized or compressed else "f16",
+                              **({"int8_weights": compressed} if options.weights else {}),
                               "lora_layers": lora_layers,
                               **({"compiled_for": options.device} if options.device else {})},
             **quantized}

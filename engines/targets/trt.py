@@ -91,7 +91,7 @@ class TrtOptions(TargetOptions):
         return {"static": self.static and self.static.record(), "compute_capabilities": list(self.compute_capabilities),
                 "workspace_mib": self.workspace_mib, **({"refittable": True} if self.refittable else {})}
 
-    def resolved(self, build_dir: Path, source: dict) -> TrtOptions:
+    def resolved(self, build_dir: Path, source: dict, precision: str) -> TrtOptions:
         cache_dir = self.cache_dir or build_dir / "engine-cache"
         if cache_dir.exists() and not cache_dir.is_dir():
             raise TargetError(f"--engine-cache {cache_dir} is a file: give a folder (created if missing)")
