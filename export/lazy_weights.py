@@ -21,9 +21,11 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from runners.manifest import tensor_values
 from runners.provenance import WeightTable, dtype_name
 
-_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64}  # FLUX.1, SD3.5: BF16
+# FLUX.1 and SD3.5 ship BF16 checkpoints
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64}
 
 
 class WeightsError(RuntimeError):
@@ -115,7 +117,8 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
             counts["weights_mapped"] += 1
         else:
             value.const_value = ir.LazyTensor(
-                lambda s=stored, w=want: ir.tensor(_read(s).astype(w.numpy())), dtype=want, shape=stored.shape, name=name)
+                lambda s=stored, w=want: ir.tensor(tensor_values(s).astype(w.numpy())), dtype=want, shape=stored.shape,
+                name=name)
             counts["weights_converted"] += 1
     table.unread = {(component, key) for key in index if key not in read and key.endswith(".weight")}
     return counts
@@ -139,14 +142,6 @@ def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> tuple[str,
                                   shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
 
 
-def _read(tensor) -> np.ndarray:
-    """The tensor's values as a new array, leaving no mapping of the checkpoint resident."""
-    array = np.array(tensor.numpy())
-    if isinstance(tensor, ir.ExternalTensor):
-        tensor.release()
-    return array
-
-
 def defer_weight_transposes(model: ir.Model, table: WeightTable) -> int:
     """Replace each Transpose of a weight by an initializer computed when the graph is written
     (recorded in `table` as the weight transposed).
@@ -163,8 +158,9 @@ def defer_weight_transposes(model: ir.Model, table: WeightTable) -> int:
         weight, out = source.const_value, node.outputs[0]
         shape = ir.Shape([weight.shape[i] for i in perm] if perm else list(reversed(weight.shape)))
         folded = ir.Value(name=out.name, shape=shape, type=ir.TensorType(weight.dtype))
-        folded.const_value = ir.LazyTensor(lambda w=weight, p=perm: ir.tensor(np.ascontiguousarray(np.transpose(_read(w), p))),
-                                           dtype=weight.dtype, shape=shape, name=out.name)
+        folded.const_value = ir.LazyTensor(
+            lambda w=weight, p=perm: ir.tensor(np.ascontiguousarray(np.transpose(tensor_values(w), p))),
+            dtype=weight.dtype, shape=shape, name=out.name)
         out.replace_all_uses_with(folded)
         model.graph.remove(node, safe=True)
         model.graph.register_initializer(folded)

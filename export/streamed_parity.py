@@ -1,5 +1,7 @@
-"""The parity check of a submodule too large to hold twice (FLUX.1's 12 B transformer: 24 GB in fp16):
-PyTorch and ONNX Runtime each run the whole submodule with one part of its weights in memory at a time.
+"""The parity check without a submodule's weights in memory whole: PyTorch and ONNX Runtime each run the
+whole submodule with one part of its weights in memory at a time. For submodules too large to hold
+twice (FLUX.1's 12 B transformer: 24 GB in fp16), and for the reference of every fp16 export, computed in
+fp32 over its fp16 weights (whole, that would double them).
 
 - **The reference** is the weightless component (`export/lazy_weights.py`: FakeTensor parameters)
   whose modules are given their checkpoint tensors just before their forward runs and lose them
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.lazy_weights import _read, _stored, checkpoint_index, weightless_component
+from export.lazy_weights import _stored, checkpoint_index, weightless_component
+from runners.manifest import tensor_values
 
 SEGMENT_BYTES = 1 << 30  # weights per ONNX Runtime segment
 
@@ -46,7 +49,7 @@ def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> 
         def load(*_):
             for p, full in names.items():
                 _, stored = _stored(full, aliases[id(fakes[p])], index)
-                values = torch.from_numpy(_read(stored).astype(np.float32)).to(held_as[full]).float()
+                values = torch.from_numpy(tensor_values(stored).astype(np.float32)).to(held_as[full]).float()
                 sub._parameters[p] = torch.nn.Parameter(values, requires_grad=False)
 
         def drop(*_):
@@ -79,7 +82,8 @@ def _names_used(node) -> set[str]:
 def _weight_bytes(init) -> int:
     import onnx
 
-    return int(np.prod(init.dims, dtype=np.int64)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+    return int(np.prod(init.dims, dtype=np.int64)) * itemsize
 
 
 def segments(model, segment_bytes: int) -> list[list]:

@@ -162,6 +162,19 @@ ONNX_INLINE_LIMIT = 2**31  # protobuf's limit: a larger graph keeps its weights 
 SMALL_INLINE_BYTES = 1024
 
 
+def tensor_values(tensor):
+    """An onnx-ir tensor's values as a new numpy array, leaving no mapping of its file resident: an
+    ExternalTensor keeps its memory map once read, and a real-size model's weights read so (24 GB of
+    FLUX.1's) would all stay mapped."""
+    import numpy as np
+    import onnx_ir as ir
+
+    array = np.array(tensor.numpy())
+    if isinstance(tensor, ir.ExternalTensor):
+        tensor.release()
+    return array
+
+
 def save_graph(model, path: Path, external: set[str] = frozenset()) -> list[str]:
     """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB, else in one
     external file beside it, streamed there a tensor at a time from wherever they live (a

@@ -18,6 +18,7 @@ import onnx_ir as ir
 
 from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import replace_uses
+from runners.manifest import tensor_values
 from runners.provenance import WeightTable, dtype_name
 
 
@@ -105,7 +106,7 @@ def _lazy_concat(tensors: list, axis: int, name: str) -> ir.LazyTensor:
     """The concatenation, computed when the model is saved: no fused copy is held in memory."""
     shape = list(tensors[0].shape)
     shape[axis] = sum(t.shape[axis] for t in tensors)
-    return ir.LazyTensor(lambda: ir.tensor(np.concatenate([t.numpy() for t in tensors], axis=axis)),
+    return ir.LazyTensor(lambda: ir.tensor(np.concatenate([tensor_values(t) for t in tensors], axis=axis)),
                          dtype=tensors[0].dtype, shape=ir.Shape(shape), name=name)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from runners.manifest import tensor_values
+
 WEIGHTS = ("int8",)
 # Smaller weights are not worth a scale per channel (every real model's linear layers are far larger).
 MIN_ELEMENTS = 1024
@@ -22,13 +24,13 @@ MIN_ELEMENTS = 1024
 def _scale(weight, axis: int) -> np.ndarray:
     """One scale per output channel (the slices along `axis`), symmetric: the channel's largest
     magnitude maps to 127."""
-    scale = np.abs(np.asarray(weight.numpy(), dtype=np.float32)).max(axis=1 - axis) / 127
+    scale = np.abs(tensor_values(weight).astype(np.float32)).max(axis=1 - axis) / 127
     scale[scale == 0] = 1
     return scale
 
 
 def _int8(weight, axis: int) -> np.ndarray:
-    w = np.asarray(weight.numpy(), dtype=np.float32)
+    w = tensor_values(weight).astype(np.float32)
     return np.clip(np.rint(w / np.expand_dims(_scale(weight, axis), 1 - axis)), -127, 127).astype(np.int8)
 
 
@@ -61,8 +63,8 @@ def _dequantized(model: ir.Model, before: ir.Node, weight: ir.Value, tensor, axi
     values.const_value = ir.LazyTensor(lambda: ir.tensor(_int8(tensor, axis)), dtype=ir.DataType.INT8,
                                        shape=ir.Shape(tensor.shape), name=values.name)
     scale = ir.Value(name=f"{weight.name}_scale", shape=ir.Shape([channels]), type=ir.TensorType(tensor.dtype))
-    scale.const_value = ir.LazyTensor(lambda: ir.tensor(_scale(tensor, axis).astype(tensor.dtype.numpy())), dtype=tensor.dtype,
-                                      shape=ir.Shape([channels]), name=scale.name)
+    scale.const_value = ir.LazyTensor(lambda: ir.tensor(_scale(tensor, axis).astype(tensor.dtype.numpy())),
+                                      dtype=tensor.dtype, shape=ir.Shape([channels]), name=scale.name)
     model.graph.register_initializer(values)
     model.graph.register_initializer(scale)
     node = ir.Node("", "DequantizeLinear", [values, scale], attributes=[ir.AttrInt64("axis", axis)],
