@@ -61,7 +61,8 @@ class TypedIO(torch.nn.Module):
         self.kept = kept
 
     def forward(self, *inputs):
-        cast = [x.to(self.dtype) if x.is_floating_point() and i not in self.kept else x for i, x in enumerate(inputs)]
+        cast = [x.to(self.dtype) if x.is_floating_point() and i not in self.kept else x
+                for i, x in enumerate(inputs)]
         return tuple(y.float() for y in self.wrapper(*cast))
 
 
@@ -278,9 +279,8 @@ def check_parity(spec, src, dtype, constants, probes, onnx_path,
     component computed in fp32 over the export's weights (each rounded to the dtype the graph holds it
     in): ONNX Runtime's CPU kernels compute fp16 graphs in fp32 behind casts (and drop a cast pair
     where one meets its inverse), so an fp16 reference would differ from them by its own rounding,
-    not by the graph's (Flux's timesteps, rounded to fp16 before their sinusoids: 2 to 3 % of the
-    output). It reads one module's weights at a time, as does a component over `whole_max_bytes`,
-    whose graph ONNX Runtime then runs in segments."""
+    not by the graph's. It reads one module's weights at a time, as does a component over
+    `whole_max_bytes`, whose graph ONNX Runtime then runs in segments."""
     from export import streamed_parity
 
     feeds = [example_inputs(spec, dims, constants, seed=100 + i) for i, dims in enumerate(probes)]

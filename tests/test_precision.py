@@ -294,3 +294,22 @@ def test_an_fp16_export_builds_fp16_engines_as_they_are(fp16_export, fp32_images
         assert psnr >= bound, (prompt, psnr)
     with pytest.raises(TargetError, match="exported in float16: it builds --precision fp16 only"):
         build_artifact(fp16_export, "ort", "int8")
+
+
+def test_an_fp16_export_builds_openvino_bf16_over_the_same_ir(fp16_export, fp32_images):
+    """OpenVINO takes its precisions as runtime hints over one IR: an fp16 export builds its bf16 (what the
+    scale check compiles real sizes with) as it does from float32, and refuses its int8 (calibrated on the
+    ort-fp32 artifact, which an fp16 export cannot build)."""
+    pytest.importorskip("openvino")
+    from engines.api import build_artifact
+    from engines.targets import TargetError
+
+    artifact = build_artifact(fp16_export, "openvino", "bf16")
+    assert manifest(artifact)["exported_dtype"] == "float16"
+    latents, refs = fp32_images
+    image = Pipeline.load(artifact)(PROMPTS[0], latents=latents, num_inference_steps=6, output_type="np")
+    psnr = _psnr(refs[0], image)
+    print(f"fp16 export, openvino-bf16 {PROMPTS[0]!r}: PSNR {psnr:.1f} dB")
+    assert psnr >= 40, psnr  # measured 45.1 dB
+    with pytest.raises(TargetError, match="exported in float16: it builds --precision fp16 only"):
+        build_artifact(fp16_export, "openvino", "int8")

@@ -21,17 +21,16 @@ WEIGHTS = ("int8",)
 MIN_ELEMENTS = 1024
 
 
-def _scale(weight, axis: int) -> np.ndarray:
-    """One scale per output channel (the slices along `axis`), symmetric: the channel's largest
-    magnitude maps to 127."""
-    scale = np.abs(tensor_values(weight).astype(np.float32)).max(axis=1 - axis) / 127
+def _scale(w: np.ndarray, axis: int) -> np.ndarray:
+    """One scale per output channel (the slices along `axis`) of the float32 weight `w`, symmetric:
+    the channel's largest magnitude maps to 127."""
+    scale = np.abs(w).max(axis=1 - axis) / 127
     scale[scale == 0] = 1
     return scale
 
 
-def _int8(weight, axis: int) -> np.ndarray:
-    w = tensor_values(weight).astype(np.float32)
-    return np.clip(np.rint(w / np.expand_dims(_scale(weight, axis), 1 - axis)), -127, 127).astype(np.int8)
+def _int8(w: np.ndarray, axis: int) -> np.ndarray:
+    return np.clip(np.rint(w / np.expand_dims(_scale(w, axis), 1 - axis)), -127, 127).astype(np.int8)
 
 
 def compress_weights(model: ir.Model) -> int:
@@ -58,12 +57,15 @@ def compress_weights(model: ir.Model) -> int:
 
 
 def _dequantized(model: ir.Model, before: ir.Node, weight: ir.Value, tensor, axis: int) -> ir.Value:
+    def read():  # each of the two tensors reads the weight once, when it is written
+        return tensor_values(tensor).astype(np.float32)
+
     channels = tensor.shape[axis]
     values = ir.Value(name=f"{weight.name}_int8", shape=ir.Shape(tensor.shape), type=ir.TensorType(ir.DataType.INT8))
-    values.const_value = ir.LazyTensor(lambda: ir.tensor(_int8(tensor, axis)), dtype=ir.DataType.INT8,
+    values.const_value = ir.LazyTensor(lambda: ir.tensor(_int8(read(), axis)), dtype=ir.DataType.INT8,
                                        shape=ir.Shape(tensor.shape), name=values.name)
     scale = ir.Value(name=f"{weight.name}_scale", shape=ir.Shape([channels]), type=ir.TensorType(tensor.dtype))
-    scale.const_value = ir.LazyTensor(lambda: ir.tensor(_scale(tensor, axis).astype(tensor.dtype.numpy())),
+    scale.const_value = ir.LazyTensor(lambda: ir.tensor(_scale(read(), axis).astype(tensor.dtype.numpy())),
                                       dtype=tensor.dtype, shape=ir.Shape([channels]), name=scale.name)
     model.graph.register_initializer(values)
     model.graph.register_initializer(scale)

@@ -69,11 +69,14 @@ def _key(shapes: dict) -> tuple:
 
 
 class _Compiled:
-    """One compiled model and its infer request."""
+    """One compiled model and its infer request; `names` are its outputs' names in the IR. A compiled
+    output can carry more names than the IR's: where the plugin drops a Convert at an output (an fp16
+    export's cast back to float32, with the bf16 hint), the output takes its input's names too, and
+    `get_any_name` may return one of those."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, names: list[str]):
         self.compiled, self.request = compiled, compiled.create_infer_request()
-        self.output_names = [o.get_any_name() for o in compiled.outputs]
+        self.output_names = names
 
 
 class OpenVinoSession:
@@ -108,13 +111,15 @@ class OpenVinoSession:
         self.per_size: OrderedDict[tuple, _Compiled] = OrderedDict()
         self.dynamic = None
         self.blob = options.get("compiled_model")
+        self.output_names = [o.get_any_name() for o in self.core.read_model(self.path).outputs]
         self.lora_layers = list(lora_layers or ())
         self.branched = False  # compiled with the adapters' branches (from the first adapter on)
         self.lora_feeds: dict[str, np.ndarray] = {}
         if lora_factors is not None:
             self.set_lora_factors(lora_factors)
         elif self.shapes == "dynamic":
-            self.dynamic = _Compiled((self._import(self.blob) if self.blob else None) or self._compile())
+            self.dynamic = _Compiled((self._import(self.blob) if self.blob else None) or self._compile(),
+                                     self.output_names)
         self.last = self.dynamic  # the model run last
 
     def set_lora_factors(self, factors: dict) -> None:
@@ -131,7 +136,7 @@ class OpenVinoSession:
             self.branched = True
             self.per_size.clear()  # compiled without the branches' inputs
             self.static_files = {}
-            self.dynamic = _Compiled(self._compile()) if self.shapes == "dynamic" else None
+            self.dynamic = _Compiled(self._compile(), self.output_names) if self.shapes == "dynamic" else None
         if self.branched:
             self.lora_feeds = branch_feeds(self.lora_layers, factors)
 
@@ -164,7 +169,7 @@ class OpenVinoSession:
         if key not in self.per_size:
             blob = self.static_files.get(key)
             compiled = (self._import(blob) if blob else None) or self._compile(dict(key))
-            self.per_size[key] = _Compiled(compiled)
+            self.per_size[key] = _Compiled(compiled, self.output_names)
             while len(self.per_size) > KEEP_SIZES:
                 self.per_size.popitem(last=False)
         self.per_size.move_to_end(key)
