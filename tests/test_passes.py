@@ -141,6 +141,34 @@ def test_fusions_with_qk_norm_and_dual_attention(sd35_onnx, tmp_path):
     assert counts["fuse_attention"] == {**counts["fuse_attention"], **expected["fuse_attention"]}
 
 
+def test_fused_weights_stay_under_the_cap(tiny_build, monkeypatch, tmp_path):
+    """A group whose fused weight would pass MAX_FUSED_BYTES becomes consecutive groups under it
+    (sd3-tiny's adaLN projections, capped at twice the largest of them): same outputs, more groups,
+    every fused weight within the cap."""
+    from engines.passes import fuse_qkv
+
+    model = ir.load(tiny_build / "onnx" / "transformer.onnx")
+    groups = fuse_qkv.find_groups(model.graph)
+    widest = max(groups, key=lambda g: sum(m.weight.const_value.nbytes for m in g))
+    member = max(m.weight.const_value.nbytes for m in widest)
+    assert len(widest) > 2
+    monkeypatch.setattr(fuse_qkv, "MAX_FUSED_BYTES", 2 * member)
+    capped = fuse_qkv.find_groups(model.graph)
+    assert len(capped) > len(groups)
+    feeds = {v.name: np.random.default_rng(0).standard_normal(
+        [d if isinstance(d, int) else 2 for d in v.shape], dtype=np.float32) for v in model.graph.inputs}
+    feeds = {k: (a * 100).round().astype(np.int64) if model.graph.inputs[i].dtype == ir.DataType.INT64 else a
+             for i, (k, a) in enumerate(feeds.items())}
+    ref = _run(model, feeds, tmp_path)
+    fused, reports = run_passes(model, ["fuse_qkv"], "transformer")
+    assert reports[0]["counts"]["groups"] == len(capped)
+    sizes = [v.const_value.nbytes for name, v in fused.graph.initializers.items()
+             if name.startswith("qkv_fused_") and name.endswith(".weight")]
+    assert len(sizes) == len(capped) and max(sizes) <= 2 * member
+    for r, o in zip(ref, _run(fused, feeds, tmp_path)):
+        assert np.abs(r - o).max() <= PASS_RTOL * max(1.0, float(np.abs(r).max()))
+
+
 def test_qkv_weights_stay_lazy_and_external(tiny_build, tmp_path):
     """A graph whose weights are external data goes through every graph pass without them being
     read: they stay memory-mapped references, and fused weights are computed at save time. (The

@@ -7,6 +7,12 @@ concatenated weights reads the activation once and runs at a larger, more effici
 
 The split happens right after the projection, so whatever follows each member (per-head
 RMS norm of q and k, a second attention in the same block) sees exactly the tensor it saw.
+
+A fused weight stays under `MAX_FUSED_BYTES`: a group past it becomes consecutive groups. Every
+adaLN projection of FLUX.1's 57 blocks reads silu(temb): fused whole, they made one 6.5 GB fp16
+weight, which the concatenation (and OpenVINO's int8 weights, in float32) held in memory at once
+(BENCHMARKS.md's flux-fullsize scale check). Those projections are matrix-vector products at any
+image size, as fast in pieces; q/k/v, gates and MLP inputs of real models stay far under the cap.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import replace_uses
 from runners.manifest import tensor_values
 from runners.provenance import WeightTable, dtype_name
+
+MAX_FUSED_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -98,8 +106,22 @@ def find_groups(graph: ir.Graph) -> list[list[_Member]]:
                 m = _member(use.node, x) if use.idx == 0 else None
                 if m is not None:
                     by_key[_key(m)].append(m)
-            groups.extend(g for g in by_key.values() if len(g) > 1)
+            groups.extend(g for members in by_key.values() for g in _capped(members) if len(g) > 1)
     return groups
+
+
+def _capped(members: list[_Member]) -> list[list[_Member]]:
+    """`members` in consecutive runs whose weights total at most `MAX_FUSED_BYTES` (a member
+    larger than that alone)."""
+    runs, size = [[]], 0
+    for m in members:
+        nbytes = m.weight.const_value.nbytes
+        if runs[-1] and size + nbytes > MAX_FUSED_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(m)
+        size += nbytes
+    return runs
 
 
 def _lazy_concat(tensors: list, axis: int, name: str) -> ir.LazyTensor:

@@ -73,7 +73,7 @@ class OpenVinoOptions(TargetOptions):
     # shapes at its first call, cached per size); None: the target's default (DENOISER_SHAPES).
     shapes: str | None = None
     sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
-    weights: str | None = None  # "int8": the float precisions' linear weights in int8 (_openvino_weights)
+    weights: str | None = None  # "int8", "int4": the float precisions' linear weights so (_openvino_weights)
     # The export's pipeline constants (filled in by `resolved`): how a size sets every dim the denoiser's
     # graphs take (image tokens, a U-Net's ControlNet residual sides), as the runner will call them.
     pipeline: dict | None = dataclasses.field(default=None, compare=False, repr=False, metadata=RESOLVED)
@@ -91,9 +91,10 @@ class OpenVinoOptions(TargetOptions):
                            help="also compile the denoiser static for these image sizes (height x width) at build "
                                 "time, for --ov-device (alone, --ov-device does it for the model's default size)")
         group.add_argument("--ov-weights", choices=_openvino_weights.WEIGHTS, default=None,
-                           help="store the linear layers' weights in int8 (one scale per output channel), computed "
-                                "in the precision's float type: half the IR of fp16/bf16, quantized a weight at a "
-                                "time (for models too large for NNCF's in memory; default: the precision's own)")
+                           help="store the linear layers' weights in int8 (one scale per output channel) or int4 "
+                                "(one per channel and 128 inputs), computed in the precision's float type: a half or "
+                                "a quarter of the IR of fp16/bf16, quantized a weight at a time (for models too "
+                                "large for NNCF's in memory; default: the precision's own)")
 
     @classmethod
     def from_args(cls, args) -> OpenVinoOptions:
@@ -172,7 +173,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         check_device(core, options.device)
     with tempfile.TemporaryDirectory(prefix="onnx-for-openvino-", dir=out_dir) as tmp:
         onnx_path = Path(tmp) / f"{sub.name}.onnx"
-        compressed = _openvino_weights.compress_weights(sub.model) if options.weights else 0
+        compressed = _openvino_weights.compress_weights(sub.model, options.weights) if options.weights else {}
         ir.save(sub.model, onnx_path, external_data=f"{sub.name}.onnx.data")  # any size: weights beside it
         try:
             model = ov.convert_model(onnx_path)
@@ -189,6 +190,8 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         ov.save_model(model, out_dir / files[0], compress_to_fp16=config[HINT] != "f32")
     del model
     session_options = {"device": options.device or "CPU", "shapes": shapes}
+    stored = ", ".join(f"i{kind[3:]}" for kind, n in compressed.items() if n) or ("i8" if quantized else None)
+    float_type = "f32" if config[HINT] == "f32" else "f16"
     if options.device and shapes == "dynamic":
         # The runner imports this blob: the plugin's own compiled form for this device and release.
         files.append(compiled_name(sub.name, options.device))
@@ -208,9 +211,8 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         session_options["static_models"] = static
     return files, {"session_config": config, "session_options": session_options,
                    "engine": {"openvino": ov.get_version(),
-                              "weights": ("i8 and f32" if compressed else "f32") if config[HINT] == "f32" else
-                              "i8 and f16" if quantized or compressed else "f16",
-                              **({"int8_weights": compressed} if options.weights else {}),
+                              "weights": f"{stored} and {float_type}" if stored else float_type,
+                              **{f"{kind}_weights": n for kind, n in compressed.items()},
                               "lora_layers": lora_layers,
                               **({"compiled_for": options.device} if options.device else {})},
             **quantized}
