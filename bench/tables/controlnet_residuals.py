@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import in_child, log, stats, timed_calls
+from bench.harness import GRAPH_CALLS, alternating_graph_calls, in_child, log, stats
 from bench.tables import Table
 from bench.tables.controlnet import with_controlnets
-from bench.workload import make_inputs
 
 
 def strip_residuals(source: Path, names: list[str], out: Path) -> None:
@@ -33,21 +32,6 @@ def strip_residuals(source: Path, names: list[str], out: Path) -> None:
     for data in source.parent.glob(f"{source.name}.data"):
         os.link(data, out.parent / data.name)
     ir.save(model, out)
-
-
-CALLS_PER_PROCESS = 3
-
-
-def _graph_calls(path: str, entry: dict, inputs: dict, names: list[str]) -> list[float]:
-    """In a fresh process: CALLS_PER_PROCESS timed calls of one denoiser graph after a warm-up, its residual
-    inputs fed zeros."""
-    from runners.backends.ort import OrtSession
-
-    feeds = make_inputs({"denoiser": inputs})["denoiser"]
-    feeds.update({n: np.zeros_like(feeds[n]) for n in names})
-    session = OrtSession(path, session_config=entry.get("session_config"),
-                         session_options=entry.get("session_options"))
-    return timed_calls({"call": lambda: session.run(feeds)}, CALLS_PER_PROCESS)["call"]
 
 
 def _with_residuals(run) -> Path:
@@ -76,15 +60,10 @@ def measure(run) -> list[dict]:
     inputs = {**run.inputs(a.size, [denoiser])[denoiser],
               **{t["name"]: {"shape": list(concrete(t["shape"], dims, run.constants)), "dtype": t["dtype"],
                              "high": None} for t in residuals}}
-    times = {"with": [], "without": []}
     with tempfile.TemporaryDirectory(prefix="bench-residuals-") as scratch:
         graphs = {"with": artifact / entry["file"], "without": Path(scratch) / entry["file"]}
         in_child(strip_residuals, graphs["with"], names, graphs["without"])
-        # Each graph in fresh processes, one at a time and alternating: two sessions of one process, called in
-        # turn, measured the graph with the additions 12% slower, where a profile of each alone finds 0.6%.
-        for _ in range(a.residuals_reps):
-            for key, path in graphs.items():
-                times[key] += in_child(_graph_calls, str(path), entry, inputs, names)
+        times = alternating_graph_calls(graphs, entry, inputs, a.residuals_reps, zeros=tuple(names))
     added = sum(int(np.prod(inputs[n]["shape"])) * 4 for n in names) / 2**20
     rows = []
     for label, key in (("with its residual inputs, zeros added", "with"), ("without their additions", "without")):
@@ -99,8 +78,8 @@ def measure(run) -> list[dict]:
                  f"{run.src.entry.name}, one call at batch 2, ort-fp32)",
         "columns": ["denoiser graph", "residual inputs added", "MiB added per call", "median ms", "cost vs without"],
         "rows": rows,
-        "notes": [f"Medians of {a.residuals_reps * CALLS_PER_PROCESS} calls of each graph with the same inputs: "
-                  f"{CALLS_PER_PROCESS} calls after a warm-up in each of {a.residuals_reps} fresh processes per graph, "
+        "notes": [f"Medians of {a.residuals_reps * GRAPH_CALLS} calls of each graph with the same inputs: "
+                  f"{GRAPH_CALLS} calls after a warm-up in each of {a.residuals_reps} fresh processes per graph, "
                   f"one process at a time, the graphs alternating. The graph with them is {where}. The graph "
                   "without their additions is that artifact's with each residual's Add taken out "
                   "(bench/tables/controlnet_residuals.py): what a second, plain denoiser graph would compute. The "
@@ -110,7 +89,7 @@ def measure(run) -> list[dict]:
 
 def _arguments(group) -> None:
     group.add_argument("--residuals-reps", type=int, default=3,
-                       help=f"fresh processes per graph in the ControlNet residual table ({CALLS_PER_PROCESS} calls "
+                       help=f"fresh processes per graph in the ControlNet residual table ({GRAPH_CALLS} calls "
                             "each)")
 
 
