@@ -128,7 +128,7 @@ bench: venv optimum-venv optimum-intel-venv
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory,caches,controlnet-residuals,controlnet \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
-	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,controlnet-residuals \
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
 # Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
