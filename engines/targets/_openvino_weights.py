@@ -14,9 +14,9 @@ compressed weights: the IR and the compiled model hold them compressed.
   with its default group size), ONNX's blocked DequantizeLinear (opset 21). A weight whose input
   width no block of 16 or more divides gets int8.
 
-Why int4 exists: OpenVINO's CPU compile holds a weight twice, memory-mapped from the IR and
-repacked, so FLUX.1 with int8 weights (12 GB) peaks near 24 GB; with int4 near 13 GB
-(docs/real-sizes.md).
+Why int4 exists: OpenVINO's CPU compile holds a compressed weight twice, memory-mapped from the IR
+and repacked, so FLUX.1's 12 GB of int8 weights cannot compile within the scale check's 16 GiB; its
+int4 weights do (BENCHMARKS.md, docs/real-sizes.md).
 """
 from __future__ import annotations
 
