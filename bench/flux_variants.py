@@ -1,7 +1,7 @@
 """The Flux table's variants (bench/tables/flux.py). Each makes whole images from the same packed
 starting latents and times the parts inside its own run: the transformer's seconds per step and
 the VAE decode. diffusers' and optimum-intel's pipelines are timed by wrapping their transformer
-and VAE, ours by the pipeline's stage timings, openvino.genai's by its performance metrics. Every
+and VAE, ours by the pipeline's stage timings (openvino.genai's row is bench.variants.GenAI). Every
 variant runs at its defaults (FLUX.1-dev's: 512 T5 tokens, guidance embedding 3.5, no negative
 prompt), so each does the same work."""
 from __future__ import annotations
@@ -69,43 +69,8 @@ class FluxOptimumIntel(_FluxDiffusersCall):
         self._time_parts()
 
 
-class FluxGenAI:
-    """openvino.genai's Text2ImagePipeline on optimum-intel's export (in .venv-optimum-intel), on the
-    CPU, at its defaults; `cache=False` turns its default step cache (TaylorSeer) off."""
-
-    def __init__(self, folder: str, cache: bool = True):
-        import openvino_genai
-
-        self.genai = openvino_genai
-        self.pipe = openvino_genai.Text2ImagePipeline(folder, "CPU")
-        if not cache:
-            config = self.pipe.get_generation_config()
-            config.taylorseer_config = None
-            self.pipe.set_generation_config(config)
-
-    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
-        import openvino
-
-        class Given(self.genai.Generator):  # the pipeline draws its starting latents from it: ours
-            def next(self):
-                raise RuntimeError("the Flux table's runs draw only their starting latents")
-
-            def randn_tensor(self, shape):
-                if tuple(shape) != latents.shape:
-                    raise ValueError(f"openvino.genai asked for latents of shape {tuple(shape)}, not {latents.shape}")
-                return openvino.Tensor(latents)
-
-        t0 = time.perf_counter()
-        images = self.pipe.generate(PROMPT, height=height, width=width, num_inference_steps=steps, generator=Given())
-        seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
-        image = images.data[0].astype(np.float32) / 255  # uint8 HWC
-        return timed_result(seconds, steps, sum(metrics.raw_metrics.transformer_inference_durations) / 1e6,
-                       metrics.get_vae_decoder_infer_duration() / 1e3, image, out)
-
-
 def make_flux_variant(kind: str, path: str, **options):
-    kinds = {"flux-ours": FluxOurs, "flux-diffusers": FluxDiffusers, "flux-optimum-intel": FluxOptimumIntel,
-             "flux-genai": FluxGenAI}
+    kinds = {"flux-ours": FluxOurs, "flux-diffusers": FluxDiffusers, "flux-optimum-intel": FluxOptimumIntel}
     if kind not in kinds:
         raise ValueError(f"unknown Flux variant kind {kind!r}: choose from {', '.join(kinds)}")
     return kinds[kind](path, **options)

@@ -17,6 +17,14 @@ def export_and_build(model: str, build_root: Path) -> Path:
     return build
 
 
+def tiny_vae_name(run) -> str:
+    """The random tiny autoencoder benchmarked beside the run's model: its family's, at test widths for a
+    "-tiny" model, else at the real one's architecture (export/families/tiny_vae.py)."""
+    from export.families.tiny_vae import FAMILY_TINY_VAE
+
+    return f"{FAMILY_TINY_VAE[run.src.entry.family]}-{'tiny' if run.src.entry.name.endswith('-tiny') else 'bench'}"
+
+
 def build_with_tiny_vae(model, build: Path, tiny: str) -> Path:
     """`build`'s model exported with the tiny autoencoder `tiny` beside its VAE (export/families/tiny_vae.py)
     and built for ort-fp32, in the folder beside `build` named after both, which it returns. The export

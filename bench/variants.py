@@ -66,12 +66,13 @@ def timed_result(seconds: float, steps: int, denoise: float, vae: float, image: 
 
 class Ours:
     """An artifact folder run by our numpy runner; for `timed_run`, `cache`: a step cache as `Pipeline.__call__`
-    takes it, and `controls`: how many of the artifact's ControlNets run (each on its own control image)."""
+    takes it, and `controls`: how many of the artifact's ControlNets run (each on its own control image);
+    `vae`: the autoencoder it decodes with (`Pipeline.load`'s)."""
 
-    def __init__(self, artifact: str, cache: str | None = None, controls: int = 0):
+    def __init__(self, artifact: str, cache: str | None = None, controls: int = 0, vae: str = "full"):
         from runners import Pipeline
 
-        self.pipe, self.cache, self.controls = Pipeline.load(artifact), cache, controls
+        self.pipe, self.cache, self.controls = Pipeline.load(artifact, vae=vae), cache, controls
 
     def call(self, name: str, feeds: dict) -> float:
         return _timed(lambda: self.pipe.run(name, release=False, **feeds))  # steady state, as in the loop
@@ -257,6 +258,47 @@ class OptimumIntel(_DiffusersCall):
         return _timed(lambda: request(feeds, share_inputs=True))
 
 
+class GenAI:
+    """openvino.genai's Text2ImagePipeline on optimum-intel's export (in .venv-optimum-intel), on the
+    CPU, at its defaults; `cache=False` turns its default step cache (TaylorSeer) off. `generate`: what
+    the workload sets beyond the prompt (SD3's: `workload`; Flux's table runs the model's defaults)."""
+
+    def __init__(self, folder: str, cache: bool = True, **generate):
+        import openvino_genai
+
+        self.genai, self.generate = openvino_genai, generate
+        self.pipe = openvino_genai.Text2ImagePipeline(folder, "CPU")
+        if not cache:
+            config = self.pipe.get_generation_config()
+            config.taylorseer_config = None
+            self.pipe.set_generation_config(config)
+
+    @staticmethod
+    def workload() -> dict:
+        """The options of Ours.text_to_image that are not genai's defaults: the negative prompt and T5 length."""
+        return {"negative_prompt": NEGATIVE, "max_sequence_length": T5_LENGTH}
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        import openvino
+
+        class Given(self.genai.Generator):  # the pipeline draws its starting latents from it: ours
+            def next(self):
+                raise RuntimeError("the benchmark's runs draw only their starting latents")
+
+            def randn_tensor(self, shape):
+                if tuple(shape) != latents.shape:
+                    raise ValueError(f"openvino.genai asked for latents of shape {tuple(shape)}, not {latents.shape}")
+                return openvino.Tensor(latents)
+
+        t0 = time.perf_counter()
+        images = self.pipe.generate(PROMPT, height=height, width=width, num_inference_steps=steps, generator=Given(),
+                                    **self.generate)
+        seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
+        image = images.data[0].astype(np.float32) / 255  # uint8 HWC
+        return timed_result(seconds, steps, sum(metrics.raw_metrics.transformer_inference_durations) / 1e6,
+                            metrics.get_vae_decoder_infer_duration() / 1e3, image, out)
+
+
 class Graph:
     """One ONNX graph in a session with the runner's settings, whoever exported it: the unit of the
     pass table, where only the graph differs."""
@@ -290,4 +332,6 @@ def make_variant(kind: str, path: str, **options):
         return Optimum(path)
     if kind == "optimum-intel":
         return OptimumIntel(path)
+    if kind == "genai":
+        return GenAI(path, **options)
     raise ValueError(f"unknown variant kind {kind!r}")

@@ -6,7 +6,8 @@ islands, `quantize_fp8` the activation scales. Every denoising step of every pro
 so the transformer is measured at every timestep it will see. The VAE encoder, which text to
 image does not call, is fed the images the pipeline made. An inpainting denoiser (SD1.5's 9
 channels), which text to image cannot run, inpaints a seeded picture instead. An artifact with
-ControlNets runs them with seeded control images, so their calls are recorded too.
+ControlNets runs them with seeded control images, so their calls are recorded too. An artifact with a
+tiny autoencoder feeds it what its VAE is fed.
 
 The run is deterministic (prompt i uses seed i), and the key covers the fp32 artifact, the
 settings and the prompts, so the same build reuses the same calibration.
@@ -23,10 +24,14 @@ import numpy as np
 from runners.caches import CONFIGS
 from runners.caches.base import GraphCacheConfig
 from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
+from runners.pipeline import VAE_ENGINES, Pipeline
 
 # The graphs a step cache runs beside the denoiser (runners/caches/), each with the denoiser output it takes:
 # recorded beside every denoiser call, so that a calibrated build calibrates them too.
 COMPANIONS = {c.graph: c.output for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)}
+
+# What a recording holds, in its key: older recordings, which lack the tiny autoencoder's calls, are made again.
+RECORDED = "engine calls, the tiny autoencoder's fed as the VAE's"
 
 PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -85,7 +90,7 @@ def _log(msg: str) -> None:
 def recordings_folder(artifact: Path, artifact_key: str, settings: CalibrationSettings) -> Path:
     """Where `collect` keeps the recordings of the artifact whose cache key is `artifact_key`: named by
     their own key, which a build plan knows before the artifact exists."""
-    key = digest([artifact_key, dataclasses.asdict(settings), PROMPTS[:settings.prompts]])
+    key = digest([RECORDED, artifact_key, dataclasses.asdict(settings), PROMPTS[:settings.prompts]])
     return Path(artifact).parent / "calibration" / key
 
 
@@ -101,13 +106,11 @@ def collect(artifact: Path, settings: CalibrationSettings = CalibrationSettings(
 
 
 def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
-    from runners.pipeline import Pipeline
-
     prompts, key = PROMPTS[:settings.prompts], dest.name
     with atomic_folder(dest) as tmp:
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)
-        pipe.recorder = store.record
+        pipe.recorder = _with_tiny_vae(pipe, store.record)
         for graph in (g for g in COMPANIONS if g in pipe.sessions):
             pipe.run = _CompanionRecorder(pipe, store, graph)
         size = settings.size or pipe.constants["default_image_size"]
@@ -189,6 +192,25 @@ class _CompanionRecorder:
             self.store.record(self.graph, {**{k: v for k, v in feeds.items() if k in self.accepted},
                                            self.output: self.value})
         return out
+
+
+def _with_tiny_vae(pipe, record):
+    """`record`, and for an artifact with a tiny autoencoder (`python -m export --tiny-vae`), which the
+    pipeline does not call beside its VAE: a call of the tiny decoder on every latent the VAE decodes (in the
+    tiny one's scaling) and of the tiny encoder on every image the VAE encodes, recorded too."""
+    decoder, encoder = VAE_ENGINES["tiny"]
+    if decoder not in pipe.sessions:
+        return record
+    (scaling, shift), (tiny_scaling, tiny_shift) = pipe.vae_factors("full"), pipe.vae_factors("tiny")
+
+    def recorder(submodule: str, feeds: dict) -> None:
+        record(submodule, feeds)
+        if submodule == VAE_ENGINES["full"][0]:  # latents / scaling + shift: back to the denoiser's, then on
+            latents = (feeds["latent"] - np.float32(shift)) * np.float32(scaling)
+            pipe.run(decoder, latent=latents / np.float32(tiny_scaling) + np.float32(tiny_shift))
+        elif submodule == VAE_ENGINES["full"][1] and encoder in pipe.sessions:
+            pipe.run(encoder, image=feeds["image"])
+    return recorder
 
 
 class _FeedStore:

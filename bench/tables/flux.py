@@ -43,9 +43,9 @@ def _variants(run, built: dict[str, str]) -> tuple[list[Variant], list[str]]:
     folder, seconds = optimum_intel_export(a.optimum_intel_python, run.src.folder, run.build, log)
     python = a.optimum_intel_python
     variants += [Variant("optimum-intel OVFluxPipeline, its defaults", "flux-optimum-intel", str(folder), python),
-                 Variant("openvino.genai Text2ImagePipeline, its defaults (step cache on)", "flux-genai",
+                 Variant("openvino.genai Text2ImagePipeline, its defaults (step cache on)", "genai",
                          str(folder), python),
-                 Variant("openvino.genai Text2ImagePipeline, step cache off", "flux-genai", str(folder), python,
+                 Variant("openvino.genai Text2ImagePipeline, step cache off", "genai", str(folder), python,
                          {"cache": False})]
     return variants, [f"optimum-intel's export (`optimum-cli export openvino --task text-to-image`, its defaults) "
                       f"took {seconds:.0f} s; openvino.genai runs the same export."]

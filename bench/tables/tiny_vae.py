@@ -14,15 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import in_child, log, timed_calls
-from bench.prepare import build_with_tiny_vae
+from bench.prepare import build_with_tiny_vae, tiny_vae_name
 from bench.tables import Table
 from bench.workload import PROMPT
-
-
-def _tiny_vae_name(run) -> str:
-    from export.families.tiny_vae import FAMILY_TINY_VAE
-
-    return f"{FAMILY_TINY_VAE[run.src.entry.family]}-{'tiny' if run.src.entry.name.endswith('-tiny') else 'bench'}"
 
 
 def _latent(channels: int, size: int) -> np.ndarray:
@@ -72,7 +66,7 @@ def measure(run) -> list[dict]:
     from export.families.tiny_vae import COMPONENT, tiny_vae_source
 
     a, size, channels = run.args, run.args.size, run.constants["latent_channels"]
-    tiny = _tiny_vae_name(run)
+    tiny = tiny_vae_name(run)
     log(f"tiny-vae: {run.src.entry.name} with {tiny}")
     artifact = str(in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny) / "ort-fp32")
     ours = in_child(_decodes, artifact, channels, size, a.tiny_vae_reps)
