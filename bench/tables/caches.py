@@ -50,7 +50,8 @@ def _tiny_vae_artifacts(run, names: list[str]) -> dict[str, str]:
     if not names:
         return {}
     build = in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny_vae_name(run))
-    return {f"{label}{TINY_VAE}": path for label, path in _artifacts(run, build, str(build / "ort-fp32"), names).items()}
+    built = _artifacts(run, build, str(build / "ort-fp32"), names)
+    return {f"{label}{TINY_VAE}": path for label, path in built.items()}
 
 
 def _variants(run, built: dict[str, str], caches: list[str]) -> list[Variant]:
@@ -77,7 +78,8 @@ def _tiny_vae_note(run, built: dict[str, str]) -> list[str]:
     if not any(label.endswith(TINY_VAE) for label in built):
         return []
     tiny = tiny_vae_name(run)
-    return [f"The rows marked \"{TINY_VAE.lstrip(', ')}\": the model's export with the random tiny autoencoder {tiny} beside its VAE "
+    return [f"The rows marked \"{TINY_VAE.lstrip(', ')}\": the model's export with the random tiny autoencoder {tiny} "
+            "beside its VAE "
             f"(`python -m export {run.src.entry.name} --tiny-vae {tiny}`), decoding with it (`vae=\"tiny\"`), "
             "against the same artifact uncached: the cache's speed-up without the VAE decode's share of a run."]
 
@@ -165,10 +167,11 @@ def measure(run) -> list[dict]:
                   "block and compares its residual; DeepCache's runs the U-Net's shallow branch; TaylorSeer's "
                   "extrapolates without running the denoiser); openvino.genai's are its performance metrics' "
                   "transformer calls, and its row is against the table's first (ours uncached). VAE decode: the run's "
-                  "(`Pipeline.timings`, openvino.genai's metrics). Random weights say nothing about how many steps a real "
-                  "model can skip: the PSNR column measures the mechanism on these weights, not image quality. "
+                  "(`Pipeline.timings`, openvino.genai's metrics). Random weights say nothing about how many "
+                  "steps a real model can skip: the PSNR column measures the mechanism on these weights, not image quality. "
                   f"openvino-int8 is calibrated on {accuracy.calibration_text(a)}.",
-                  *_tiny_vae_note(run, built), *_against_genai(variants, seconds), *_hit_cost(run, built, variants, samples)]}]
+                  *_tiny_vae_note(run, built), *_against_genai(variants, seconds),
+                  *_hit_cost(run, built, variants, samples)]}]
 
 
 def _arguments(group) -> None:
@@ -186,5 +189,5 @@ def _arguments(group) -> None:
 
 # --optimum-intel-python (the openvino table's option) adds openvino.genai's row on SD3 and Flux.
 TABLE = Table("caches", "Step caches", "openvino int8 (calibrated)", ("sd3", "flux", "sd15", "sdxl"), measure, _arguments,
-              smoke=(*accuracy.SMOKE, "--caches-reps", "1", "--caches-artifacts", "ort-fp32", "--caches-tiny-vae", "ort-fp32",
-                     "--caches", f"none;{HIT_COST}"))  # a hit and the hit-cost note; 2 steps cache nothing else
+              smoke=(*accuracy.SMOKE, "--caches-reps", "1", "--caches-artifacts", "ort-fp32",
+                     "--caches-tiny-vae", "ort-fp32", "--caches", f"none;{HIT_COST}"))  # a hit and the hit-cost note; 2 steps cache nothing else
