@@ -6,14 +6,16 @@ from pathlib import Path
 
 
 def export_and_build(model: str, build_root: Path) -> Path:
+    from bench.run import default_precision
     from engines.api import build_artifact
     from export.api import export_model
     from export.source import resolve
+    from runners.manifest import read_manifest
 
     src = resolve(model)
     build = Path(build_root) / src.entry.name
     export_model(src, build)
-    build_artifact(build, "ort", "fp32")
+    build_artifact(build, "ort", default_precision(read_manifest(build / "onnx", verify=False)))
     return build
 
 

@@ -12,7 +12,11 @@ from bench import workload
 from bench.harness import Variant, in_child, log
 from runners.manifest import read_manifest
 
-DEFAULT_ARTIFACT = "ort-fp32"  # the artifact the other precisions and runtimes are measured against
+
+def default_precision(onnx_manifest: dict) -> str:
+    """The precision of the ort artifact the other precisions and runtimes are measured against: fp32, or
+    fp16 for an export in float16 (the full-size models), which builds into fp16 only (engines/plan.py)."""
+    return "fp32" if onnx_manifest.get("dtype", "float32") == "float32" else "fp16"
 
 
 @dataclass
@@ -36,7 +40,7 @@ class Run:
 
     @property
     def default_artifact(self) -> Path:
-        return self.build / DEFAULT_ARTIFACT
+        return self.build / f"ort-{default_precision(self.onnx_manifest)}"
 
     @property
     def rate(self) -> float:
@@ -81,7 +85,7 @@ def prepare(args: argparse.Namespace) -> Run:
 
         run.optimum_folder, run.optimum_seconds = optimum_export(args.optimum_python, src.folder, build, log)
         run.variants.append(Variant("(c) optimum-onnx", "optimum", str(run.optimum_folder), args.optimum_python))
-    run.variants.append(Variant(f"(d) ours {DEFAULT_ARTIFACT}", "ours", str(run.default_artifact)))
+    run.variants.append(Variant(f"(d) ours {run.default_artifact.name}", "ours", str(run.default_artifact)))
     log("measuring fp32 GEMM throughput")
     run.gemm = gemm_gflops(args.gemm_size)
     return run
