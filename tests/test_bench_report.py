@@ -1,9 +1,16 @@
 """BENCHMARKS.md: a run replaces the tables it measured and keeps the others, each under the
 command, the CPU and the GEMM rates of the run that produced it; the machine line names the CPU
-and its matrix instructions."""
+and its matrix instructions. The reference artifact is one the export builds into."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from bench.report import cpu_line, cpu_name, has_vnni, render
+from bench.run import default_precision
+from engines.plan import _recipe
+from engines.targets import TargetError
 
 # The first processor of /proc/cpuinfo on two machines (flags shortened), the second one's
 # model name hidden by its hypervisor.
@@ -96,3 +103,13 @@ def test_machine_line_says_whether_a_gpu_exists(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA L4 (UUID: GPU-1234)'\n")
     smi.chmod(0o755)
     assert machine().endswith("NVIDIA L4") and machine_size().endswith("machine with NVIDIA L4")
+
+
+def test_the_reference_artifact_is_one_the_export_builds_into():
+    """A full-size model's float16 export builds into fp16 only: the bench's reference artifact is ort-fp16 there."""
+    assert default_precision({"dtype": "float32"}) == default_precision({}) == "fp32"
+    float16 = {"dtype": "float16"}
+    assert default_precision(float16) == "fp16"
+    _recipe(float16, default_precision(float16), Path("onnx"))  # builds
+    with pytest.raises(TargetError, match="builds --precision fp16 only"):
+        _recipe(float16, "fp32", Path("onnx"))
