@@ -21,7 +21,7 @@ BENCH_ARGS ?=
 # `make test` runs the suite on this many processes (tests/conftest.py groups what shares builds).
 TEST_WORKERS ?= 2
 
-.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test test-fast bench serve-bench scale-check clean
+.PHONY: venv lock upgrade-lock optimum-venv optimum-intel-venv export engines image test test-fast bench serve-bench fullsize-caches scale-check clean
 venv: $(VENV)/.installed
 
 # constraints.txt is the lock: the exact versions CI tested (`make lock` writes it from the ranges in
@@ -130,6 +130,13 @@ bench: venv optimum-venv optimum-intel-venv
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
+
+# The cache table where the model's depth is real (not part of `make bench`: about half an hour, ~40 GB of
+# build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32
+# pipeline (about 30 GB): its runs fit in openvino-bf16 with int8 weights (bf16 weights take 14 GiB for T5 alone).
+fullsize-caches: venv
+	$(PY) -m bench --model sd3-fullsize --tables caches --caches-artifacts openvino-bf16-int8-weights \
+	  --caches-tiny-vae "" --caches "none;taylorseer:interval=3,before=6,after=-2;first-block:100" $(BENCH_ARGS)
 
 # Real sizes on this machine (not part of `make test`: ~15 GB of random fp16 weights, and as much
 # again per stage's output): sd3-fullsize through export and the ORT and OpenVINO fp16 builds, each
