@@ -170,7 +170,7 @@ def measure(run) -> list[dict]:
                   "(`Pipeline.timings`, openvino.genai's metrics). Random weights say nothing about how many "
                   "steps a real model can skip: the PSNR column measures the mechanism on these weights, not image quality."
                   + (f" openvino-int8 is calibrated on {accuracy.calibration_text(a)}."
-                     if any("int8" in label for label in built) else ""),
+                     if any(label.split(",")[0].endswith("-int8") for label in built) else ""),
                   *_tiny_vae_note(run, built), *_against_genai(variants, seconds),
                   *_hit_cost(run, built, variants, samples)]}]
 
