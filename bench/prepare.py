@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def default_precision(onnx_manifest: dict) -> str:
+    """The precision of the ort artifact the other precisions and runtimes are measured against: fp32, or
+    fp16 for an export in float16 (the full-size models), which builds into fp16 only (engines/plan.py)."""
+    return "fp32" if onnx_manifest.get("dtype", "float32") == "float32" else "fp16"
+
+
 def export_and_build(model: str, build_root: Path) -> Path:
-    from bench.run import default_precision
     from engines.api import build_artifact
     from export.api import export_model
     from export.source import resolve

@@ -10,13 +10,8 @@ from pathlib import Path
 
 from bench import workload
 from bench.harness import Variant, in_child, log
+from bench.prepare import default_precision, export_and_build
 from runners.manifest import read_manifest
-
-
-def default_precision(onnx_manifest: dict) -> str:
-    """The precision of the ort artifact the other precisions and runtimes are measured against: fp32, or
-    fp16 for an export in float16 (the full-size models), which builds into fp16 only (engines/plan.py)."""
-    return "fp32" if onnx_manifest.get("dtype", "float32") == "float32" else "fp16"
 
 
 @dataclass
@@ -71,7 +66,6 @@ def prepare(args: argparse.Namespace) -> Run:
     """Export and build the default artifact (cached, in a child process), Optimum's export when
     asked for, and this run's GEMM rates."""
     from bench.gemm import gemm_gflops
-    from bench.prepare import export_and_build
     from export.source import resolve
 
     build = in_child(export_and_build, args.model, Path(args.build_dir))

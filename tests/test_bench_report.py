@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.report import cpu_line, cpu_name, has_vnni, render
-from bench.run import default_precision
+from bench.prepare import default_precision
 from engines.plan import _recipe
 from engines.targets import TargetError
 
