@@ -131,7 +131,7 @@ bench: venv optimum-venv optimum-intel-venv
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
-# The cache table where the model's depth is real (not part of `make bench`: about half an hour, ~40 GB of
+# The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32
 # pipeline (about 30 GB): its runs fit in openvino-bf16 with int8 weights (bf16 weights take 14 GiB for T5 alone).
 fullsize-caches: venv

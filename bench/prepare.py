@@ -1,4 +1,4 @@
-"""Our export and default artifact for the benchmark model (cached), run in a child process by
+"""Our export and reference artifact for the benchmark model (cached), run in a child process by
 `python -m bench` (functions sent to a child must live in an importable module)."""
 from __future__ import annotations
 
@@ -11,17 +11,23 @@ def default_precision(onnx_manifest: dict) -> str:
     return "fp32" if onnx_manifest.get("dtype", "float32") == "float32" else "fp16"
 
 
-def export_and_build(model: str, build_root: Path) -> Path:
-    from engines.api import build_artifact
+def export_build(model: str, build_root: Path) -> Path:
+    """`model` exported into build_root/<its name> (cached), which it returns."""
     from export.api import export_model
     from export.source import resolve
-    from runners.manifest import read_manifest
 
     src = resolve(model)
     build = Path(build_root) / src.entry.name
     export_model(src, build)
-    build_artifact(build, "ort", default_precision(read_manifest(build / "onnx", verify=False)))
     return build
+
+
+def build_reference(build: Path) -> Path:
+    """The ort artifact of `build`'s export in its reference precision (cached)."""
+    from engines.api import build_artifact
+    from runners.manifest import read_manifest
+
+    return build_artifact(build, "ort", default_precision(read_manifest(build / "onnx", verify=False)))
 
 
 def tiny_vae_name(run) -> str:

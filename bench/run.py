@@ -5,12 +5,13 @@ of one family."""
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import workload
 from bench.harness import Variant, in_child, log
-from bench.prepare import default_precision, export_and_build
+from bench.prepare import build_reference, export_build
 from runners.manifest import read_manifest
 
 
@@ -20,7 +21,7 @@ class Run:
     src: object  # export.source.ModelSource
     build: Path  # holds onnx/ and the artifacts
     onnx_manifest: dict
-    variants: list[Variant]  # diffusers eager first (the reference of every speed-up), then peers, then ours
+    peers: list[Variant]  # diffusers eager first (the reference of every speed-up), then the peers
     gemm: dict[str, float]  # GFLOP/s by library
     optimum_folder: Path | None = None
     optimum_seconds: float | None = None
@@ -33,9 +34,16 @@ class Run:
     def constants(self) -> dict:
         return self.onnx_manifest["constants"]
 
-    @property
+    @functools.cached_property
     def default_artifact(self) -> Path:
-        return self.build / f"ort-{default_precision(self.onnx_manifest)}"
+        """The reference artifact, built (or found up to date) at its first use: a table of other artifacts
+        does not build it (sd3-fullsize's ort-fp16 is 17 GB)."""
+        return Path(in_child(build_reference, self.build))
+
+    @functools.cached_property
+    def variants(self) -> list[Variant]:
+        """The peers, then ours: the reference artifact."""
+        return [*self.peers, Variant(f"(d) ours {self.default_artifact.name}", "ours", str(self.default_artifact))]
 
     @property
     def rate(self) -> float:
@@ -63,23 +71,21 @@ class Run:
 
 
 def prepare(args: argparse.Namespace) -> Run:
-    """Export and build the default artifact (cached, in a child process), Optimum's export when
-    asked for, and this run's GEMM rates."""
+    """Export (cached, in a child process), Optimum's export when asked for, and this run's GEMM rates."""
     from bench.gemm import gemm_gflops
     from export.source import resolve
 
-    build = in_child(export_and_build, args.model, Path(args.build_dir))
+    build = in_child(export_build, args.model, Path(args.build_dir))
     src = resolve(args.model)  # built by the child: only read here
     manifest = read_manifest(build / "onnx", verify=False)  # export_model just verified it
     run = Run(args, src, build, manifest, [Variant("(a) diffusers eager", "diffusers", str(src.folder))], {})
     if args.compile:
-        run.variants.append(Variant("(b) diffusers torch.compile", "diffusers-compile", str(src.folder)))
+        run.peers.append(Variant("(b) diffusers torch.compile", "diffusers-compile", str(src.folder)))
     if args.optimum_python:
         from bench.optimum import optimum_export
 
         run.optimum_folder, run.optimum_seconds = optimum_export(args.optimum_python, src.folder, build, log)
-        run.variants.append(Variant("(c) optimum-onnx", "optimum", str(run.optimum_folder), args.optimum_python))
-    run.variants.append(Variant(f"(d) ours {run.default_artifact.name}", "ours", str(run.default_artifact)))
+        run.peers.append(Variant("(c) optimum-onnx", "optimum", str(run.optimum_folder), args.optimum_python))
     log("measuring fp32 GEMM throughput")
     run.gemm = gemm_gflops(args.gemm_size)
     return run

@@ -38,10 +38,11 @@ TINY_VAE, TINY_VAE_ARTIFACTS = ", tiny VAE", ("openvino-int8",)
 GENAI_FAMILIES = {"flux": {}, "sd3": GenAI.workload()}
 
 
-def _artifacts(run, build, default: str, names: list[str]) -> dict[str, str]:
-    """{label: folder} of the artifacts `names` of the export in `build`, whose ort-fp32 is `default`."""
+def _artifacts(run, build, default, names: list[str]) -> dict[str, str]:
+    """{label: folder} of the artifacts `names` of the export in `build`, whose ort-fp32 `default()` gives
+    (built only when asked for)."""
     others = [n for n in names if n != "ort-fp32"]
-    return {**({"ort-fp32": default} if "ort-fp32" in names else {}),
+    return {**({"ort-fp32": str(default())} if "ort-fp32" in names else {}),
             **in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others)}
 
 
@@ -50,7 +51,7 @@ def _tiny_vae_artifacts(run, names: list[str]) -> dict[str, str]:
     if not names:
         return {}
     build = in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny_vae_name(run))
-    built = _artifacts(run, build, str(build / "ort-fp32"), names)
+    built = _artifacts(run, build, lambda: build / "ort-fp32", names)
     return {f"{label}{TINY_VAE}": path for label, path in built.items()}
 
 
@@ -131,7 +132,7 @@ def measure(run) -> list[dict]:
     caches, names = (a.caches or ";".join(CACHES[run.denoiser])).split(";"), a.caches_artifacts.split(",")
     if caches[0] != "none":
         raise ValueError(f"caches table: --caches must start with none (each artifact's reference), not {caches[0]!r}")
-    built = {**_artifacts(run, run.build, str(run.default_artifact), names),
+    built = {**_artifacts(run, run.build, lambda: run.default_artifact, names),
              **_tiny_vae_artifacts(run, [n for n in a.caches_tiny_vae.split(",") if n])}
     variants = _variants(run, built, caches)
     with tempfile.TemporaryDirectory(prefix="bench-caches-") as images:
