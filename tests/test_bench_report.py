@@ -1,14 +1,20 @@
 """BENCHMARKS.md: a run replaces the tables it measured and keeps the others, each under the
 command, the CPU and the GEMM rates of the run that produced it; the machine line names the CPU
-and its matrix instructions. The reference artifact is one the export builds into."""
+and its matrix instructions. The reference artifact is one the export builds into, built only for
+a table that runs it."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench.report import cpu_line, cpu_name, has_vnni, render
+import bench.run
+from bench import accuracy
 from bench.prepare import default_precision
+from bench.report import cpu_line, cpu_name, has_vnni, render
+from bench.run import Run
+from bench.tables import caches
 from engines.plan import _recipe
 from engines.targets import TargetError
 
@@ -113,3 +119,27 @@ def test_the_reference_artifact_is_one_the_export_builds_into():
     _recipe(float16, default_precision(float16), Path("onnx"))  # builds
     with pytest.raises(TargetError, match="builds --precision fp16 only"):
         _recipe(float16, "fp32", Path("onnx"))
+
+
+def _run_of(dtype: str) -> Run:
+    """A bench run of an export in `dtype` whose children only record what they were asked to build."""
+    src = SimpleNamespace(entry=SimpleNamespace(name="sd3-fullsize"))
+    return Run(SimpleNamespace(size=512), src, Path("build"), {"dtype": dtype}, [], {})
+
+
+def test_a_cache_table_builds_the_reference_artifact_only_when_it_has_that_row(monkeypatch):
+    """sd3-fullsize's reference (ort-fp16) is 17 GB: a cache table of other artifacts must not build it, and one
+    that has that row labels it by the artifact the export builds into."""
+    calls = []
+    monkeypatch.setattr(bench.run, "in_child", lambda f, *a: calls.append(f.__name__) or Path("build", "ort-fp16"))
+    monkeypatch.setattr(caches, "in_child", lambda f, build, calibration, size, only: {n: f"build/{n}" for n in only})
+    monkeypatch.setattr(accuracy, "calibration", lambda args: {})
+    run = _run_of("float16")
+    assert caches._artifacts(run, run.build, lambda: run.default_artifact, ["openvino-int8"]) == {
+        "openvino-int8": "build/openvino-int8"}
+    assert calls == []  # nor did the run's preparation build it
+    assert caches._artifacts(run, run.build, lambda: run.default_artifact, ["ort-fp16", "openvino-int8"]) == {
+        "ort-fp16": str(Path("build", "ort-fp16")), "openvino-int8": "build/openvino-int8"}
+    assert calls == ["build_reference"]
+    with pytest.raises(ValueError, match="sd3-fullsize's export builds into ort-fp16, not ort-fp32"):
+        caches._artifacts(run, run.build, lambda: run.default_artifact, ["ort-fp32"])

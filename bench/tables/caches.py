@@ -17,7 +17,7 @@ import numpy as np
 
 from bench import accuracy
 from bench.harness import Variant, in_child, interleaved_fresh, log
-from bench.prepare import build_with_tiny_vae, tiny_vae_name
+from bench.prepare import build_with_tiny_vae, default_precision, tiny_vae_name
 from bench.variants import GenAI
 from bench.tables import Table
 from bench.tables.flux import GENAI_CACHE
@@ -39,11 +39,17 @@ GENAI_FAMILIES = {"flux": {}, "sd3": GenAI.workload()}
 
 
 def _artifacts(run, build, default, names: list[str]) -> dict[str, str]:
-    """{label: folder} of the artifacts `names` of the export in `build`, whose ort-fp32 `default()` gives
-    (built only when asked for)."""
-    others = [n for n in names if n != "ort-fp32"]
-    return {**({"ort-fp32": str(default())} if "ort-fp32" in names else {}),
-            **in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others)}
+    """{label: folder} of the artifacts `names` of the export in `build`. Its ort artifact is the one its
+    export builds into (bench.prepare.default_precision: ort-fp16 for a float16 export), which `default()`
+    gives: built only when asked for."""
+    reference = f"ort-{default_precision(run.onnx_manifest)}"
+    asked = [n for n in names if n.startswith("ort-")]
+    if any(n != reference for n in asked):
+        raise ValueError(f"caches table: {run.src.entry.name}'s export builds into {reference}, not "
+                         f"{', '.join(n for n in asked if n != reference)}: name {reference} in --caches-artifacts")
+    others = [n for n in names if n not in asked]
+    return {**({reference: str(default())} if asked else {}),
+            **(in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others) if others else {})}
 
 
 def _tiny_vae_artifacts(run, names: list[str]) -> dict[str, str]:
@@ -182,7 +188,8 @@ def _arguments(group) -> None:
                             f"default: a transformer's {';'.join(CACHES['transformer'])}, a U-Net's "
                             f"{';'.join(CACHES['unet'])}")
     group.add_argument("--caches-artifacts", default=",".join(ARTIFACTS),
-                       help="comma-separated artifacts of the cache table (ort-fp32 or the openvino table's labels)")
+                       help="comma-separated artifacts of the cache table (the export's ort artifact, ort-fp32 or for a float16 "
+                            "export ort-fp16, or the openvino table's labels)")
     group.add_argument("--caches-tiny-vae", default=",".join(TINY_VAE_ARTIFACTS),
                        help="comma-separated artifacts of the cache table that run again on the export with the "
                             "family's tiny autoencoder, decoding with it (vae=\"tiny\"); empty: none")
