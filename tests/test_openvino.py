@@ -335,8 +335,10 @@ def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
     pipe = Pipeline.load(ov_bf16)
     inputs = {"hidden_states": [2, 16, 16, 16], "encoder_hidden_states": [2, 333, 96], "pooled_projections": [2, 80],
               "timestep": [2]}
-    # First-Block Cache's graph also takes the tail residual: 8x8 patches of the 16x16 latent, 32 wide
-    static_inputs = {"transformer": inputs, "transformer_first_block": {**inputs, "tail_residual": [2, 64, 32]}}
+    # First-Block Cache's graph also takes the tail residual: 8x8 patches of the 16x16 latent, 32 wide. The VAE
+    # runs at the image count, the denoiser at twice that (guidance).
+    static_inputs = {"transformer": inputs, "transformer_first_block": {**inputs, "tail_residual": [2, 64, 32]},
+                     "vae_decoder": {"latent": [1, 16, 16, 16]}, "vae_encoder": {"image": [1, 3, 128, 128]}}
     for name, sub in _manifest(ov_bf16)["submodules"].items():
         if name in static_inputs:  # per-size: compiled static at the export's opt size (the default 128x128)
             assert sub["session_options"] == {"device": "CPU", "shapes": "per-size", "static_models": [
@@ -349,10 +351,14 @@ def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
 
 
 def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
-    """The transformer's default: reshaped to each set of input shapes at its first call, the
+    """The default of the submodules the image size shapes: reshaped to each set of input shapes at its first call, the
     compiled model kept for the next calls of that size, the two most recent sizes kept."""
     manifest = _manifest(ov_fp32)
-    assert manifest["submodules"]["transformer"]["session_options"] == {"device": "CPU", "shapes": "per-size"}
+    # Every submodule the image size shapes; the text encoders, whose shapes only the prompt count sets, stay dynamic.
+    assert {name: sub["session_options"]["shapes"] for name, sub in manifest["submodules"].items()} == {
+        "text_encoder": "dynamic", "text_encoder_2": "dynamic", "text_encoder_3": "dynamic",
+        "transformer": "per-size", "transformer_first_block": "per-size", "vae_decoder": "per-size",
+        "vae_encoder": "per-size"}
     per_size = _session(ov_fp32, "transformer")
     dynamic = OpenVinoSession(ov_fp32 / "transformer.xml", session_options={"shapes": "dynamic"},
                               session_config={"INFERENCE_PRECISION_HINT": "f32"})
@@ -397,12 +403,12 @@ def test_a_blob_openvino_cannot_import_is_said_and_the_ir_compiled(ov_bf16, tmp_
     import shutil
 
     folder = shutil.copytree(ov_bf16, tmp_path / "artifact")
-    (folder / "vae_decoder.cpu.blob").write_bytes(b"not a compiled model")
-    session = _session(folder, "vae_decoder")
+    (folder / "text_encoder.cpu.blob").write_bytes(b"not a compiled model")
+    session = _session(folder, "text_encoder")
     assert not session.imported
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].endswith("); compiling the IR instead")
-    assert said[0].startswith("[runners] vae_decoder.xml: OpenVINO could not import vae_decoder.cpu.blob "
+    assert said[0].startswith("[runners] text_encoder.xml: OpenVINO could not import text_encoder.cpu.blob "
                               "([CPU] Cannot import compiled blob: ")  # OpenVINO's reason, not its source line
 
 

@@ -132,7 +132,7 @@ def measure(run) -> list[dict]:
         "notes": [f"Medians of {a.openvino_reps} repetitions; each runs every variant in a fresh process, in "
                   "turn: load, one cold call of each submodule (with the load: the load + first call column), "
                   f"three {name} calls, one VAE decode, one end-to-end run. OpenVINO's artifacts compile "
-                  f"their IR at load, and a per-size {name} at its first call of a size, unless compiled for "
+                  f"their IR at load, and a per-size {name} and VAE at their first call of a size, unless compiled for "
                   "the CPU at build (`--ov-device CPU --ov-sizes`). Each step from plain OpenVINO (our export, "
                   "no passes, dynamic shapes) to our default changes one thing. Errors as in the "
                   f"precision table: the same 4 prompts and starting latents; int8 is calibrated on "

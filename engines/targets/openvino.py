@@ -2,11 +2,12 @@
 model compiled for one device (`OpenVinoOptions.device`, `--ov-device CPU`), exported beside it so that
 the runner imports it instead of compiling.
 
-Shapes: the IR keeps the export's dynamic dims. The denoiser's manifest entry says how the runner
-shapes it (`--ov-shapes`): "per-size" reshapes it to each request's shapes at its first call and
-caches the compiled model per size; "dynamic" compiles it once for every shape. `--ov-sizes
-512x512` also compiles it static for listed sizes at build time for `--ov-device`, which alone
-compiles a per-size denoiser at the export's opt size (the model's default).
+Shapes: the IR keeps the export's dynamic dims. The manifest entry of each submodule the image size
+shapes (the denoiser, its ControlNets, the autoencoders) says how the runner shapes it (`--ov-shapes`):
+"per-size" reshapes it to each request's shapes at its first call and caches the compiled model per
+size; "dynamic" compiles it once for every shape. `--ov-sizes 512x512` also compiles them static for
+listed sizes at build time for `--ov-device`, which alone compiles per-size ones at the export's opt
+size (the model's default). The text encoders, whose shapes follow only the prompt count, stay dynamic.
 
 OpenVINO takes its precision as a hint (INFERENCE_PRECISION_HINT), not from graph types: this target
 takes every precision its own way (`PRECISIONS`: no precision passes run), the manifest records it per submodule as the
@@ -44,10 +45,12 @@ PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fu
 HINT = "INFERENCE_PRECISION_HINT"
 
 
-# The denoiser runs at every step, so a model compiled for the request's shapes pays there: see
-# BENCHMARKS.md's CPU runtimes table, whose shape rows measure the three ways. The other
-# submodules run once per request, and the VAE's tiles come in several sizes: they stay dynamic.
-DENOISER_SHAPES = "per-size"
+# A model compiled for the request's shapes runs faster: the denoiser at every step, and the int8 VAE
+# decoder, whose convolutions compiled dynamic run about a tenth slower (BENCHMARKS.md's CPU runtimes
+# table, whose shape rows measure the ways). Compiling one size costs a fraction of a second. The text
+# encoders stay dynamic: their shapes follow only the prompt count, and they hold most of the model's
+# weights, of which each compiled size may keep its own copy.
+IMAGE_SHAPES = "per-size"
 SHAPES = ("dynamic", "per-size")
 
 
@@ -64,15 +67,16 @@ PRECISIONS = {"fp32": _hint("f32"), "bf16": _hint("bf16"), "fp16": _hint("f16"),
 
 @dataclass(frozen=True)
 class OpenVinoOptions(TargetOptions):
-    """What the OpenVINO target takes: a device to compile for at build time, and how the denoiser is shaped."""
+    """What the OpenVINO target takes: a device to compile for at build time, and how the submodules the image size
+    shapes are shaped."""
 
     title: ClassVar[str] = "OpenVINO"
 
     device: str | None = None  # the device to compile for at build time ("CPU"); None: IR only
-    # The denoiser only: "dynamic" (one model for every shape) or "per-size" (reshaped to each request's
-    # shapes at its first call, cached per size); None: the target's default (DENOISER_SHAPES).
+    # The submodules the image size shapes: "dynamic" (one model for every shape) or "per-size" (reshaped to
+    # each request's shapes at its first call, cached per size); None: the target's default (IMAGE_SHAPES).
     shapes: str | None = None
-    sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s the denoiser is compiled static for
+    sizes: tuple[tuple[int, int], ...] = ()  # (height, width)s those are compiled static for
     weights: str | None = None  # "int8", "int4": the float precisions' linear weights so (_openvino_weights)
     # The export's pipeline constants (filled in by `resolved`): how a size sets every dim the denoiser's
     # graphs take (image tokens, a U-Net's ControlNet residual sides), as the runner will call them.
@@ -84,12 +88,13 @@ class OpenVinoOptions(TargetOptions):
                            help="also compile each model for this OpenVINO device at build time and ship the "
                                 "compiled blob, so that the runner's first call does not compile (default: IR only)")
         group.add_argument("--ov-shapes", choices=SHAPES, default=None,
-                           help="how the runner shapes the denoiser: per-size (the default) compiles it for each "
-                                "request's shapes at their first call and keeps it; dynamic compiles one model for "
-                                "every shape")
+                           help="how the runner shapes the submodules the image size shapes (the denoiser, its "
+                                "ControlNets, the VAE): per-size (the default) compiles each for a request's shapes "
+                                "at their first call and keeps it; dynamic compiles one model for every shape")
         group.add_argument("--ov-sizes", type=sizes_argument, default=(), metavar="512x512[,HxW...]",
-                           help="also compile the denoiser static for these image sizes (height x width) at build "
-                                "time, for --ov-device (alone, --ov-device does it for the model's default size)")
+                           help="also compile the submodules the image size shapes static for these image sizes "
+                                "(height x width) at build time, for --ov-device (alone, --ov-device does it for the "
+                                "model's default size)")
         group.add_argument("--ov-weights", choices=_openvino_weights.WEIGHTS, default=None,
                            help="store the linear layers' weights in int8 (one scale per output channel) or int4 "
                                 "(one per channel and 128 inputs), computed in the precision's float type: a half or "
@@ -135,17 +140,23 @@ def check_device(core, device: str) -> None:
 
 
 def _size_dims(sub: BuildInput, size: tuple[int, int], pipeline: dict) -> dict[str, int]:
-    """The dims of a `height x width` request (the batch stays at its opt value), checked against the
-    export's ranges."""
+    """The dims of a `height x width` request of one prompt and image with guidance (the batch the runner
+    calls the submodule at: 2 for the denoiser, 1 for the VAE), checked against the export's ranges."""
     c = sub.constants
     step = c["vae_scale_factor"] * c.get("latent_multiple", 1)
     dims = StaticRequest(*size).dims(sub.name, pipeline)
-    del dims["batch"]
     lo, hi = (sub.entry["dims"]["latent_height"][i] * c["vae_scale_factor"] for i in (0, 2))
     if any(side % step or not lo <= side <= hi for side in size):
         raise TargetError(f"--ov-sizes {size[0]}x{size[1]}: this export takes sides from {lo} to {hi} "
                           f"in steps of {step}")
     return dims
+
+
+def _shaped_by_image(sub: BuildInput) -> bool:
+    """Whether the request's image size sets some of the submodule's input dims (latent or image sides,
+    image tokens): every submodule but the text encoders."""
+    return any(isinstance(d, str) and d not in sub.constants and d.startswith(("latent_", "image_"))
+               for t in sub.entry["inputs"] for d in t["shape"])
 
 
 def _opt_size(sub: BuildInput) -> tuple[int, int]:
@@ -161,11 +172,10 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
     import onnx_ir as ir
     import openvino as ov
 
-    denoiser = bool(sub.entry.get("quantization", {}).get("denoiser"))
     shapes, sizes = "dynamic", ()
-    if denoiser:
-        shapes = options.shapes or DENOISER_SHAPES
-        # Compiled for a device, a per-size denoiser ships its default size's static model.
+    if _shaped_by_image(sub):
+        shapes = options.shapes or IMAGE_SHAPES
+        # Compiled for a device, a per-size submodule ships its default size's static model.
         sizes = options.sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
     config = {HINT: sub.precision.runtime[HINT]}
     core = openvino_core(cpu_threads(None))  # before NNCF's first compile in this process
@@ -200,7 +210,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
     elif not sizes:  # no blob: prove the IR compiles here (CPU), as the ORT target opens a session
         core.compile_model(out_dir / files[0], "CPU", config)
     static = []
-    for size in sizes:  # the denoiser reshaped to each listed request and compiled: static blobs
+    for size in sizes:  # the submodule reshaped to each listed request and compiled: static blobs
         model = core.read_model(out_dir / files[0])
         at = sub.shapes_at(_size_dims(sub, size, options.pipeline))
         model.reshape({name: ov.PartialShape(shape) for name, shape in at.items()})
