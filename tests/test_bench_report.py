@@ -14,7 +14,7 @@ from bench import accuracy
 from bench.prepare import default_precision
 from bench.report import cpu_line, cpu_name, has_vnni, render
 from bench.run import Run
-from bench.tables import caches
+from bench.tables import caches, openvino
 from engines.plan import _recipe
 from engines.targets import TargetError
 
@@ -143,3 +143,19 @@ def test_a_cache_table_builds_the_reference_artifact_only_when_it_has_that_row(m
     assert calls == ["build_reference"]
     with pytest.raises(ValueError, match="sd3-fullsize's export builds into ort-fp16, not ort-fp32"):
         caches._artifacts(run, run.build, lambda: run.default_artifact, ["ort-fp32"])
+
+
+def test_a_sibling_build_links_an_fp32_artifact_and_calibration_that_exist(tmp_path, monkeypatch):
+    """The openvino table's sibling builds (dynamic shapes, no passes) share the export's ort-fp32 and calibration
+    through links: made before their targets, an int8 build wrote into a dangling link and failed."""
+    import engines.api
+
+    built = []
+    monkeypatch.setattr(engines.api, "build_artifact", lambda build, target, precision: built.append(
+        (target, precision)) or (build / f"{target}-{precision}").mkdir(exist_ok=True))
+    (tmp_path / "onnx").mkdir()
+    sibling = openvino._sibling(tmp_path, "dynamic")
+    assert built == [("ort", "fp32")]
+    for shared in ("onnx", "ort-fp32", "calibration"):
+        assert (sibling / shared).is_symlink() and (sibling / shared).resolve() == (tmp_path / shared).resolve()
+        assert (sibling / shared).is_dir()

@@ -24,12 +24,18 @@ from bench.tables import Table
 
 
 def _sibling(build: Path, name: str) -> Path:
-    """A build folder beside `build` that shares its export, fp32 artifact and calibration."""
+    """A build folder beside `build` that shares its export, fp32 artifact and calibration. Those are made
+    first: through a link to a folder not made yet, an int8 build would write its calibration's fp32 build
+    into the link and fail."""
+    from engines.api import build_artifact
+
+    build_artifact(build, "ort", "fp32")  # cached; the table's error reference anyway
+    (build / "calibration").mkdir(exist_ok=True)
     sibling = build / name
     sibling.mkdir(exist_ok=True)
     for shared in ("onnx", "ort-fp32", "calibration"):
         link = sibling / shared
-        if not os.path.lexists(link):  # a link made before its target exists (calibration) is kept
+        if not os.path.lexists(link):
             os.symlink(Path("..") / shared, link)
     return sibling
 
