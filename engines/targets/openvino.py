@@ -45,11 +45,11 @@ PASSES = ("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fu
 HINT = "INFERENCE_PRECISION_HINT"
 
 
-# A model compiled for the request's shapes runs faster: the denoiser at every step, and the int8 VAE
-# decoder, whose convolutions compiled dynamic run about a tenth slower (BENCHMARKS.md's CPU runtimes
-# table, whose shape rows measure the ways). Compiling one size costs a fraction of a second. The text
-# encoders stay dynamic: their shapes follow only the prompt count, and they hold most of the model's
-# weights, of which each compiled size may keep its own copy.
+# A model compiled for the request's shapes runs faster: the denoiser at every step (BENCHMARKS.md's CPU
+# runtimes table, whose shape rows measure the ways), and the VAE, whose one call in a run comes after the
+# runner released its working memory, where a dynamic model's call is slower than its steady state. Compiling
+# one size costs a fraction of a second. The text encoders stay dynamic: their shapes follow only the prompt
+# count, and they hold most of the model's weights, of which each compiled size may keep its own copy.
 IMAGE_SHAPES = "per-size"
 SHAPES = ("dynamic", "per-size")
 
