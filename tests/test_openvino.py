@@ -351,8 +351,8 @@ def test_compiled_model_is_imported_not_compiled(ov_bf16, monkeypatch):
 
 
 def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
-    """The default of the submodules the image size shapes: reshaped to each set of input shapes at its first call, the
-    compiled model kept for the next calls of that size, the two most recent sizes kept."""
+    """The default of the submodules the image size shapes: reshaped to each set of input shapes at its first
+    call, the compiled model kept for the next calls of that size, the two most recent sizes kept."""
     manifest = _manifest(ov_fp32)
     # Every submodule the image size shapes; the text encoders, whose shapes only the prompt count sets, stay dynamic.
     assert {name: sub["session_options"]["shapes"] for name, sub in manifest["submodules"].items()} == {
@@ -511,3 +511,21 @@ def test_one_thread_on_amx_caps_onednn_below_amx(monkeypatch, threads, cores, fl
     assert backend.os.environ.get(variable) == (value if capped else None)
     monkeypatch.setenv(variable, "AVX2")  # the user's own cap stays
     assert not backend.avoid_one_thread_amx_crash(1) and backend.os.environ[variable] == "AVX2"
+
+
+def test_a_tiled_decode_compiles_each_tile_size_and_matches_the_dynamic_model(tiny_build):
+    """The VAE decoder is per-size too: a tiled decode (runners.tiling) meets up to four tile sizes (whole tiles, and
+    the shorter ones at the right and bottom edges), compiles each, and decodes as one dynamic model does."""
+    # Built here, not the ov_fp32 fixture: test_listed_sizes_are_compiled_static_at_build_time rebuilds that
+    # folder with other shapes (the options other than weights do not name the folder).
+    ov_fp32 = build_artifact(tiny_build, "openvino", "fp32")
+    pipe = Pipeline.load(ov_fp32, submodules=["vae_decoder"])
+    z = np.random.default_rng(0).standard_normal((1, 16, 24, 20)).astype(np.float32)
+    per_size = pipe.sessions["vae_decoder"]
+    got = pipe.vae_decode(z, tiling=True, tile_size=16)  # tiles every 12 latent pixels: sides 16 and 12, 16 and 8
+    assert per_size.compiles == 4 and len(per_size.per_size) == 2
+    pipe.sessions["vae_decoder"] = OpenVinoSession(ov_fp32 / "vae_decoder.xml", session_options={"shapes": "dynamic"},
+                                                   session_config={"INFERENCE_PRECISION_HINT": "f32"})
+    expected = pipe.vae_decode(z, tiling=True, tile_size=16)
+    assert got.shape == (1, 3, 192, 160)
+    np.testing.assert_allclose(got, expected, atol=SUBMODULE_RTOL * np.abs(expected).max())

@@ -49,7 +49,8 @@ def _artifacts(run, build, default, names: list[str]) -> dict[str, str]:
                          f"{', '.join(n for n in asked if n != reference)}: name {reference} in --caches-artifacts")
     others = [n for n in names if n not in asked]
     return {**({reference: str(default())} if asked else {}),
-            **(in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others) if others else {})}
+            **(in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others)
+               if others else {})}
 
 
 def _tiny_vae_artifacts(run, names: list[str]) -> dict[str, str]:
@@ -188,8 +189,8 @@ def _arguments(group) -> None:
                             f"default: a transformer's {';'.join(CACHES['transformer'])}, a U-Net's "
                             f"{';'.join(CACHES['unet'])}")
     group.add_argument("--caches-artifacts", default=",".join(ARTIFACTS),
-                       help="comma-separated artifacts of the cache table (the export's ort artifact, ort-fp32 or for a float16 "
-                            "export ort-fp16, or the openvino table's labels)")
+                       help="comma-separated artifacts of the cache table (the export's ort artifact, ort-fp32 "
+                            "or for a float16 export ort-fp16, or the openvino table's labels)")
     group.add_argument("--caches-tiny-vae", default=",".join(TINY_VAE_ARTIFACTS),
                        help="comma-separated artifacts of the cache table that run again on the export with the "
                             "family's tiny autoencoder, decoding with it (vae=\"tiny\"); empty: none")
