@@ -14,6 +14,7 @@ pytest.importorskip("openvino")
 
 from conftest import assert_real_image, image_task_outputs, int8_bounds  # noqa: E402
 from engines.api import build_artifact  # noqa: E402
+from engines.plan import plan  # noqa: E402
 from engines.targets import TargetError, get_target  # noqa: E402
 from engines.targets._openvino_int8 import CALIBRATION_CALLS, spread  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
@@ -380,11 +381,27 @@ def test_unknown_shapes_are_refused(tiny_build):
         build_artifact(tiny_build, "openvino", "fp32", options=OpenVinoOptions(shapes="static"))
 
 
-def test_listed_sizes_are_compiled_static_at_build_time(tiny_build, monkeypatch):
+@pytest.mark.parametrize("options, name", [
+    (OpenVinoOptions(), "openvino-fp32"),
+    (OpenVinoOptions(shapes="per-size"), "openvino-fp32"),  # the default, named: the same artifact
+    (OpenVinoOptions(shapes="dynamic"), "openvino-fp32-dynamic"),
+    (OpenVinoOptions(device="GPU.1"), "openvino-fp32-gpu-1"),
+    (OpenVinoOptions(weights="int4", shapes="dynamic", device="CPU", sizes=((64, 96), (128, 128))),
+     "openvino-fp32-int4-weights-dynamic-cpu-64x96-128x128"),
+])
+def test_every_option_that_changes_the_manifest_names_the_folder(tiny_build, options, name):
+    """Builds with other options sit beside the default artifact instead of replacing it."""
+    built = plan(tiny_build, "openvino", "fp32", options=options)
+    assert built.dest.name == name
+    assert (built.cache_key == plan(tiny_build, "openvino", "fp32").cache_key) == (name == "openvino-fp32")
+
+
+def test_listed_sizes_are_compiled_static_at_build_time(tiny_build, ov_fp32, monkeypatch):
     import openvino as ov
 
     folder = build_artifact(tiny_build, "openvino", "fp32",
                             options=OpenVinoOptions(device="CPU", shapes="dynamic", sizes=((64, 96),)))
+    assert folder != ov_fp32 and plan(tiny_build, "openvino", "fp32").up_to_date  # beside the default, kept
     options = _manifest(folder)["submodules"]["transformer"]["session_options"]
     assert options["compiled_model"] == "transformer.cpu.blob"
     assert [(s["size"], s["file"], s["shapes"]["hidden_states"]) for s in options["static_models"]] == [
@@ -513,12 +530,9 @@ def test_one_thread_on_amx_caps_onednn_below_amx(monkeypatch, threads, cores, fl
     assert not backend.avoid_one_thread_amx_crash(1) and backend.os.environ[variable] == "AVX2"
 
 
-def test_a_tiled_decode_compiles_each_tile_size_and_matches_the_dynamic_model(tiny_build):
+def test_a_tiled_decode_compiles_each_tile_size_and_matches_the_dynamic_model(ov_fp32):
     """The VAE decoder is per-size too: a tiled decode (runners.tiling) meets up to four tile sizes (whole tiles, and
     the shorter ones at the right and bottom edges), compiles each, and decodes as one dynamic model does."""
-    # Built here, not the ov_fp32 fixture: test_listed_sizes_are_compiled_static_at_build_time rebuilds that
-    # folder with other shapes (the options other than weights do not name the folder).
-    ov_fp32 = build_artifact(tiny_build, "openvino", "fp32")
     pipe = Pipeline.load(ov_fp32, submodules=["vae_decoder"])
     z = np.random.default_rng(0).standard_normal((1, 16, 24, 20)).astype(np.float32)
     per_size = pipe.sessions["vae_decoder"]

@@ -7,10 +7,9 @@ OpenVINO to our default, each one change on top of the previous:
 - openvino-int8 compiled for the CPU at build time for the table's size (`--ov-device CPU
   --ov-sizes`: static shapes built for a list of sizes, and the ahead-of-time load).
 
-The variants that differ from a default artifact in more than target and precision are built
-through the same API into sibling build folders whose export, fp32 artifact and calibration are
-links to this one's: the same graphs and recordings, but folders of their own (an artifact's name
-says its target and precision, not its passes, shapes or device).
+Every variant is built through the same API. Plain OpenVINO's is built into a sibling build folder whose
+export, fp32 artifact and calibration are links to this one's: the same graphs and recordings, but a folder
+of its own (an artifact's name says its target, precision and options, not its passes).
 """
 from __future__ import annotations
 
@@ -52,18 +51,17 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
               "openvino-fp32": lambda: build_artifact(build, "openvino", "fp32"),
               "openvino-bf16, no passes, dynamic shapes": lambda: build_artifact(
                   _sibling(build, "no-passes"), "openvino", "bf16", passes=[], options=dynamic),
-              "openvino-bf16, dynamic shapes": lambda: build_artifact(_sibling(build, "dynamic"), "openvino", "bf16",
-                                                                      options=dynamic),
+              "openvino-bf16, dynamic shapes": lambda: build_artifact(build, "openvino", "bf16", options=dynamic),
               "openvino-bf16": lambda: build_artifact(build, "openvino", "bf16"),
               # What a full-size model's run fits in (sd3-fullsize: its T5's bf16 weights take 14 GiB compiled)
               "openvino-bf16-int8-weights": lambda: build_artifact(build, "openvino", "bf16",
                                                                    options=OpenVinoOptions(weights="int8")),
-              "openvino-int8, dynamic shapes": lambda: build_artifact(
-                  _sibling(build, "dynamic"), "openvino", "int8", calibration=settings, options=dynamic),
+              "openvino-int8, dynamic shapes": lambda: build_artifact(build, "openvino", "int8", calibration=settings,
+                                                                      options=dynamic),
               "openvino-int8": lambda: build_artifact(build, "openvino", "int8", calibration=settings),
               f"openvino-int8, compiled for CPU at {size}x{size}": lambda: build_artifact(
-                  _sibling(build, "compiled-cpu"), "openvino", "int8", calibration=settings,
-                  options=OpenVinoOptions(device="CPU", sizes=((size, size),)))}
+                  build, "openvino", "int8", calibration=settings, options=OpenVinoOptions(device="CPU",
+                                                                                           sizes=((size, size),)))}
     unknown = set(only or ()) - set(builds)
     if unknown:
         raise ValueError(f"openvino table: no variant {', '.join(sorted(unknown))}; they are: {', '.join(builds)}")

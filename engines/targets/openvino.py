@@ -111,7 +111,11 @@ class OpenVinoOptions(TargetOptions):
         return {k: v for k, v in settings.items() if v}
 
     def variant(self) -> str:
-        return f"-{self.weights}-weights" if self.weights else ""
+        """Every option that changes the manifest names the folder, so that builds with other options sit
+        beside the default one instead of replacing it: `openvino-int8-dynamic`, `openvino-bf16-cpu-512x512`."""
+        parts = [f"{self.weights}-weights" if self.weights else "", self.shapes or "",
+                 self.device and _device_name(self.device), *(f"{h}x{w}" for h, w in self.sizes)]
+        return "".join(f"-{part}" for part in parts if part)
 
     def resolved(self, build_dir: Path, source: dict, precision: str) -> OpenVinoOptions:
         if self.sizes and not self.device:
@@ -124,12 +128,18 @@ class OpenVinoOptions(TargetOptions):
         if self.weights and PRECISIONS[precision].quantize:
             raise TargetError(f"--ov-weights {self.weights} is for the float precisions: --precision {precision} "
                               f"quantizes the weights itself (NNCF)")
-        return dataclasses.replace(self, pipeline=source["pipeline"])
+        # The default named is the default: one folder and one cache key.
+        shapes = None if self.shapes == IMAGE_SHAPES else self.shapes
+        return dataclasses.replace(self, shapes=shapes, pipeline=source["pipeline"])
+
+
+def _device_name(device: str) -> str:
+    return device.lower().replace(".", "-")  # "GPU.1" -> "gpu-1"
 
 
 def compiled_name(name: str, device: str, size: tuple[int, int] | None = None) -> str:
     at = f".{size[0]}x{size[1]}" if size else ""
-    return f"{name}{at}.{device.lower().replace('.', '-')}.blob"
+    return f"{name}{at}.{_device_name(device)}.blob"
 
 
 def check_device(core, device: str) -> None:
