@@ -159,3 +159,17 @@ def test_a_sibling_build_links_an_fp32_artifact_and_calibration_that_exist(tmp_p
     for shared in ("onnx", "ort-fp32", "calibration"):
         assert (sibling / shared).is_symlink() and (sibling / shared).resolve() == (tmp_path / shared).resolve()
         assert (sibling / shared).is_dir()
+
+
+def test_our_calls_release_working_memory_as_a_run_does():
+    """The denoiser keeps its working memory between calls, every other submodule releases it after its call,
+    as in a run: after a release a dynamic OpenVINO model's next call is slower (the CPU runtimes table's VAE)."""
+    from bench.variants import Ours
+
+    calls = []
+    ours = Ours.__new__(Ours)  # its pipeline only: Ours.call's contract with Pipeline.run
+    ours.pipe = SimpleNamespace(constants={"denoiser": "transformer"},
+                                run=lambda name, release, **feeds: calls.append((name, release)))
+    for name in ("text_encoder", "transformer", "vae_decoder"):
+        ours.call(name, {})
+    assert calls == [("text_encoder", True), ("transformer", False), ("vae_decoder", True)]

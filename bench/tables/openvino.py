@@ -135,7 +135,9 @@ def measure(run) -> list[dict]:
         "rows": rows,
         "notes": [f"Medians of {a.openvino_reps} repetitions; each runs every variant in a fresh process, in "
                   "turn: load, one cold call of each submodule (with the load: the load + first call column), "
-                  f"three {name} calls, one VAE decode, one end-to-end run. OpenVINO's artifacts compile "
+                  f"three {name} calls, one VAE decode, one end-to-end run. Our calls are made as a run makes "
+                  f"them: the {name} keeps its working memory between calls, every other submodule releases it "
+                  "after its call. OpenVINO's artifacts compile "
                   f"their IR at load, and a per-size {name} and VAE at their first call of a size, unless compiled for "
                   "the CPU at build (`--ov-device CPU --ov-sizes`). Each step from plain OpenVINO (our export, "
                   "no passes, dynamic shapes) to our default changes one thing. Errors as in the "
