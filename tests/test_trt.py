@@ -80,6 +80,20 @@ def test_every_submodule_builds_a_real_engine(rtx, precision):
 STATIC = StaticRequest(height=128, width=64, prompts=2, images_per_prompt=1, guidance=True)
 
 
+@needs_rtx
+@pytest.mark.parametrize("options, name", [
+    ({}, "trt-rtx-fp32"),
+    ({"static": StaticRequest()}, "trt-rtx-fp32-static-128x128"),  # sd3-tiny's default size, filled in
+    ({"static": StaticRequest(64, 96, 2, 3, False), "refittable": True},
+     "trt-rtx-fp32-static-64x96-2-prompts-3-per-prompt-no-guidance-refittable"),
+])
+def test_the_request_of_a_static_build_names_the_folder(tiny_build, options, name):
+    """Static builds for other requests sit beside each other instead of replacing one another."""
+    from engines.plan import plan
+
+    assert plan(tiny_build, "trt-rtx", "fp32", options=rtx_options(**options)).dest.name == name
+
+
 def _call_shapes(artifact, request: StaticRequest) -> dict[str, dict[str, list[int]]]:
     """The shapes of every engine call of `request` on an ONNX Runtime artifact, by submodule (the
     VAE encoder as image-to-image calls it: on the request's images)."""
@@ -106,6 +120,7 @@ def test_static_shapes_are_the_runners_and_the_engine_cache(rtx, tiny_build, tin
     options = rtx_options(static=STATIC, cache_dir=tmp_path / "cache")
     static = build_artifact(tiny_build, "trt-rtx", precision, options=options)
     m = manifest(static)
+    assert static.name == f"trt-rtx-{precision}-static-128x64-2-prompts"  # the request names the folder
     assert m["static"] == STATIC.record()
     called = _call_shapes(tiny_artifact, STATIC)
     assert sorted(called) == [s for s in SUBMODULES if s != "transformer_first_block"]  # only a cache calls it

@@ -102,7 +102,17 @@ class TrtOptions(TargetOptions):
         return dataclasses.replace(self, static=static, cache_dir=cache_dir)
 
     def variant(self) -> str:
-        return ("-static" if self.static else "") + ("-refittable" if self.refittable else "")
+        """The request a static build runs and refittable weights name the folder, so that builds for other
+        requests sit beside each other: `trt-rtx-fp16-static-512x512-2-prompts-refittable`. The GPU generations,
+        the workspace limit and the engine cache say where and how the builder builds, not what the engines
+        take: they do not (a machine without a GPU names the generations in every build)."""
+        parts = []
+        if self.static:
+            s = self.static
+            parts += ["static", f"{s.height}x{s.width}", *([f"{s.prompts}-prompts"] if s.prompts != 1 else []),
+                      *([f"{s.images_per_prompt}-per-prompt"] if s.images_per_prompt != 1 else []),
+                      *([] if s.guidance else ["no-guidance"])]
+        return "".join(f"-{part}" for part in parts + (["refittable"] if self.refittable else []))
 
     def entry(self, name: str, entry: dict, source: dict) -> dict:
         """Static: the entry narrowed to one shape per input, the request's dims fixed and every other dim
