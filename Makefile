@@ -67,11 +67,13 @@ upgrade-lock: lock
 export: venv
 	$(PY) -m export $(MODEL) --out $(BUILD) --reuse-from $(dir $(BUILD)) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
 
+ENGINES := $(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION) $(ENGINES_ARGS)
 engines: export
-	$(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION) $(ENGINES_ARGS)
+	$(ENGINES)
 
+# The folder the engines' options name (ENGINES_ARGS="--ov-shapes dynamic": openvino-bf16-dynamic).
 image: engines
-	$(PY) -m runners $(BUILD)/$(TARGET)-$(PRECISION) --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)
+	$(PY) -m runners "$$($(ENGINES) --print-artifact)" --prompt "$(PROMPT)" --out $(OUT) $(IMAGE_ARGS)
 
 # --max-worker-restart=0: a worker that dies (a native crash) ends the run, named. With a restart,
 # xdist's loadgroup hands the crashed test to the new worker, which rebuilds its fixtures and dies again.

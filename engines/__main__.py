@@ -1,5 +1,5 @@
 """python -m engines BUILD_DIR --target ort --precision fp32: build an artifact from BUILD_DIR/onnx
-(--dry-run: print what would be built, and build nothing).
+(--dry-run: print what would be built, and build nothing; --print-artifact: only its folder).
 python -m engines inspect PATH: what each graph holds in memory (see python -m engines inspect -h).
 python -m engines lora ARTIFACT --lora PATH[:SCALE] --out NEW: LoRA adapters merged into a built artifact.
 
@@ -32,6 +32,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     p.add_argument("--dry-run", action="store_true",
                    help="print the build plan (destination, up to date or not, passes per submodule, calibration) "
                         "and write nothing")
+    p.add_argument("--print-artifact", action="store_true",
+                   help="print the artifact folder these settings build into (their options name it) and write "
+                        "nothing: `make image` runs the folder `make engines` built")
     p.add_argument("--fallback", choices=["ort"], default=None,
                    help="build a submodule the target rejects for ONNX Runtime instead (the manifest says which)")
     flags = add_target_arguments(p)
@@ -63,7 +66,9 @@ def _build(args, flags) -> None:
                  calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
                  fallback=args.fallback, memory=args.memory,
                  memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None)
-    if args.dry_run:
+    if args.print_artifact:
+        print(build.dest)
+    elif args.dry_run:
         print(describe(build))
     else:
         execute(build)

@@ -57,6 +57,16 @@ def test_dry_run_prints_the_plan_and_writes_nothing(fresh_build, capsys):
                               f"recorded in {fresh_build / 'calibration'}/")
 
 
+def test_print_artifact_prints_the_folder_the_options_name_and_writes_nothing(fresh_build, capsys):
+    """What `make image` runs: the folder `make engines` built with the same arguments."""
+    pytest.importorskip("openvino")
+    before = _files(fresh_build)
+    assert engines_main([str(fresh_build), "--target", "openvino", "--precision", "bf16", "--ov-shapes", "dynamic",
+                         "--print-artifact"]) == 0
+    assert capsys.readouterr().out == f"{fresh_build / 'openvino-bf16-dynamic'}\n"
+    assert _files(fresh_build) == before
+
+
 def test_dry_run_of_a_built_artifact_says_it_is_up_to_date(tiny_artifact, capsys):
     assert engines_main([str(tiny_artifact.parent), "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
