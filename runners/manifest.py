@@ -48,7 +48,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        raise ManifestError(f"{folder} is not an artifact folder: {MANIFEST} is missing")
+        raise ManifestError(f"{folder} is not an artifact folder: {MANIFEST} is missing{_where_they_are(folder)}")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -62,6 +62,21 @@ def read_manifest(folder: Path, verify: bool = True) -> dict:
     if verify:
         verify_files(folder, data)
     return data
+
+
+def _where_they_are(folder: Path) -> str:
+    """A missing folder said as such, and a build folder's artifacts named (their options name them)."""
+    if not folder.exists():
+        return " (the folder does not exist)"
+    artifacts = sorted(p.parent.name for p in folder.glob(f"*/{MANIFEST}") if "target" in _json_or_empty(p))
+    return f"; the artifacts in it: {', '.join(artifacts)}" if artifacts else ""
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def is_current(folder: Path, cache_key: str) -> bool:

@@ -59,8 +59,17 @@ def test_unknown_format_version(artifact_copy):
 
 
 def test_not_an_artifact(tmp_path):
-    with pytest.raises(ManifestError, match="manifest.json is missing"):
+    with pytest.raises(ManifestError, match="manifest.json is missing$"):
         Pipeline.load(tmp_path)
+    with pytest.raises(ManifestError, match=r"manifest.json is missing \(the folder does not exist\)$"):
+        Pipeline.load(tmp_path / "nope")
+
+
+def test_a_build_folder_names_the_artifacts_in_it(tiny_artifact):
+    """A build folder given for an artifact: the error names the folders to pass instead."""
+    with pytest.raises(ManifestError, match=rf"^{tiny_artifact.parent} is not an artifact folder: manifest.json is "
+                                            r"missing; the artifacts in it: (.+, )?ort-fp32(, .+)?$"):
+        Pipeline.load(tiny_artifact.parent)
 
 
 def test_cli_bad_size_writes_nothing(tiny_artifact, tmp_path):
