@@ -68,15 +68,16 @@ def _where_they_are(folder: Path) -> str:
     """A missing folder said as such, and a build folder's artifacts named (their options name them)."""
     if not folder.exists():
         return " (the folder does not exist)"
-    artifacts = sorted(p.parent.name for p in folder.glob(f"*/{MANIFEST}") if "target" in _json_or_empty(p))
+    artifacts = sorted(p.parent.name for p in folder.glob(f"*/{MANIFEST}") if _is_artifact(p.parent))
     return f"; the artifacts in it: {', '.join(artifacts)}" if artifacts else ""
 
 
-def _json_or_empty(path: Path) -> dict:
+def _is_artifact(folder: Path) -> bool:
+    """A folder this runner loads (an export's manifest names no target)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+        return "target" in read_manifest(folder, verify=False)
+    except ManifestError:
+        return False
 
 
 def is_current(folder: Path, cache_key: str) -> bool:

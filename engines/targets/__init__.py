@@ -41,6 +41,12 @@ def sizes_argument(text: str) -> tuple[tuple[int, int], ...]:
     return tuple((int(h), int(w)) for h, w in sizes)
 
 
+def folder_suffix(*parts: str | None | bool) -> str:
+    """An artifact folder's suffix from the options that name it, those that are unset left out:
+    ("int8-weights", None, "cpu") -> "-int8-weights-cpu"."""
+    return "".join(f"-{part}" for part in parts if part)
+
+
 @dataclass(frozen=True)
 class TargetOptions:
     """A target's own build options: a frozen dataclass subclass holds them, adds the command-line flags
@@ -68,7 +74,7 @@ class TargetOptions:
         return self
 
     def variant(self) -> str:
-        """What the artifact's folder name adds for these options ("-static")."""
+        """What the artifact's folder name adds for these options ("-static-512x512"): see `folder_suffix`."""
         return ""
 
     def entry(self, name: str, entry: dict, source: dict) -> dict:

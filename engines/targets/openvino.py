@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from engines.precisions import TargetRecipe
 from engines.targets import (RESOLVED, BuildInput, SubmoduleBuildFailed, Target, TargetError, TargetOptions,
-                             sizes_argument)
+                             folder_suffix, sizes_argument)
 from engines.targets import _openvino_int8, _openvino_lora, _openvino_weights
 from runners.backends import cpu_threads
 from runners.backends.openvino import openvino_core
@@ -113,9 +113,8 @@ class OpenVinoOptions(TargetOptions):
     def variant(self) -> str:
         """Every option that changes the manifest names the folder, so that builds with other options sit
         beside the default one instead of replacing it: `openvino-int8-dynamic`, `openvino-bf16-cpu-512x512`."""
-        parts = [f"{self.weights}-weights" if self.weights else "", self.shapes or "",
-                 self.device and _device_name(self.device), *(f"{h}x{w}" for h, w in self.sizes)]
-        return "".join(f"-{part}" for part in parts if part)
+        return folder_suffix(self.weights and f"{self.weights}-weights", self.shapes,
+                             self.device and _device_name(self.device), *(f"{h}x{w}" for h, w in self.sizes))
 
     def resolved(self, build_dir: Path, source: dict, precision: str) -> OpenVinoOptions:
         if self.sizes and not self.device:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from engines.targets import (
-    BuildInput, EngineBuildError, SubmoduleBuildFailed, Target, TargetError, TargetOptions, sizes_argument,
+    BuildInput, EngineBuildError, SubmoduleBuildFailed, Target, TargetError, TargetOptions, folder_suffix,
+    sizes_argument,
 )
 from runners.backends.trt import gpu_capability, gpu_count, use_tensorrt
 from runners.manifest import digest, sha256_file
@@ -106,13 +107,11 @@ class TrtOptions(TargetOptions):
         requests sit beside each other: `trt-rtx-fp16-static-512x512-2-prompts-refittable`. The GPU generations,
         the workspace limit and the engine cache say where and how the builder builds, not what the engines
         take: they do not (a machine without a GPU names the generations in every build)."""
-        parts = []
-        if self.static:
-            s = self.static
-            parts += ["static", f"{s.height}x{s.width}", *([f"{s.prompts}-prompts"] if s.prompts != 1 else []),
-                      *([f"{s.images_per_prompt}-per-prompt"] if s.images_per_prompt != 1 else []),
-                      *([] if s.guidance else ["no-guidance"])]
-        return "".join(f"-{part}" for part in parts + (["refittable"] if self.refittable else []))
+        s = self.static
+        request = (("static", f"{s.height}x{s.width}", s.prompts != 1 and f"{s.prompts}-prompts",
+                    s.images_per_prompt != 1 and f"{s.images_per_prompt}-per-prompt", not s.guidance and "no-guidance")
+                   if s else ())
+        return folder_suffix(*request, self.refittable and "refittable")
 
     def entry(self, name: str, entry: dict, source: dict) -> dict:
         """Static: the entry narrowed to one shape per input, the request's dims fixed and every other dim
