@@ -18,7 +18,7 @@ class FluxOurs(Ours):
     """An artifact run by our runner (bench.variants.Ours), from packed starting latents at Flux's defaults."""
 
     def text_to_image(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> np.ndarray:
-        from runners.flux import pack
+        from runners.families.flux import pack
 
         return self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=pack(latents),
                          output_type="np", **options)

@@ -18,7 +18,7 @@ from engines.passes.ort_tools import request_session_options
 from engines.plan import BuildPlan, passes_fingerprint, plan, submodule_entry
 from engines.targets import BuildInput, SubmoduleBuildFailed, TargetOptions, target_options
 from runners.manifest import atomic_folder, exclusive, is_current, load_onnx, write_manifest
-from runners.provenance import WeightTable, table_path
+from runners.adapters.provenance import WeightTable, table_path
 
 # plan and target_options are the Python API's, as the CLI's --dry-run and target flags;
 # passes_fingerprint and submodule_entry serve bench/passes.py.

@@ -2,11 +2,11 @@
 
 Only what the adapters change is written: the adapted weights go to a data file of their own,
 `<engine>.lora-<hash>.data`, and the graph of each engine they touch (its structure, a small file)
-is rewritten to read them from there (`runners/provenance.py` records the new places). Every other
+is rewritten to read them from there (`runners/adapters/provenance.py` records the new places). Every other
 file, the large weight files included, is a hard link to the source artifact's (a copy where the
 filesystem has no links). The manifest records each adapter's file, sha256 and scale.
 
-An artifact whose backend takes adapters as low-rank branches (OpenVINO, runners/lora_branches.py)
+An artifact whose backend takes adapters as low-rank branches (OpenVINO, runners/adapters/branches.py)
 keeps its engines as built: the adapter files are copied into it (`loras/<sha256>.safetensors`) and
 its manifest's `lora_branches` names them, which the runner applies at load as it applies adapters at
 run time (the same branches, the same images; an int8 base stays int8).
@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from runners.backends import get_backend
-from runners.lora import LoraError, adapted_submodules, parse_lora_spec, submodule_tables
-from runners.lora_branches import branch_factors
+from runners.adapters.lora import LoraError, adapted_submodules, parse_lora_spec, submodule_tables
+from runners.adapters.branches import branch_factors
 from runners.manifest import (
     ManifestError, atomic_folder, digest, link_or_copy, read_manifest, sha256_file, write_manifest,
 )
-from runners.quantized import FLOAT8_E4M3FN
+from runners.adapters.quantized import FLOAT8_E4M3FN
 
 
 def _log(msg: str) -> None:
@@ -114,7 +114,7 @@ def _rewrite_graph(source: Path, dest: Path, weights: dict, data_file: str, tabl
 
 
 def _tensor(array: np.ndarray, name: str):
-    """An onnx-ir tensor of `array`; fp8 bytes (runners.quantized.FLOAT8_E4M3FN) as FLOAT8E4M3FN."""
+    """An onnx-ir tensor of `array`; fp8 bytes (runners.adapters.quantized.FLOAT8_E4M3FN) as FLOAT8E4M3FN."""
     import onnx_ir as ir
 
     if array.dtype == FLOAT8_E4M3FN:

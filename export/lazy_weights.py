@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from runners.manifest import tensor_values
-from runners.provenance import WeightTable, dtype_name
+from runners.adapters.provenance import WeightTable, dtype_name
 
 # FLUX.1 and SD3.5 ship BF16 checkpoints
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64}

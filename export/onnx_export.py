@@ -22,7 +22,7 @@ from export.shapes import concrete
 from export.spec import SubmoduleSpec
 from runners.backends import cpu_threads
 from runners.manifest import save_graph
-from runners.provenance import WeightTable, initializer_types, table_path
+from runners.adapters.provenance import WeightTable, initializer_types, table_path
 
 DEFAULT_OPSET = 20  # MatMul/Softmax attention: builds on every target (opset 23's Attention does not)
 EXPORT_DTYPES = ("float32", "float16")

@@ -61,7 +61,7 @@ CONTROL_OPTIONS = {"control_image": "--control-image/--canny", "controlnet_condi
 
 def _control_arguments(args) -> dict:
     """The ControlNet arguments of a call from the CLI's (those not given left out)."""
-    from runners.controlnet import canny_edges
+    from runners.conditioning.controlnet import canny_edges
 
     images = [_read_image(path, "--control-image") for path in args.control_image]
     if args.canny:
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     from runners import Pipeline
     from runners.caches import parse_cache
     from runners.cli import run_cli
-    from runners.lora import parse_lora_spec
+    from runners.adapters.lora import parse_lora_spec
     from runners.pipeline import parse_device_map
     from runners.manifest import ManifestError
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from runners.caches import CacheConfig, StepCache, parse_cache
 from runners.backends import backend_of, get_backend, open_session, thread_backends
-from runners.lora import adapted_submodules, base_values, submodule_tables
-from runners.lora_branches import branch_factors, branch_layers
+from runners.adapters.lora import adapted_submodules, base_values, submodule_tables
+from runners.adapters.branches import branch_factors, branch_layers
 from runners.manifest import ManifestError, read_manifest
 from runners.preview import Previews
 from runners.profile import Profiler

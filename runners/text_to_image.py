@@ -1,6 +1,6 @@
 """What every text-to-image family shares, with diffusers' semantics: request checks, the
 starting latents, the denoising loop (guidance batched: the negative half first), and the VAE
-with its tiling. A family (runners/sd3.py, sd15.py, sdxl.py) adds only how it encodes text
+with its tiling. A family (runners/families/sd3/__init__.py, sd15.py, sdxl.py) adds only how it encodes text
 into the denoiser's conditions."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from runners.images import check_mask_size, to_model_input, to_output
-from runners.inpainting import Inpainting, latent_mask
+from runners.conditioning.images import check_mask_size, to_model_input, to_output
+from runners.conditioning.inpainting import Inpainting, latent_mask
 from runners.pipeline import VAE_ENGINES, Pipeline
 from runners.schedulers.schedule import check_steps, strength_start
 from runners.static import check_static_request
@@ -88,6 +88,9 @@ class TextToImage(Pipeline):
     # The cache contexts of a guided step's batch (Pipeline._evaluate): one for diffusers' pipelines that
     # batch guidance in one call; "uncond,cond" where diffusers calls the halves apart (Flux's true CFG).
     guidance_contexts = "batch"
+    # (channels x RGB matrix, RGB bias) mapping the denoiser's latents to a preview's colours; None: the
+    # family has none (previews then need the artifact's tiny decoder)
+    latent_rgb: tuple | None = None
     reads_reference_image = False  # image= is a reference to edit, not image to image's (FLUX.1 Kontext)
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,

@@ -13,7 +13,7 @@ import numpy as np
 
 import runners.pipeline
 from runners.backends import get_backend, open_session
-from runners.provenance import WeightTable
+from runners.adapters.provenance import WeightTable
 
 
 class SharedBufferSession:

@@ -86,7 +86,7 @@ def with_peft_naming(peft_file: Path, out: Path) -> Path:
 
 
 # FLUX.1's original (Black Forest Labs) modules the Flux tests adapt, and the diffusers modules each
-# fuses, in its row order: the tests' own table, against which runners/lora_flux.py's is checked.
+# fuses, in its row order: the tests' own table, against which runners/families/flux/lora_keys.py's is checked.
 # Blocks, which diffusers' kohya conversion reads:
 FLUX_ORIGINAL = {
     "double_blocks.0.img_attn.qkv": [f"transformer_blocks.0.attn.to_{x}" for x in "qkv"],

@@ -18,7 +18,7 @@ from conftest import (
     smooth_image, soft_mask,
 )
 from runners import DeepCacheConfig, Pipeline
-from runners.controlnet import residual_inputs
+from runners.conditioning.controlnet import residual_inputs
 
 ONE_LEVEL = 1 / 255
 STEPS = 5
@@ -195,7 +195,7 @@ def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
     transformer's patch embedding) and FluxControlNetPipeline. The control image's VAE sample takes our
     `control_noise`: SD3's one per half of the guided batch (diffusers encodes the doubled image), Flux's one
     per image (its ControlNet runs once, on the prompt's conditions, also under true CFG)."""
-    from runners.flux import pack
+    from runners.families.flux import pack
 
     family = case.split("_")[0]
     pipe, reference = loaded(case if case in _SETUPS else f"{family}_one")
@@ -280,7 +280,7 @@ def test_flux_union_modes_and_refusals(monkeypatch, loaded, request, setup):
     than diffusers' modes 3 and 0 are to each other (a mode embedded as one text token among many changes the
     tiny model's image by less than the 1/255 of the parity case). A Union needs a mode, within its modes, and
     other ControlNets or artifacts take none."""
-    from runners.flux import pack
+    from runners.families.flux import pack
 
     pipe, reference = loaded(setup)
     rng = np.random.default_rng(3)
@@ -316,7 +316,7 @@ def test_sd3_blocks_take_diffusers_residuals():
     from diffusers import SD3Transformer2DModel
 
     from export.families.sd3 import _TransformerForSD3
-    from runners.controlnet_sd3 import SD3ControlNets
+    from runners.families.sd3.controlnet import SD3ControlNets
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(sample_size=8, num_layers=5, attention_head_dim=8, num_attention_heads=2,
@@ -356,7 +356,7 @@ def test_flux_blocks_take_diffusers_residuals(repeat):
     from diffusers import FluxTransformer2DModel
 
     from export.families.flux import _TransformerForFlux
-    from runners.controlnet_flux import FluxControlNets
+    from runners.families.flux.controlnet import FluxControlNets
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(in_channels=16, num_layers=3, num_single_layers=5, attention_head_dim=16,
@@ -394,7 +394,7 @@ def test_transformer_plain_run_and_refusals(loaded, request, setup):
     """Without control_image, an artifact with a transformer family's ControlNet gives the base artifact's
     image (its transformer, exported again with residual inputs, gets zeros); and what diffusers has no
     pipeline for, or what a cached step would skip, is refused."""
-    from runners.flux import pack
+    from runners.families.flux import pack
 
     family = setup.split("_")[0]
     pipe, _ = loaded(setup)
@@ -557,7 +557,7 @@ OTHER_TARGETS = {("ort", "int8"): INT8_MIN_PSNR, ("openvino", "bf16"): BF16_MIN_
 
 def _controlled_call(pipe, setup: str) -> np.ndarray:
     """A 64x64 image of `setup`'s ControlNet case, from fixed latents and a fixed edge map."""
-    from runners.flux import pack
+    from runners.families.flux import pack
 
     channels = pipe.manifest["constants"]["latent_channels"]
     latents = np.random.default_rng(1).standard_normal((1, channels, 8, 8), dtype=np.float32)
@@ -652,7 +652,7 @@ def test_canny_edges(monkeypatch):
     """OpenCV's edge map as RGB (white on black), and one line saying how to install it when it is missing."""
     import sys
 
-    from runners.controlnet import canny_edges
+    from runners.conditioning.controlnet import canny_edges
 
     edges = np.asarray(canny_edges(edge_image(64, 64, seed=1), 50, 100))
     assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}

@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, smooth_image
 from runners import Pipeline
-from runners.flux import pack, unpack
+from runners.families.flux import pack, unpack
 
 BOUND = 1 / 255  # of [0, 1] image values
 LONG_PROMPT = "a watercolor painting of a red fox sitting in a snowy forest at dawn, soft light, mist between the trees"

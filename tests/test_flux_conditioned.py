@@ -186,7 +186,7 @@ def test_kontext_sizes_are_diffusers():
     the output keeps the requested aspect ratio at max_area pixels, in multiples of 16."""
     from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
-    from runners.flux_conditions import KONTEXT_RESOLUTIONS, kontext_size, reference_size
+    from runners.families.flux.conditions import KONTEXT_RESOLUTIONS, kontext_size, reference_size
 
     assert list(KONTEXT_RESOLUTIONS) == list(PREFERRED_KONTEXT_RESOLUTIONS)
     assert reference_size(smooth_image(300, 500), True, 16) == (800, 1328)  # 1.67: nearest 1328/800 = 1.66

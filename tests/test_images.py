@@ -7,7 +7,7 @@ import pytest
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from runners.images import to_model_input
+from runners.conditioning.images import to_model_input
 
 SCALE = 8
 

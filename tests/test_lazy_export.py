@@ -16,7 +16,7 @@ from conftest import manifest
 from export.families import FAMILIES
 from export.lazy_weights import WeightsError, attach_weights, checkpoint_index
 from export.onnx_export import SKIPPED_REWRITE_RULES, export_weightless, trace, wrapped
-from runners.provenance import WeightTable
+from runners.adapters.provenance import WeightTable
 from export.shapes import dim_ranges, probe_dims
 
 # Every test here traces sd3-tiny submodules through the exporter itself: the export tier.

@@ -17,7 +17,7 @@ from conftest import assert_real_image, int8_bounds, manifest
 from engines.lora import apply_loras
 from lora_adapters import ATTENTION, CLIP_ATTENTION, make_adapter, to_kohya, with_peft_naming
 from runners import Pipeline
-from runners.lora import LoraError, artifact_weights, submodule_tables
+from runners.adapters.lora import LoraError, artifact_weights, submodule_tables
 
 ONE_LEVEL = 1 / 255
 CALL = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=4, output_type="np")
@@ -149,7 +149,7 @@ def test_a_lora_on_a_fused_projection_changes_exactly_its_slice(tiny_artifact, s
                                                      if k.startswith("transformer.") and ".to_k." in k}, metadata)
     data = manifest(tiny_artifact)
     table = submodule_tables(tiny_artifact, data)["transformer"]
-    from runners.lora import adapted_submodules
+    from runners.adapters.lora import adapted_submodules
 
     changed = adapted_submodules(tiny_artifact, data, {only_k: 1.0})["transformer"]
     base = artifact_weights(tiny_artifact)
@@ -241,7 +241,7 @@ def test_fp16_artifact_applies_in_float32_and_rounds_once(tiny_artifact, precisi
     without one: measured 61.2 dB (the two artifacts without an adapter: 60.7 dB at these latents);
     the bound sits 5 dB below. Each adapted weight is the fp16 weight plus the change in float32,
     rounded once."""
-    from runners.lora import adapted_submodules, weight_deltas
+    from runners.adapters.lora import adapted_submodules, weight_deltas
 
     fp16 = precision_artifacts["fp16"]
     adapters = {sd3_adapters["a"]: 0.8}
@@ -279,11 +279,11 @@ CHANGE_MARGIN = int8_bounds({"int8": 10.0, "fp8": 10.0}, {"int8": 3.0})
 def test_quantized_artifacts_take_adapters_quantized_again(tiny_artifact, precision_artifacts, sd3_adapters,
                                                            precision, tmp_path):
     """Each weight an adapter changes is dequantized, changed and quantized again by the quantizer's own
-    rule, its scales computed afresh (runners/quantized.py): the image against the fp32 artifact's with
+    rule, its scales computed afresh (runners/adapters/quantized.py): the image against the fp32 artifact's with
     the adapter, the adapter's change far above the precision's own error, and the same image offline."""
     import onnx_ir as ir
 
-    from runners.lora import adapted_submodules
+    from runners.adapters.lora import adapted_submodules
 
     artifact = precision_artifacts[precision]
     data = manifest(artifact)
@@ -314,13 +314,58 @@ def test_quantized_artifacts_take_adapters_quantized_again(tiny_artifact, precis
 def test_parameters_the_exporter_merged_cannot_be_changed_alone():
     """Two equal parameters sharing one initializer (the exporter's deduplication): an adapter on one
     of them is refused, not applied to both."""
-    from runners.lora import adapted
-    from runners.provenance import WeightTable
+    from runners.adapters.lora import adapted
+    from runners.adapters.provenance import WeightTable
 
     table = WeightTable({"bias": {"dtype": "float32", "shape": [4], "parts": [
         {"component": "transformer", "key": "a.weight"}, {"component": "transformer", "key": "b.weight"}]}})
     with pytest.raises(LoraError, match="holds a.weight, b.weight, which were equal"):
         adapted(table, {("transformer", "a.weight"): np.ones(4, np.float32)}, lambda name, record: np.zeros(4))
+
+
+def _peft_adapter(path, seed: int, out: int = 24, inputs: int = 20, rank: int = 3):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    save_file({"transformer.blocks.0.to_q.lora_A.weight": rng.standard_normal((rank, inputs), dtype=np.float32),
+               "transformer.blocks.0.to_q.lora_B.weight": rng.standard_normal((out, rank), dtype=np.float32)}, path)
+    return str(path)
+
+
+def test_a_layers_change_is_the_exactly_rounded_product(tmp_path):
+    """Layer.delta is the float32 rounding of the exact scale * alpha / rank * up @ down (math.fsum per
+    element), not a BLAS kernel's float32 sum, whose rounding differs between numpy builds and CPUs (the
+    Triton stub's numpy 1 and numpy 2 here gave images a level of 255 apart on an AMX Xeon)."""
+    import math
+
+    from runners.adapters.lora import read_adapter
+
+    parameters = {("transformer", "blocks.0.to_q.weight")}
+    (layer,) = read_adapter(_peft_adapter(tmp_path / "a.safetensors", seed=0), parameters)
+    factor = 0.7 * layer.alpha / layer.down.shape[0]
+    exact = np.array([[math.fsum(factor * float(u) * float(d) for u, d in zip(row, column))
+                       for column in layer.down.T] for row in layer.up], dtype=np.float32)
+    assert np.array_equal(layer.delta(0.7), exact)
+
+
+def test_adapters_merge_in_one_order_whatever_order_they_are_named_in(tmp_path):
+    """Three adapters on one weight: their float32 sum depends on its order (checked), and weight_deltas
+    gives the same bits for every order of the set, and for a path named another way (relative vs
+    resolved), as a server and Pipeline.load(loras=...) name them."""
+    import itertools
+
+    from runners.adapters.lora import read_adapter, weight_deltas
+
+    parameters = {("transformer", "blocks.0.to_q.weight")}
+    paths = [_peft_adapter(tmp_path / f"{n}.safetensors", seed=i, out=64, inputs=64) for i, n in enumerate("abc")]
+    scales = dict(zip(paths, (0.5, 1.0, -0.8)))
+    changes = [read_adapter(p, parameters)[0].delta(s) for p, s in scales.items()]
+    assert not np.array_equal((changes[0] + changes[1]) + changes[2], (changes[2] + changes[1]) + changes[0])
+    merged = [weight_deltas(dict(order), parameters)[("transformer", "blocks.0.to_q.weight")]
+              for order in itertools.permutations(scales.items())]
+    assert all(np.array_equal(m, merged[0]) for m in merged)
+    relative = {os.path.relpath(p): s for p, s in scales.items()}
+    assert np.array_equal(weight_deltas(relative, parameters)[("transformer", "blocks.0.to_q.weight")], merged[0])
 
 
 # --- the U-Net families: kohya's format and PEFT's naming -----------------------------------------
@@ -420,7 +465,7 @@ def test_flux_single_block_mlp_input_changes_exactly_its_slice(flux_tiny_build, 
     """fuse_qkv fuses a single block's q, k, v and MLP input (they read one tensor): an adapter on
     proj_mlp alone changes the fused weight in proj_mlp's columns only."""
     from lora_adapters import read_raw, write_raw
-    from runners.lora import adapted_submodules
+    from runners.adapters.lora import adapted_submodules
 
     artifact = flux_tiny_build.folder / "ort-fp32"
     tensors, metadata = read_raw(flux_adapters["a"])

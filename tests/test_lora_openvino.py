@@ -1,5 +1,5 @@
 """LoRA on OpenVINO artifacts (fp32, bf16, int8) of sd3-tiny, and fp32 of sd15-, sdxl- and flux-tiny:
-adapters as low-rank branches beside the IR's linear layers (runners/lora_branches.py), the base
+adapters as low-rank branches beside the IR's linear layers (runners/adapters/branches.py), the base
 weights as built (int8 ones too). fp32 against diffusers' fused LoRA within 1/255; bf16 and int8
 against ort-fp32 with the same adapter, bounded in PSNR 5 dB under what was measured, each far closer
 to it than the adapter's own change of the image."""
@@ -18,7 +18,7 @@ from engines.api import build_artifact  # noqa: E402
 from engines.lora import apply_loras  # noqa: E402
 from engines.targets.openvino import OpenVinoOptions  # noqa: E402
 from runners import Pipeline  # noqa: E402
-from runners.lora import LoraError  # noqa: E402
+from runners.adapters.lora import LoraError  # noqa: E402
 from lora_adapters import ATTENTION, CLIP_ATTENTION, make_adapter  # noqa: E402
 from test_lora import CALL, FLUX_CALL, ONE_LEVEL, _flux_latents, _latents, _reference  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""runners/quantized.py against the libraries: its fp8 E4M3 rounding against ml_dtypes', and its
+"""runners/adapters/quantized.py against the libraries: its fp8 E4M3 rounding against ml_dtypes', and its
 per-channel int8 and fp8 quantization against ONNX Runtime's quantizer, the rule the ort-int8 and
 ort-fp8 artifacts were built with (an adapter quantizes changed weights again by it)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto
 from onnxruntime.quantization.quant_utils import quantize_data
 
-from runners.quantized import E4M3FN, dequantize, quantize, to_e4m3fn
+from runners.adapters.quantized import E4M3FN, dequantize, quantize, to_e4m3fn
 
 
 def test_e4m3fn_rounding_is_ml_dtypes():

@@ -496,7 +496,7 @@ def test_a_refittable_build_marks_every_weight_adapters_change(refittable):
     network (its parser names engine weights after the graph's initializers: the table is the refit map),
     and keeps their values beside the engine, equal to the graph's (the ONNX Runtime artifact's: the same
     passes make the same initializers)."""
-    from runners.lora import artifact_weights, submodule_tables
+    from runners.adapters.lora import artifact_weights, submodule_tables
 
     folder, marked, ort = refittable.folder, refittable.marked, refittable.ort
     m = manifest(folder)
@@ -639,7 +639,7 @@ def test_adapters_on_a_plain_tensorrt_artifact_are_refused_with_the_reason(rtx, 
     the engines)."""
     from engines.lora import apply_loras
     from lora_adapters import write_raw
-    from runners.lora import LoraError, adapted_submodules, submodule_tables
+    from runners.adapters.lora import LoraError, adapted_submodules, submodule_tables
 
     data = manifest(rtx["fp32"])
     table = submodule_tables(rtx["fp32"], data)["transformer"]

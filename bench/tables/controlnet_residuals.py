@@ -38,7 +38,7 @@ def _with_residuals(run) -> Path:
     """An ort-fp32 artifact whose denoiser takes ControlNet residual inputs: the default one where it always
     does (the U-Nets' real layouts), else the model's export with its random ControlNets (SD3's and Flux's
     transformers take them only there)."""
-    from runners.controlnet import residual_inputs
+    from runners.conditioning.controlnet import residual_inputs
     from runners.manifest import read_manifest
 
     if residual_inputs(read_manifest(run.default_artifact, verify=False)["submodules"][run.denoiser]):
@@ -48,7 +48,7 @@ def _with_residuals(run) -> Path:
 
 def measure(run) -> list[dict]:
     from export.shapes import concrete
-    from runners.controlnet import residual_inputs
+    from runners.conditioning.controlnet import residual_inputs
     from runners.manifest import read_manifest
 
     a, denoiser, artifact = run.args, run.denoiser, _with_residuals(run)

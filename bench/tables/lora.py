@@ -82,7 +82,7 @@ def _designs(artifact: str, loras: dict, scratch: str, size: int, reps: int) -> 
 
     from runners import Pipeline
     from runners.backends.ort import OrtSession
-    from runners.lora import adapted_submodules
+    from runners.adapters.lora import adapted_submodules
     from runners.manifest import read_manifest
 
     artifact, scratch = Path(artifact), Path(scratch)
@@ -160,8 +160,8 @@ def _openvino_designs(artifact: str, loras: dict, size: int, reps: int) -> dict:
 
     from runners import Pipeline
     from runners.backends.openvino import OpenVinoSession
-    from runners.lora import submodule_tables
-    from runners.lora_branches import branch_factors, branch_layers
+    from runners.adapters.lora import submodule_tables
+    from runners.adapters.branches import branch_factors, branch_layers
     from runners.manifest import read_manifest
 
     artifact = Path(artifact)

@@ -19,7 +19,7 @@ import dataclasses
 import onnx_ir as ir
 from onnx_ir.passes import FunctionalPass, InPlacePass, PassBase, PassResult, PostconditionError, PreconditionError
 
-from runners.provenance import WeightTable
+from runners.adapters.provenance import WeightTable
 
 __all__ = ["GraphPass", "LibraryPass", "PassContext", "Report", "Transformed"]
 
@@ -48,7 +48,7 @@ class PassContext:
     # and lower the peak until it is at most `memory_budget` bytes (None: as far as they can).
     dims: dict = dataclasses.field(default_factory=dict)
     memory_budget: int | None = None
-    # Where each weight comes from (runners/provenance.py): the pipeline drops the records of the
+    # Where each weight comes from (runners/adapters/provenance.py): the pipeline drops the records of the
     # weights a pass removed; a pass that makes a weight from others records how.
     weights: WeightTable = dataclasses.field(default_factory=WeightTable)
 

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import replace_uses
 from runners.manifest import tensor_values
-from runners.provenance import WeightTable, dtype_name
+from runners.adapters.provenance import WeightTable, dtype_name
 
 MAX_FUSED_BYTES = 512 * 2**20
 

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from engines.passes.base import PassContext
 from engines.passes.library_output import library_output
 from engines.passes.registry import PASSES, check_pass_names
-from runners.provenance import initializer_types
+from runners.adapters.provenance import initializer_types
 
 
 class PassFailed(RuntimeError):

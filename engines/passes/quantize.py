@@ -37,7 +37,7 @@ def _record_quantized(table, proto) -> None:
     its provenance follows it and names them. The channel axis is the DequantizeLinear's (the fp8
     Q/DQ pairs); MatMulInteger's weights (int8) are per output channel, axis 1 of (in, out). W_scale
     is tracked too (a record without parts: it holds no parameter), so that it is saved where an
-    adapter reaches it, and replaced with the weight (runners/quantized.py)."""
+    adapter reaches it, and replaced with the weight (runners/adapters/quantized.py)."""
     from onnx import helper
 
     initializers = {i.name: i for i in proto.graph.initializer}

@@ -99,7 +99,7 @@ class BuildInput:
     # OpenVINO's inference precision and int8 quantizer); None for the others.
     precision: Any = None
     calibration: Any = None  # engines.calibration.CalibrationFeeds when the precision measures the model
-    weights: Any = None  # runners.provenance.WeightTable: where each weight comes from (LoRA, refit)
+    weights: Any = None  # runners.adapters.provenance.WeightTable: where each weight comes from (LoRA, refit)
 
     def input_shapes(self) -> dict[str, tuple[list[int], list[int], list[int]]]:
         """{input: (min, opt, max) shape} from the entry's dims (a static build's are one value each)."""

@@ -22,7 +22,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: TargetOptions) -> t
     model = sub.model
     out = out_dir / f"{sub.name}.onnx"
     # Every weight with a provenance in external data, whatever its size: a runner applying an
-    # adapter reads and replaces them there (runners/lora.py), which it could not inside the protobuf.
+    # adapter reads and replaces them there (runners/adapters/lora.py), which it could not inside the protobuf.
     files = save_graph(model, out, external=set(sub.weights or ()))
     # What the passes asked of ONNX Runtime (fp8: session.disable_quant_qdq; the memory passes: the
     # node order kept): this check opens the session with it, and the manifest records it for the runner.

@@ -194,7 +194,7 @@ def _builder(rtx: bool):
 
 def _refittable_weights(sub: BuildInput) -> list[str]:
     """The initializers an adapter can change (the Linear and Conv weights of the provenance table,
-    runners/provenance.py): the TensorRT ONNX parser names each engine weight after its initializer, so
+    runners/adapters/provenance.py): the TensorRT ONNX parser names each engine weight after its initializer, so
     the table is the refit map. Quantized weights are refused: codes and scales would refit as one."""
     if not sub.weights:
         raise TargetError(f"--refittable: {sub.name}'s graph records no weight provenance (exported before adapters "

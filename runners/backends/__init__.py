@@ -31,9 +31,9 @@ class Backend:
     open: Callable[..., Any]
     gpu: bool = False  # its engines run on NVIDIA GPUs: a device map places them, Triton gives them GPU instances
     threads: bool = False  # takes the pipeline's CPU `threads`
-    adapters: bool = False  # takes `initializers`, so that adapters switch at run time (runners/lora.py)
+    adapters: bool = False  # takes `initializers`, so that adapters switch at run time (runners/adapters/lora.py)
     # takes adapters as low-rank branches instead (`lora_layers`, `lora_factors`, session.set_lora_factors:
-    # runners/lora_branches.py), so that a switch changes the branches' inputs and reopens nothing
+    # runners/adapters/branches.py), so that a switch changes the branches' inputs and reopens nothing
     lora_branches: bool = False
     triton: str | None = None  # the config.pbtxt line of Triton's own backend for its engines (native layout)
     device_hint: str = ""  # how its engines' device is chosen instead, said when a device map names one

@@ -1,4 +1,4 @@
-"""LoRA branches in an OpenVINO model (runners/lora_branches.py says why): beside each recorded
+"""LoRA branches in an OpenVINO model (runners/adapters/branches.py says why): beside each recorded
 linear layer, `x @ A @ B` is added to the layer's output, with A (in x rank) and B (rank x out) two
 new inputs of dynamic rank. A layer without an adapter is fed rank 0, which adds nothing."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ def input_names(layer: dict) -> tuple[str, str]:
 
 
 def add_branches(model, layers: list[dict]) -> None:
-    """Add a branch beside each of `layers` (runners.lora_branches.branch_layers) to `model` in place."""
+    """Add a branch beside each of `layers` (runners.adapters.branches.branch_layers) to `model` in place."""
     import openvino as ov
     from openvino import opset13 as ops
 

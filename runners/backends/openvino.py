@@ -86,7 +86,7 @@ class OpenVinoSession:
         """`session_config`: the OpenVINO properties the artifact was built with (its precision hint);
         `session_options`: the device, how the model is shaped, and the compiled models built with it.
         `providers` are ONNX Runtime's: an OpenVINO artifact refuses them rather than ignore them.
-        `lora_layers`: the layers an adapter can reach (runners.lora_branches.branch_layers);
+        `lora_layers`: the layers an adapter can reach (runners.adapters.branches.branch_layers);
         `lora_factors`: the adapters to start with ({layer: (A, B)}, see `set_lora_factors`); None: the
         model as built, without branches."""
         if providers:

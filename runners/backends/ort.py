@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.backends import Backend, cpu_threads
-from runners.quantized import FLOAT8_E4M3FN
+from runners.adapters.quantized import FLOAT8_E4M3FN
 
 FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runner does not import onnx)
 
@@ -42,7 +42,7 @@ class OrtSession:
         (fp8 graphs need `session.disable_quant_qdq` on onnxruntime before 1.32, whose QDQ fusions
         are int8 only; graphs whose memory passes ran need their node order kept, see
         `session_settings`). `initializers` replace the graph's weights of those names (adapted by
-        a LoRA, runners/lora.py): ONNX Runtime takes them before it optimizes the graph."""
+        a LoRA, runners/adapters/lora.py): ONNX Runtime takes them before it optimizes the graph."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -116,7 +116,7 @@ class OrtSession:
 
 
 def _ortvalue(array: np.ndarray):
-    """`array` as an OrtValue; fp8 bytes (runners.quantized.FLOAT8_E4M3FN) as ONNX's float8e4m3fn."""
+    """`array` as an OrtValue; fp8 bytes (runners.adapters.quantized.FLOAT8_E4M3FN) as ONNX's float8e4m3fn."""
     import onnxruntime as ort
 
     array = np.ascontiguousarray(array)

@@ -1,4 +1,4 @@
-"""LoRA adapters on a built artifact, through its weight provenance (`runners/provenance.py`).
+"""LoRA adapters on a built artifact, through its weight provenance (`runners/adapters/provenance.py`).
 
 An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh, kw]) and `up`
 (out, rank[, 1, 1]). The layer's weight changes by `scale * alpha / rank * up @ down`. Formats read:
@@ -7,12 +7,12 @@ An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh
   (diffusers' save functions write it) or per-module `.alpha` tensors; alpha = rank without either;
 - kohya: `lora_unet_<module_with_underscores>.lora_down.weight` / `lora_up.weight` / `alpha`
   (`lora_te_`, `lora_te1_`, `lora_te2_` for the text encoders);
-- FLUX.1's original module names (kohya's Flux format, ComfyUI's `diffusion_model.`), mapped to
-  diffusers' in runners/lora_flux.py.
+- a family's own spellings, which its package turns into diffusers' (`register_key_spelling`): FLUX.1's
+  original module names (kohya's Flux format, ComfyUI's `diffusion_model.`), runners/families/flux/lora_keys.py.
 
 The changed weight of every initializer an adapter touches is computed from the artifact's own
 (an fp16 one in float32, rounded once; an int8 or fp8 one dequantized, then quantized again with its
-scales computed afresh: runners/quantized.py), each fused slice at its place. Numpy only: a deployed
+scales computed afresh: runners/adapters/quantized.py), each fused slice at its place. Numpy only: a deployed
 runner applies adapters without torch.
 """
 from __future__ import annotations
@@ -26,14 +26,22 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.lora_flux import to_diffusers_names as flux_original_names
-from runners.provenance import WeightTable
-from runners.quantized import STORAGE, dequantize, quantize
+from runners.adapters.provenance import WeightTable
+from runners.adapters.quantized import STORAGE, dequantize, quantize
 
 # kohya's prefixes: the component each names (SD1.5's one text encoder is lora_te, SDXL's are te1/te2).
 KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_transformer_": "transformer", "lora_te_": "text_encoder",
                   "lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2", "lora_te3_": "text_encoder_3"}
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+# {adapter tensors} -> the same with a family's own key spellings as diffusers' PEFT keys (others as they
+# are): registered by the families (runners/families/<name>/), applied to every adapter read.
+KEY_SPELLINGS: list = []
+
+
+def register_key_spelling(convert) -> None:
+    """Have every adapter read turn a family's own key spellings into diffusers' with `convert`."""
+    if convert not in KEY_SPELLINGS:
+        KEY_SPELLINGS.append(convert)
 
 
 class LoraError(ValueError):
@@ -52,11 +60,17 @@ class Layer:
     def key(self) -> str:
         return f"{self.module}.weight"
 
-    def delta(self) -> np.ndarray:
-        """The weight's change at scale 1, in the checkpoint's layout (out, in[, kh, kw])."""
+    def delta(self, scale: float = 1.0) -> np.ndarray:
+        """The weight's change at `scale`, in the checkpoint's layout (out, in[, kh, kw]), float32.
+        The product is taken in float64 and rounded once: a float32 product's rounding depends on the
+        BLAS kernel (numpy 1's OpenBLAS in the Triton stub and numpy 2's here differed by a level of
+        255 on an AMX Xeon), while each float64 term is exact and the sum's error stays far below
+        float32's, so every process on every CPU gets the same weights."""
         rank = self.down.shape[0]
-        change = self.up.reshape(self.up.shape[0], rank) @ self.down.reshape(rank, -1)
-        return (self.alpha / rank * change).reshape((self.up.shape[0],) + self.down.shape[1:])
+        up = self.up.reshape(self.up.shape[0], rank).astype(np.float64)
+        change = up @ self.down.reshape(rank, -1).astype(np.float64)
+        change *= float(scale) * self.alpha / rank
+        return change.astype(np.float32).reshape((self.up.shape[0],) + self.down.shape[1:])
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -90,7 +104,8 @@ def read_adapter(path: Path, parameters: set[tuple[str, str]], unread: set[tuple
     if not path.is_file():
         raise LoraError(f"adapter {path} does not exist")
     tensors, metadata = read_safetensors(path)
-    tensors = flux_original_names(tensors)  # kohya's and ComfyUI's FLUX.1 keys: runners/lora_flux.py
+    for convert in KEY_SPELLINGS:  # a family's own spellings (FLUX.1's original names: kohya's, ComfyUI's)
+        tensors = convert(tensors)
     kohya = _kohya_names(parameters | unread)
     pairs: dict[tuple[str, str], dict] = {}
     unmatched, skipped = [], []
@@ -194,14 +209,23 @@ def parse_lora_spec(text: str) -> tuple[str, float]:
 
 def weight_deltas(loras: dict, parameters: set, unread: set = frozenset(),
                   ignore_unmatched: bool = False) -> dict[tuple[str, str], np.ndarray]:
-    """{(component, checkpoint key): the sum of the adapters' changes, each at its scale}."""
+    """{(component, checkpoint key): the sum of the adapters' changes, each at its scale}, summed in one
+    order whatever the order of `loras` (`in_merge_order`), so that a server and `Pipeline.load` that
+    name the same set get the same weights bit for bit."""
     deltas: dict[tuple[str, str], np.ndarray] = {}
-    for path, scale in loras.items():
+    for path, scale in in_merge_order(loras):
         for layer in read_adapter(path, parameters, unread, ignore_unmatched):
             key = (layer.component, layer.key)
-            change = float(scale) * layer.delta()
+            change = layer.delta(scale)
             deltas[key] = deltas[key] + change if key in deltas else change
     return deltas
+
+
+def in_merge_order(loras: dict) -> list[tuple[str, float]]:
+    """`loras` ({path: scale}) as [(path, scale)] in the order every merge of adapters takes them: by the
+    resolved file path (a float sum depends on its order; a server names files by their resolved paths,
+    a user by any)."""
+    return sorted(loras.items(), key=lambda item: (str(Path(item[0]).resolve()), item[1]))
 
 
 def adapted(table: WeightTable, deltas: dict, base) -> dict[str, np.ndarray]:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.controlnet_flux import FluxControlNets
-from runners.flux_conditions import (
+from runners.adapters.lora import register_key_spelling
+from runners.families.flux import lora_keys
+from runners.families.flux.controlnet import FluxControlNets
+from runners.families.flux.conditions import (
     KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
 )
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
@@ -45,6 +47,13 @@ def _check_scale(name: str, value) -> None:
 
 class FluxPipeline(FluxControlNets, TextToImage):
     family = "flux"
+    # ComfyUI's latent_rgb_factors and bias for FLUX.1's latents (runners/preview.py)
+    latent_rgb = ([[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
+                   [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
+                   [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],
+                   [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
+                   [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
+                   [-0.1262, -0.0982, -0.0778]], [-0.0329, -0.0718, -0.0851])
     image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
     guidance_contexts = "uncond,cond"  # FluxPipeline's true CFG: two transformer calls, each in its cache context
@@ -104,7 +113,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
         `image=` FluxControlImg2ImgPipeline, with `mask_image=` too FluxControlInpaintPipeline), which that
         transformer needs: its VAE posterior sample takes `control_noise` (N, 16, h, w). On an artifact exported
         with Flux ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those
-        of diffusers' FluxControlNetPipeline and its Img2Img and Inpaint twins (runners/controlnet_flux.py),
+        of diffusers' FluxControlNetPipeline and its Img2Img and Inpaint twins (runners/families/flux/controlnet.py),
         whose defaults are 28 steps and guidance 7; `control_noise` is then one per ControlNet, a list for
         several, and `control_mode` is a ControlNet-Union's (an int, or a list: one per ControlNet, None for
         those of one condition). On FLUX.1 Kontext
@@ -266,3 +275,6 @@ class FluxPipeline(FluxControlNets, TextToImage):
 
     def hidden_tokens(self, h: int, w: int) -> int:
         return super().hidden_tokens(h, w) + (0 if self._reference is None else self._reference[0].shape[1])
+
+
+register_key_spelling(lora_keys.to_diffusers_names)  # adapters in FLUX.1's original module names

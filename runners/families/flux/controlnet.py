@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from runners.controlnet import ControlNets
-from runners.flux_conditions import control_latents, control_pixels, pack
+from runners.conditioning.controlnet import ControlNets
+from runners.families.flux.conditions import control_latents, control_pixels, pack
 from runners.text_to_image import IMAGE, INPAINT, TEXT
 
 

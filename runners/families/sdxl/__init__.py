@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.controlnet import ControlNets
+from runners.conditioning.controlnet import ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SDXLPipeline(ControlNets, TextToImage):
     family = "sdxl"
+    # ComfyUI's latent_rgb_factors and bias for SDXL's latents (runners/preview.py)
+    latent_rgb = ([[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362],
+                   [-0.3165, -0.2492, -0.2188]], [0.1084, -0.0175, -0.0011])
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
     control_defaults = {IMAGE: Defaults(50, 5.0, 0.8), INPAINT: Defaults(50, 5.0, 0.9999)}
@@ -36,7 +39,7 @@ class SDXLPipeline(ControlNets, TextToImage):
         aesthetic scores (the refiner's structure) takes `aesthetic_score` and `negative_aesthetic_score`
         in place of the target size. `seed` seeds numpy's generator; pass `latents` for exact
         comparison with diffusers. `control_image` (one per ControlNet of the artifact) and the other
-        ControlNet settings are those of diffusers' StableDiffusionXLControlNet pipelines (runners/controlnet.py),
+        ControlNet settings are those of diffusers' StableDiffusionXLControlNet pipelines (runners/conditioning/controlnet.py),
         whose defaults differ for image to image (strength 0.8) and inpainting (guidance 5).
         `controlnet_conditioning_scale` defaults to 1, and 0.8 for image to image."""
         return self._controlled_text_to_image(

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.controlnet_sd3 import SD3ControlNets
+from runners.families.sd3.controlnet import SD3ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD3Pipeline(SD3ControlNets, TextToImage):
     family = "sd3"
+    # ComfyUI's latent_rgb_factors and bias for SD3's latents (runners/preview.py)
+    latent_rgb = ([[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
+                   [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
+                   [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
+                   [-0.0488, 0.0130, -0.0268], [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542],
+                   [0.0332, 0.0456, 0.0895], [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293],
+                   [-0.1448, -0.1463, -0.1189]], [0.2394, 0.2135, 0.1925])
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
     image_sets_size = False
@@ -31,7 +38,7 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         `seed` seeds numpy's generator (not torch's noise: the same seed gives other images than
         diffusers); pass `latents` for exact comparison across frameworks. `vae_tiling`: see `vae_decode`.
         `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
-        diffusers' StableDiffusion3ControlNetPipeline, for text to image (runners/controlnet_sd3.py); the
+        diffusers' StableDiffusion3ControlNetPipeline, for text to image (runners/families/sd3/controlnet.py); the
         control images' VAE samples take `control_noise` (N, 16, h, w; under guidance 2N, both halves), a
         list of them for several ControlNets. With inpainting ControlNets (StableDiffusion3ControlNetInpainting-
         Pipeline's), `mask_image` is their mask (diffusers' `control_mask`) and `control_noise` is N."""

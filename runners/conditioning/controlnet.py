@@ -2,7 +2,7 @@
 summing several ControlNets, zeros without control), and the U-Net families' own, with the semantics of
 diffusers' StableDiffusion(XL)ControlNet pipelines and their Img2Img and Inpaint twins. SD3's and Flux's
 differ in how a control image becomes the engine's input and which residual feeds which transformer
-block (runners/controlnet_sd3.py, runners/controlnet_flux.py).
+block (runners/families/sd3/controlnet.py, runners/families/flux/controlnet.py).
 
 Each ControlNet engine (`controlnet`, `controlnet_1`, ...) reads the latents, the timestep, the text
 conditions and its control image, and returns the UNet's residuals already scaled (one factor per
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.images import to_model_input
+from runners.conditioning.images import to_model_input
 from runners.text_to_image import IMAGE, INPAINT, TEXT, task_of
 
 def residual_inputs(entry: dict) -> list[dict]:
@@ -135,7 +135,7 @@ def canny_edges(image, low: float = 100, high: float = 200):
 
 class ControlNets:
     """The ControlNet side of a family's pipeline: `_predict` feeds the denoiser the residuals. The hooks
-    below are the U-Nets'; SD3's are in runners/controlnet_sd3.py."""
+    below are the U-Nets'; SD3's are in runners/families/sd3/controlnet.py."""
 
     _control: ControlRun | None = None
     # {task: Defaults} of diffusers' ControlNet pipelines where they differ from the family's others

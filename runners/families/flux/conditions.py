@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.images import to_model_input
+from runners.conditioning.images import to_model_input
 from runners.text_to_image import given_or_drawn
 
 PACK = 2  # latents are packed in PACK x PACK patches

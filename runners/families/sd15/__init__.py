@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.controlnet import ControlNets
+from runners.conditioning.controlnet import ControlNets
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD15Pipeline(ControlNets, TextToImage):
     family = "sd15"
+    # ComfyUI's latent_rgb_factors and bias for SD1.5's latents (runners/preview.py)
+    latent_rgb = ([[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
+                   [-0.2120, -0.2616, -0.7177]], [0.0, 0.0, 0.0])
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 7.5), IMAGE: Defaults(50, 7.5, 0.8), INPAINT: Defaults(50, 7.5, 1.0)}
 
@@ -28,7 +31,7 @@ class SD15Pipeline(ControlNets, TextToImage):
         `seed` seeds numpy's generator; pass `latents` (standard normal, before the scheduler's
         initial noise scale) for exact comparison with diffusers. `vae_tiling`: see `vae_decode`.
         `control_image` (one per ControlNet of the artifact) and the other ControlNet settings are those of
-        diffusers' StableDiffusionControlNet pipelines (runners/controlnet.py):
+        diffusers' StableDiffusionControlNet pipelines (runners/conditioning/controlnet.py):
         `controlnet_conditioning_scale` defaults to 1, 0.8 for image to image and 0.5 for inpainting."""
         return self._controlled_text_to_image(
             prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.lora import LoraError, read_adapter, submodule_tables
+from runners.adapters.lora import LoraError, in_merge_order, read_adapter, submodule_tables
 
 KEY = "openvino"  # the weight records' entry that lists a weight's layers in the IR
 
@@ -23,7 +23,7 @@ def adapter_pairs(loras: dict, parameters: set, unread: set = frozenset(),
     """{(component, checkpoint key): [(up * scale * alpha / rank, down)]} of every adapter, each pair
     in the checkpoint's layout: the weight's change is up @ down."""
     pairs: dict[tuple[str, str], list] = {}
-    for path, scale in loras.items():
+    for path, scale in in_merge_order(loras):
         for layer in read_adapter(path, parameters, unread, ignore_unmatched):
             if layer.down.ndim != 2:
                 raise LoraError(f"{path}: {layer.component}.{layer.module} is a convolution; adapters reach an "

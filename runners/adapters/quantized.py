@@ -3,7 +3,7 @@ int8 symmetric per channel (W = q * scale, scale = max |W| / 127) and fp8 E4M3 p
 (W = fp8(q) * scale, scale = std(W) / the std of E4M3's values, saturating at 448). An adapter on a
 quantized artifact dequantizes each weight it changes, adds its change, and quantizes the result
 again by the quantizer's own rule: the weight scales are computed afresh, the activation scales
-(fp8's, calibrated) are kept (runners/lora.py).
+(fp8's, calibrated) are kept (runners/adapters/lora.py).
 
 numpy has no fp8 type: fp8 weights are held as their bytes, in the `FLOAT8_E4M3FN` dtype, whose
 name says what the bytes are (runners/backends/ort.py hands them to ONNX Runtime as fp8)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.controlnet import ControlNets
-from runners.images import nearest, to_model_input
+from runners.conditioning.controlnet import ControlNets
+from runners.conditioning.images import nearest, to_model_input
 from runners.text_to_image import TEXT, given_or_drawn
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.images import nearest
+from runners.conditioning.images import nearest
 
 
 def latent_mask(mask: np.ndarray, size: tuple[int, int], n_images: int) -> np.ndarray:

@@ -14,7 +14,7 @@ record's dtype. A quantized initializer's parts describe its dequantized values.
 
 The export writes the table beside each graph (`<graph stem>.weights.json`), every pass keeps it
 true (a pass that makes a weight from others records how), and the artifact carries it next to
-each engine: an adapter (`runners/lora.py`) or a refit changes a built artifact through it.
+each engine: an adapter (`runners/adapters/lora.py`) or a refit changes a built artifact through it.
 """
 from __future__ import annotations
 
