@@ -16,7 +16,7 @@ from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
-from export.shapes import dim_ranges, image_multiple, probe_dims
+from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
@@ -118,6 +118,7 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     constants.update(control_constants)
     specs += control_specs
     sources.update({s.name: c for s, c in zip(control_specs, controls)})
+    check_example_size(entry, specs, constants)  # in one line now, not deep in torch.export's trace
     settings = [EXPORT_FORMAT, family.name, opset, dtype, package_versions()]
     cache_key = digest([settings, ranges, probes, src.fingerprint,
                         {s.name: [s.component, sources[s.name].fingerprint] for s in specs}])

@@ -47,6 +47,37 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
     return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 
 
+# Capped: a real-size VAE costs 2.6 TFLOP a call at 512x512 (twice, in torch and ORT).
+EXAMPLE_CAP = 256
+
+
+def example_side(entry: ModelEntry, constants: dict) -> int:
+    """The square image side the graphs are traced at: the opt size, capped, and at least the min."""
+    lo, opt, _ = entry.image_size
+    step = image_multiple(constants)
+    return max(lo, min(opt, EXAMPLE_CAP) // step * step)
+
+
+def check_example_size(entry: ModelEntry, specs, constants: dict) -> None:
+    """Refuse, before any tracing, a range whose example gives a graph's deepest level (`latent_divisor`) a
+    side of 1. torch.export specializes a size of 1: the U-Net with ControlNet inputs then fails to trace,
+    and the other graphs (ControlNet, SD3's and Flux's transformers, the VAE) trace but are wrong at every
+    other size. Traced at 2 or more, they are right down to a side of 1, so the min size is free."""
+    divisors = {s.name: _resolve(s.latent_divisor, constants) for s in specs if s.latent_divisor is not None}
+    if not divisors:
+        return
+    name = max(divisors, key=divisors.get)
+    side, scale = example_side(entry, constants), constants["vae_scale_factor"]
+    deepest = side // scale // divisors[name]
+    if deepest < 2:
+        need = 2 * divisors[name] * scale
+        bound = "an opt" if need <= EXAMPLE_CAP else "a min"  # the example is the opt size only up to the cap
+        raise ValueError(f"--image-size {','.join(map(str, entry.image_size))}: the example size {side} gives "
+                         f"{entry.name}'s {name} a deepest latent side of {deepest} ({side} px / {scale} / "
+                         f"{divisors[name]}), which torch.export cannot keep dynamic; use {bound} size of at least "
+                         f"{need} (a multiple of {image_multiple(constants)})")
+
+
 def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[str, int]]:
     """Two different concrete settings of the dynamic dims: the first is the export example
     (every dynamic size >= 2, so the exporter keeps it symbolic), the second checks that the
@@ -55,8 +86,7 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
     lo, opt, hi = entry.image_size
     if lo + step > hi:
         raise ValueError(f"{entry.name}: image size range {entry.image_size} is too narrow to check two shapes")
-    # Capped: a real-size VAE costs 2.6 TFLOP a call at 512x512 (twice, in torch and ORT).
-    side_a = max(lo, min(opt, 256) // step * step)
+    side_a = example_side(entry, constants)
     t5_lo, t5_opt, _ = entry.t5_length
     probes = [
         {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "t5_length": max(2, t5_opt)},

@@ -45,6 +45,10 @@ class SubmoduleSpec:
     # ModelSource -> whether this description is the one the source's component needs, where a family
     # describes a component in variants (Flux's transformer with or without a guidance input). None: always.
     when: Callable[[Any], bool] | None = None
+    # What the graph's deepest level divides the latent side by (a U-Net's down-sampling, a transformer's
+    # patch: a constant's name; 1: the latent itself), or None where it takes no latent. The export's example
+    # must give that level a side of at least 2 (export/shapes.py, check_example_size).
+    latent_divisor: int | str | None = None
 
     def applies(self, src) -> bool:
         return src.has(self.component) and (self.when is None or self.when(src))

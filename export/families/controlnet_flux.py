@@ -78,6 +78,7 @@ def _spec(config: dict) -> SubmoduleSpec:
         outputs=(*(T(f"controlnet_block_{j}", "float32", HIDDEN) for j in range(double)),
                  *(T(f"controlnet_single_block_{j}", "float32", HIDDEN) for j in range(single))),
         wrap=_FluxControlNet,
+        latent_divisor="latent_multiple",  # a packed token's side
         # Run at every step as the transformer is, and quantized as it is (its embedders kept in float).
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "controlnet_x_embedder", "time_text_embed",
                                                         "context_embedder"),

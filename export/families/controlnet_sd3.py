@@ -83,6 +83,7 @@ def _spec(config: dict) -> SubmoduleSpec:
         ),
         outputs=tuple(T(f"controlnet_block_{j}", "float32", HIDDEN) for j in range(layers)),
         wrap=_SD3ControlNet,
+        latent_divisor="latent_multiple",  # its patch, as the transformer's beside it (alone it measured right at 1)
         # Run at every step as the transformer is, and quantized as it is (its embedders kept in float).
         quantization={"denoiser": True, "keep_scopes": ("pos_embed", "pos_embed_input", "time_text_embed",
                                                         "context_embedder")},

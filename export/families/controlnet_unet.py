@@ -42,6 +42,7 @@ def _spec(family: str, *added: T) -> SubmoduleSpec:
         ),
         outputs=residuals,
         wrap=_ControlNet,
+        latent_divisor="latent_multiple",  # its U-Net's down blocks (_check: the same widths)
         # Run at every step as the UNet is, and quantized as it is.
         quantization={"denoiser": True, "keep_scopes": ("conv_in", "time_proj", "time_embedding", "add_time_proj",
                                                         "add_embedding", "controlnet_cond_embedding")},

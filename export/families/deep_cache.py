@@ -112,6 +112,6 @@ def unet_specs(spec: SubmoduleSpec, added: tuple[str, ...] = ()) -> tuple[Submod
     plain = [t for t in spec.inputs if "_residual" not in t.name]
     full = dataclasses.replace(spec, outputs=(*spec.outputs, FEATURE),
                                wrap=lambda component: WithDeepFeature(spec.wrap(component)))
-    shallow = dataclasses.replace(spec, name=NAME, inputs=(*plain, FEATURE, *residual),
+    shallow = dataclasses.replace(spec, name=NAME, inputs=(*plain, FEATURE, *residual), latent_divisor=1,
                                   wrap=lambda component: Shallow(spec.wrap, component, added, bool(residual)))
     return full, shallow

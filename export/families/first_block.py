@@ -17,6 +17,7 @@ one). The blocks and their output indices are diffusers' own (`TransformerBlockR
 graphs compute what diffusers' hooks do."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -117,13 +118,11 @@ HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stre
 def transformer_specs(spec: SubmoduleSpec) -> tuple[SubmoduleSpec, SubmoduleSpec]:
     """The family's transformer description, and its first-block graph's (see the module's docstring)."""
     tail = T("tail_residual", "float32", HIDDEN)
-    full = SubmoduleSpec(spec.name, spec.component, spec.inputs, (*spec.outputs, tail),
-                         wrap=lambda component: WithTailResidual(spec.wrap(component)), load_kwargs=spec.load_kwargs,
-                         quantization=spec.quantization, when=spec.when)
-    first = SubmoduleSpec(NAME, spec.component, (*spec.inputs, tail),
-                          (*spec.outputs, T("first_block_residual", "float32", HIDDEN)),
-                          wrap=lambda component: FirstBlock(spec.wrap, component), load_kwargs=spec.load_kwargs,
-                          quantization=spec.quantization, when=spec.when)
+    full = dataclasses.replace(spec, outputs=(*spec.outputs, tail),
+                               wrap=lambda component: WithTailResidual(spec.wrap(component)))
+    first = dataclasses.replace(spec, name=NAME, inputs=(*spec.inputs, tail),
+                                outputs=(*spec.outputs, T("first_block_residual", "float32", HIDDEN)),
+                                wrap=lambda component: FirstBlock(spec.wrap, component))
     return full, first
 
 

@@ -113,6 +113,7 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
         ),
         outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "packed_out_channels")),),
         wrap=_TransformerForFlux,
+        latent_divisor="latent_multiple",  # a packed token's side
         # The embedders and the final norm and projection stay in higher precision, as for SD3. The
         # final projection by its path: every single-stream block has a proj_out too.
         quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_text_embed", "context_embedder",

@@ -105,6 +105,7 @@ VAE_DECODER = SubmoduleSpec(
     inputs=(T("latent", "float32", _LATENT),),
     outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
     wrap=_VaeDecoder,
+    latent_divisor=1,  # its deepest level is the latent
     # Where the end-to-end time goes once the denoiser is fast: int8 activations where a target
     # quantizes whole submodules (OpenVINO's NNCF).
     quantization={"activations": True},
@@ -115,6 +116,7 @@ VAE_ENCODER = SubmoduleSpec(
     inputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
     outputs=(T("latent_mean", "float32", _LATENT), T("latent_logvar", "float32", _LATENT)),
     wrap=_VaeEncoder,
+    latent_divisor=1,
 )
 # The image is the latent times the VAE's scale factor.
 VAE_DIMS = {"image_height": ("latent_height", "vae_scale_factor", 0),

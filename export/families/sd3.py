@@ -82,6 +82,7 @@ TRANSFORMER = SubmoduleSpec(
     ),
     outputs=(T("noise_pred", "float32", ("batch", "out_channels", "latent_height", "latent_width")),),
     wrap=_TransformerForSD3,
+    latent_divisor="latent_multiple",  # its patch
     # NVIDIA's fp8 recipe for SD3 keeps the embedders and the final norm and projection in
     # higher precision: their errors reach every block or the output directly.
     quantization={"denoiser": True, "keep_scopes": ("pos_embed", "time_text_embed", "context_embedder",

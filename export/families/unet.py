@@ -114,6 +114,7 @@ def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, ...]:
         wrap=wrap,
         quantization={"denoiser": True, "keep_scopes": _KEEP_SCOPES},
         when=lambda src: not has_layout(src, family),
+        latent_divisor="latent_multiple",  # its down-sampling
     )
     with_residuals = dataclasses.replace(plain, inputs=inputs + residual_specs(*LAYOUTS[family]),
                                          when=lambda src: has_layout(src, family))
