@@ -15,6 +15,7 @@ from runners.backends import backend_of, get_backend, open_session, thread_backe
 from runners.adapters.lora import adapted_submodules, base_values, submodule_tables
 from runners.adapters.branches import branch_factors, branch_layers
 from runners.manifest import ManifestError, read_manifest
+from runners.options import check_call
 from runners.preview import Previews
 from runners.profile import Profiler
 from runners.schedulers import load_scheduler
@@ -30,6 +31,7 @@ VAE_ENGINES = {"full": ("vae_decoder", "vae_encoder"), "tiny": ("vae_decoder_tin
 
 class Pipeline:
     family = ""
+    options: tuple = ()  # the request options a call takes (runners/options.py), declared by the family's steps
 
     def __init_subclass__(cls, **kwargs):
         # A family module registers itself by defining its class: `load` never imports the
@@ -191,6 +193,7 @@ class Pipeline:
         `timings["previews"]` say what the call evaluated and what the previews cost."""
         if self.closed:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again to run it")
+        check_call(self, kwargs)  # every keyword is a declared option, of its kind (runners/options.py)
         config = self.cache_config if cache is False else self._checked_cache(cache)
         self._previews = Previews.for_call(self, preview_every, on_preview)
         self._step_cache, self._cache_config_of_call = None, config

@@ -1,6 +1,6 @@
 """What every text-to-image family shares, with diffusers' semantics: request checks, the
-starting latents, the denoising loop (guidance batched: the negative half first), and the VAE
-with its tiling. A family (runners/families/sd3/__init__.py, sd15.py, sdxl.py) adds only how it encodes text
+starting latents, the denoising loop (with the family's guidance rule, runners/guidance.py), and the
+VAE with its tiling. A family (runners/families/sd3/__init__.py, sd15.py, sdxl.py) adds only how it encodes text
 into the denoiser's conditions."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 
 from runners.conditioning.images import check_mask_size, to_model_input, to_output
 from runners.conditioning.inpainting import Inpainting, latent_mask
+from runners.guidance import BATCHED_CFG, ClassifierFree
 from runners.pipeline import VAE_ENGINES, Pipeline
 from runners.schedulers.schedule import check_steps, strength_start
 from runners.static import check_static_request
@@ -28,24 +29,6 @@ def _prompts(name: str, value) -> list[str]:
     if not isinstance(items, (list, tuple)) or not items or not all(isinstance(p, str) for p in items):
         raise ValueError(f"{name}={value!r:.60} is not allowed: pass a string or a non-empty list of strings")
     return list(items)
-
-
-def _check_request(num_images_per_prompt, seed, guidance_scale) -> None:
-    """The request's numbers, before any engine runs (the engines would fail later and less clearly)."""
-    if not _is_int(num_images_per_prompt) or num_images_per_prompt < 1:
-        raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r} is not allowed: use an integer >= 1")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise ValueError(f"seed={seed!r} is not allowed: use an integer from 0 to 2**63 - 1, or None for a random one")
-    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.number)) \
-            or not np.isfinite(guidance_scale):
-        raise ValueError(f"guidance_scale={guidance_scale!r} is not allowed: use a finite number "
-                         "(<= 1 turns classifier-free guidance off)")
-
-
-def _check_strength(strength) -> None:
-    if isinstance(strength, bool) or not isinstance(strength, (int, float, np.number)) or not 0 < strength <= 1:
-        raise ValueError(f"strength={strength!r} is not allowed: use a number in (0, 1] (1 ignores the image's "
-                         "content and keeps its size; lower keeps more of it)")
 
 
 def _check_shared(what: str, count: int, n_images: int) -> None:
@@ -85,9 +68,9 @@ class TextToImage(Pipeline):
     image_sets_size = True
     strength_whole_steps = True  # see runners.schedulers.schedule.strength_start (SD3: False)
     inpaint_decode_adds_shift = True  # see SD3Pipeline
-    # The cache contexts of a guided step's batch (Pipeline._evaluate): one for diffusers' pipelines that
-    # batch guidance in one call; "uncond,cond" where diffusers calls the halves apart (Flux's true CFG).
-    guidance_contexts = "batch"
+    # How the predictions for the prompt and the negative prompt combine (runners/guidance.py): when it is
+    # on, the order of the halves in the denoiser's batch, their cache contexts, and its request options.
+    guidance: ClassifierFree = BATCHED_CFG
     # (channels x RGB matrix, RGB bias) mapping the denoiser's latents to a preview's colours; None: the
     # family has none (previews then need the artifact's tiny decoder)
     latent_rgb: tuple | None = None
@@ -107,7 +90,6 @@ class TextToImage(Pipeline):
         num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         prompts = _prompts("prompt", prompt)
-        _check_request(num_images_per_prompt, seed, guidance_scale)
         check_steps(num_inference_steps, self.manifest["constants"]["num_train_timesteps"])
         sized_by_image = task == IMAGE and self.image_sets_size and (height is None or width is None)
         if not sized_by_image:
@@ -125,7 +107,6 @@ class TextToImage(Pipeline):
                 raise ValueError(f"latents= are text to image's starting latents; {task} starts from the image: "
                                  "pass noise= (and encoder_noise=) to fix its randomness")
             strength = defaults.strength if strength is None else strength
-            _check_strength(strength)
             start = strength_start(num_inference_steps, strength, self.strength_whole_steps)
             # Counted in steps, not timesteps: PLMS's extra call would otherwise run alone (diffusers'
             # Inpaint pipelines refuse this too).
@@ -140,7 +121,7 @@ class TextToImage(Pipeline):
                 mask = to_model_input(mask_image, height, width, multiple=c["vae_scale_factor"], mask=True)
                 if len(mask) not in (1, len(pixels)):
                     raise ValueError(f"{len(mask)} masks for {len(pixels)} images: pass one mask, or one per image")
-        cfg = guidance_scale > 1
+        cfg = self.guidance.on(guidance_scale)
         check_static_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
         self._check(height, width, n_images * (2 if cfg else 1), output_type, sized_by_image)
         self.timings = {}
@@ -271,15 +252,15 @@ class TextToImage(Pipeline):
                         timestep=np.full(x.shape[0], t, dtype=np.float32))
 
     def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
-        cfg, n = guidance_scale > 1, len(schedule.timesteps)
+        guidance = self.guidance
+        cfg, n = guidance.on(guidance_scale), len(schedule.timesteps)
         for i, t in enumerate(schedule.timesteps):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._evaluate(i, n, x, t, conditions, context=self.guidance_contexts if cfg else "batch")
+            noise = self._evaluate(i, n, x, t, conditions, context=guidance.contexts if cfg else "batch")
             if cfg:
-                uncond, text = np.split(noise, 2)
-                noise = uncond + np.float32(guidance_scale) * (text - uncond)
+                noise = guidance.combine(noise, guidance_scale)
             if self._previews is not None:
                 self._previews(i, schedule.predicted_original(noise, i, latents))
             latents = schedule.step(noise, i, latents)

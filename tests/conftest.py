@@ -133,7 +133,13 @@ def tiny_source():
 
 @pytest.fixture(scope="session")
 def shared_root(tmp_path_factory) -> Path:
-    """The folder of the session's builds: the run's own, which every xdist worker of it shares."""
+    """The folder of the session's builds: the run's own, which every xdist worker of it shares; or, for a
+    developer's inner loop, DIFFUSION_AOT_TEST_BUILDS=DIR, kept across runs (builds found up to date by
+    their cache keys are reused, as in one run)."""
+    if os.environ.get("DIFFUSION_AOT_TEST_BUILDS"):
+        kept = Path(os.environ["DIFFUSION_AOT_TEST_BUILDS"]).resolve()
+        kept.mkdir(parents=True, exist_ok=True)
+        return kept
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 

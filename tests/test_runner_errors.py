@@ -102,7 +102,7 @@ def test_cli_writes_a_png(tiny_artifact, tmp_path):
     (dict(num_inference_steps=1001), "num_inference_steps=1001 is not allowed: use an integer from 1 to 1000"),
     (dict(num_inference_steps=2.5), "num_inference_steps=2.5 is not allowed"),
     (dict(negative_prompt=["a", "b"]), "negative_prompt has 2 entries for 1 prompts"),
-    (dict(negative_prompt=3), "negative_prompt=3 is not allowed: pass a string or a non-empty list of strings"),
+    (dict(negative_prompt=3), "negative_prompt=3 is not allowed: use a string or a non-empty list of strings"),
 ])
 def test_bad_numbers_are_refused_before_any_engine_runs(pipe, kwargs, message):
     with pytest.raises(ValueError, match=message):

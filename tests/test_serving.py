@@ -241,9 +241,11 @@ def test_python_layout_config_and_files(tiny_artifact, tmp_path):
     model = write_repository(tiny_artifact, tmp_path / "repo", max_batch_size=3, instances=2, batch_requests=True)
     config = _model_config(model / "config.pbtxt")
     assert (config.name, config.backend, config.max_batch_size) == (model.name, "python", 3)
+    # the family's declared options (runners/options.py) a server takes, then the server's own
     assert [i.name for i in config.input] == ["prompt", "negative_prompt", "height", "width", "num_inference_steps",
-                                              "guidance_scale", "seed", "num_images_per_prompt", "cache", "loras",
-                                              "image", "mask_image", "strength"]
+                                              "num_images_per_prompt", "seed", "vae_tiling", "guidance_scale",
+                                              "max_sequence_length", "image", "mask_image", "strength", "cache",
+                                              "loras"]
     assert [i.name for i in config.input if not i.optional] == ["prompt"]
     (output,) = config.output
     assert (output.name, list(output.dims)) == ("images", [-1, -1, -1, 3])
@@ -288,7 +290,8 @@ def test_gpu_and_openvino_artifacts_configs_and_engine_files():
     entry = {"file": "transformer.trt1.7.plan", "dims": {"batch": [1, 2, 8]},
              "inputs": [{"name": "x", "dtype": "float16", "shape": ["batch", 16]}],
              "outputs": [{"name": "y", "dtype": "float16", "shape": ["batch", 16]}]}
-    manifest = {"target": "trt-rtx", "backend": "trt-rtx", "submodules": {"transformer": entry}}
+    manifest = {"target": "trt-rtx", "backend": "trt-rtx", "model": {"family": "sd3"},
+                "submodules": {"transformer": entry}}
     assert "kind: KIND_GPU count: 2" in pipeline_config("m", manifest, 4, 2, 0, {})
     engine = engine_config("m_transformer", "trt-rtx", entry)
     assert 'platform: "tensorrt_plan"' in engine and "kind: KIND_GPU" in engine

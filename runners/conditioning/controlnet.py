@@ -22,7 +22,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from runners.conditioning.images import to_model_input
+from runners.options import Option
 from runners.text_to_image import IMAGE, INPAINT, TEXT, task_of
+
+# The ControlNet options every family's ControlNets read (a family adds its own: GUESS_MODE, CONTROL_MODE)
+CONTROL_OPTIONS = (
+    Option("control_image", "image", "the control image of each ControlNet of the artifact (a list: one per "
+           "ControlNet, in the order controlnet, controlnet_1, ...); its size is the image's unless height/width",
+           repeat=True, group="controlnet"),
+    Option("controlnet_conditioning_scale", "float", "one for every ControlNet, or one per ControlNet (default: "
+           "diffusers' for the task)", repeat=True, flag="--control-scale", group="controlnet"),
+    Option("control_guidance_start", "float", "the ControlNets act from this fraction of the steps", default=0.0,
+           flag="--control-start", group="controlnet"),
+    Option("control_guidance_end", "float", "... up to this fraction of the steps", default=1.0,
+           flag="--control-end", group="controlnet"),
+)
+CONTROL_NOISE = Option("control_noise", "array", "the control images' VAE posterior samples", cli=False,
+                       group="controlnet")
+GUESS_MODE = Option("guess_mode", "bool", "ControlNet guess mode: the ControlNets see the conditional half of "
+                    "guidance only", default=False, group="controlnet")
+
 
 def residual_inputs(entry: dict) -> list[dict]:
     """A denoiser's ControlNet residual inputs, from its manifest entry: the UNet's down_residual_i and

@@ -1,6 +1,7 @@
 """python -m runners triton ARTIFACT --out REPO: write a Triton model repository.
 python -m runners serve ARTIFACT: serve the artifact with Triton (KServe v2 over HTTP and gRPC).
-Both mirror `write_repository` and `Server`; `serve` writes the python layout in a temporary
+python -m runners openai ARTIFACT: serve it as an OpenAI-compatible images API (openai_api.py).
+They mirror `write_repository`, `Server` and `openai_api.serve`; `serve` writes the python layout in a temporary
 folder, referencing the artifact in place, and runs until Ctrl-C."""
 from __future__ import annotations
 
@@ -104,4 +105,33 @@ def serve(argv) -> int:
                    "repository removed")
 
 
-COMMANDS = {"triton": triton, "serve": serve}
+def openai(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners openai", description=__doc__)
+    p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
+    p.add_argument("--model-name", default=None, help="the model's name in requests (default: the artifact's model)")
+    p.add_argument("--host", default="127.0.0.1", help="the address it binds (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
+    p.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (.safetensors) that each request may "
+                   "name in its `loras` field, e.g. '[{\"name\": \"style\", \"scale\": 0.8}]'")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters a request may name at once")
+    p.add_argument("--lora-cache-mib", type=int, default=2048,
+                   help="memory for the adapted weights of recently used adapter sets (the current set's is kept)")
+    args = p.parse_args(argv)
+
+    def run():
+        from runners import Pipeline
+        from runners.serving.adapters import AdapterSets
+        from runners.serving.openai_api import serve as serve_api
+
+        with Pipeline.load(args.artifact, threads=args.threads) as pipe:
+            name = args.model_name or pipe.manifest["model"]["name"]
+            sets = AdapterSets(args.lora_dir, args.max_loras, args.lora_cache_mib * 2**20) if args.lora_dir else None
+            print(f"serving {name!r} at http://{args.host}:{args.port}/v1/images/generations and /v1/images/edits; "
+                  "Ctrl-C stops", flush=True)
+            serve_api(pipe, name, host=args.host, port=args.port, adapter_sets=sets)
+
+    return run_cli(run, (ManifestError, ValueError, RuntimeError), "the server was stopped")
+
+
+COMMANDS = {"triton": triton, "serve": serve, "openai": openai}

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from runners.options import Option
+from runners.pipeline import FAMILIES
 from runners.serving import adapters
 
 
@@ -19,38 +21,37 @@ class Tensor(NamedTuple):
     optional: bool = True
 
 
-# Each batch row of a request is one prompt; an omitted optional input takes the family's default.
-TEXT_INPUTS = (
-    Tensor("prompt", "TYPE_STRING", optional=False),
-    Tensor("negative_prompt", "TYPE_STRING"),
-    Tensor("height", "TYPE_INT32"),
-    Tensor("width", "TYPE_INT32"),
-    Tensor("num_inference_steps", "TYPE_INT32"),
-    Tensor("guidance_scale", "TYPE_FP32"),
-    Tensor("seed", "TYPE_INT64"),
-    Tensor("num_images_per_prompt", "TYPE_INT32"),
+# Triton's type of each option kind (runners/options.py) and the dims after the batch dimension.
+TRITON_TYPES = {"text": "TYPE_STRING", "int": "TYPE_INT32", "float": "TYPE_FP32", "bool": "TYPE_BOOL",
+                "image": "TYPE_UINT8", "mask": "TYPE_UINT8"}
+_DIMS = {"image": (-1, -1, 3), "mask": (-1, -1)}
+# What a server adds to the call's options: applied around a run, not arguments of the call.
+SERVER_INPUTS = (
     # A step cache for this request, spelled as the CLI's --cache: "taylorseer:interval=3,before=6,after=-2".
     Tensor("cache", "TYPE_STRING"),
     # LoRA adapters of the server's --lora-dir for this request, as JSON: '[{"name": "style", "scale": 0.8}]'.
     Tensor("loras", "TYPE_STRING"),
 )
-# With a VAE encoder in the artifact: image to image, and inpainting with a mask (white: repaint).
-IMAGE_INPUTS = (
-    Tensor("image", "TYPE_UINT8", (-1, -1, 3)),
-    Tensor("mask_image", "TYPE_UINT8", (-1, -1)),
-    Tensor("strength", "TYPE_FP32"),
-)
 # Per prompt: its images, (num_images_per_prompt, height, width, RGB).
 OUTPUT = Tensor("images", "TYPE_UINT8", (-1, -1, -1, 3), optional=False)
-
-_STRINGS = ("prompt", "negative_prompt", "cache")
 _BEFORE_THE_RUN = ("loras",)  # what the model applies to its Pipeline before a run: not an argument of the call
-_IMAGES = ("image", "mask_image")
-_FLOATS = ("guidance_scale", "strength")
+
+
+def served(pipeline, manifest: dict) -> list[Option]:
+    """The declared options of `pipeline` (a family's class) a server takes in a request: one value each
+    (not the per-ControlNet lists, nor arrays, nor ControlNet settings without their control images), the
+    image tasks' only where the artifact has a VAE encoder."""
+    left_out = {"controlnet"} | (set() if "vae_encoder" in manifest["submodules"] else {"image"})
+    return [o for o in pipeline.options if o.cli and not o.repeat and o.kind in TRITON_TYPES
+            and o.group not in left_out]
 
 
 def inputs_for(manifest: dict) -> tuple[Tensor, ...]:
-    return TEXT_INPUTS + (IMAGE_INPUTS if "vae_encoder" in manifest["submodules"] else ())
+    """The Triton model's inputs for an artifact: its family's served options, then the server's own.
+    Each batch row of a request is one prompt; an omitted optional input takes the family's default."""
+    options = served(FAMILIES[manifest["model"]["family"]], manifest)
+    return tuple(Tensor(o.name, "TYPE_INT64" if o.wide else TRITON_TYPES[o.kind], _DIMS.get(o.kind, (1,)),
+                        optional=o.name != "prompt") for o in options) + SERVER_INPUTS
 
 
 def _text(name: str, row: int, value) -> str:
@@ -60,30 +61,36 @@ def _text(name: str, row: int, value) -> str:
         raise ValueError(f"{name}[{row}] is not UTF-8 text ({e.reason} at byte {e.start}): send UTF-8") from None
 
 
+_SCALARS = {"text": _text, "int": lambda name, row, v: int(v), "float": lambda name, row, v: float(v),
+            "bool": lambda name, row, v: bool(v)}
+
+
+def _kinds() -> dict[str, str]:
+    """{option name: its kind} over every family's declarations."""
+    return {o.name: o.kind for pipeline in FAMILIES.values() for o in pipeline.options}
+
+
 def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
     """The Pipeline keyword arguments of each batch row. `tensors` are one request's inputs by name
     (Triton has checked their dtypes and that they share the batch dimension); a row without a seed
     gets a random one here, so that a batched run can draw each row's latents from its seed."""
     if "prompt" not in tensors:
         raise ValueError("prompt is missing: every request needs a prompt (TYPE_STRING, one per batch row)")
+    kinds = _kinds()
     rows = []
     for row in range(len(tensors["prompt"])):
         call = {}
         for name, array in tensors.items():
-            value = array[row]
-            if name in _IMAGES:
-                from PIL import Image
-
-                call[name] = Image.fromarray(np.ascontiguousarray(value), "RGB" if name == "image" else "L")
-            elif name in _STRINGS:
-                call[name] = _text(name, row, value.reshape(-1)[0])
-            elif name == "loras":  # none named is no field: such a call batches with those that leave it out
+            value, kind = array[row], kinds.get(name, "text")
+            if name == "loras":  # none named is no field: such a call batches with those that leave it out
                 pairs = adapters.parse(_text(name, row, value.reshape(-1)[0]), row)
                 call.update({name: pairs} if pairs else {})
-            elif name in _FLOATS:
-                call[name] = float(value.reshape(-1)[0])
+            elif kind in _DIMS:
+                from PIL import Image
+
+                call[name] = Image.fromarray(np.ascontiguousarray(value), "RGB" if kind == "image" else "L")
             else:
-                call[name] = int(value.reshape(-1)[0])
+                call[name] = _SCALARS[kind](name, row, value.reshape(-1)[0])
         if "seed" not in call:
             call["seed"] = int(np.random.default_rng().integers(2**63))
         rows.append(call)
@@ -93,7 +100,8 @@ def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
 def batch_key(call: dict):
     """Calls with equal keys run as one Pipeline call (one denoiser batch): text to image with the same
     settings; their prompts, negative prompts and seeds may differ. None: the call runs alone."""
-    if any(name in call for name in _IMAGES):
+    kinds = _kinds()
+    if any(kinds.get(name) in _DIMS for name in call):
         return None
     return tuple(sorted((k, v) for k, v in call.items() if k not in ("prompt", "negative_prompt", "seed")))
 

@@ -16,7 +16,10 @@ import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.families.flux import lora_keys
+from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS
 from runners.families.flux.controlnet import FluxControlNets
+from runners.guidance import TRUE_CFG
+from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH as T5_LENGTH, REQUEST, Option, options
 from runners.families.flux.conditions import (
     KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
 )
@@ -40,11 +43,6 @@ KONTEXT = {TEXT: Defaults(28, 3.5)}  # FluxKontextPipeline's: image= is its refe
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 
 
-def _check_scale(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
-        raise ValueError(f"{name}={value!r} is not allowed: use a finite number")
-
-
 class FluxPipeline(FluxControlNets, TextToImage):
     family = "flux"
     # ComfyUI's latent_rgb_factors and bias for FLUX.1's latents (runners/preview.py)
@@ -56,7 +54,15 @@ class FluxPipeline(FluxControlNets, TextToImage):
                    [-0.1262, -0.0982, -0.0778]], [-0.0329, -0.0718, -0.0851])
     image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
-    guidance_contexts = "uncond,cond"  # FluxPipeline's true CFG: two transformer calls, each in its cache context
+    guidance = TRUE_CFG  # FluxPipeline's: true_cfg_scale with a negative prompt (runners/guidance.py)
+    options = options(REQUEST, (
+        Option("guidance_scale", "float", "FLUX.1 dev's guidance embedding (default: diffusers', 3.5, and with an "
+               "image 7; schnell has none)", flag="--guidance"),
+    ), guidance.options, (T5_LENGTH,), IMAGE_TASKS, CONTROL_OPTIONS, (CONTROL_NOISE, Option(
+        "control_mode", "int", "a ControlNet-Union's control mode (the kind of control image: its model card lists "
+        "them): one for every ControlNet, or one per ControlNet", repeat=True, group="controlnet"), Option(
+        "max_area", "int", "FLUX.1 Kontext: the output's area in pixels (default 1024**2)"), Option(
+        "auto_resize", "bool", "FLUX.1 Kontext: resize the reference to a trained resolution", default=True)))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,8 +153,6 @@ class FluxPipeline(FluxControlNets, TextToImage):
         defaults = CONTROLNET[task] if controlnets is not None else self.defaults[task]
         num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
-        _check_scale("guidance_scale", guidance_scale)
-        _check_scale("true_cfg_scale", true_cfg_scale)
         if max_sequence_length is None:
             max_sequence_length = min(MAX_SEQUENCE_LENGTH[self.variant], self.dims["t5_length"][2])
         lo, _, hi = self.dims["t5_length"]
@@ -207,9 +211,9 @@ class FluxPipeline(FluxControlNets, TextToImage):
         if reference is not None:
             self._reference = self._reference_tokens(reference, height, width, n_images)
         embeds, pooled = self._encode(prompts, per_prompt, t5_length)
-        if cfg:  # the negative half first, as the loop splits it
+        if cfg:
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
-            embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+            embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
         conditions = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
                       "txt_ids": np.zeros((t5_length, 3), dtype=np.float32)}
         if self.variant == "dev":

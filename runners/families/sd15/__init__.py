@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.conditioning.controlnet import ControlNets
+from runners.conditioning.controlnet import CONTROL_OPTIONS, GUESS_MODE, ControlNets
+from runners.options import IMAGE_TASKS, REQUEST, options
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
@@ -19,6 +20,7 @@ class SD15Pipeline(ControlNets, TextToImage):
                    [-0.2120, -0.2616, -0.7177]], [0.0, 0.0, 0.0])
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 7.5), IMAGE: Defaults(50, 7.5, 0.8), INPAINT: Defaults(50, 7.5, 1.0)}
+    options = options(REQUEST, TextToImage.guidance.options, IMAGE_TASKS, CONTROL_OPTIONS, (GUESS_MODE,))
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
@@ -43,7 +45,7 @@ class SD15Pipeline(ControlNets, TextToImage):
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, control=None):
         embeds = self._encode(prompts, per_prompt)
         if cfg:
-            embeds = np.concatenate([self._encode(self._negatives(prompts, negative_prompt), per_prompt), embeds])
+            embeds = self.guidance.batch(embeds, self._encode(self._negatives(prompts, negative_prompt), per_prompt))
         self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds}
 

@@ -3,9 +3,13 @@ same prompt encoding, guidance, scheduler and VAE post-processing, so that the s
 and the same starting latents give the same image."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from runners.families.sd3.controlnet import SD3ControlNets
+from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS
+from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, options
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
@@ -20,6 +24,8 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
                    [-0.1448, -0.1463, -0.1189]], [0.2394, 0.2135, 0.1925])
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
+    options = options(REQUEST, TextToImage.guidance.options, (replace(MAX_SEQUENCE_LENGTH, default=256),), IMAGE_TASKS,
+                      CONTROL_OPTIONS, (CONTROL_NOISE,))
     image_sets_size = False
     strength_whole_steps = False
     # diffusers' StableDiffusion3InpaintPipeline decodes latents / scaling_factor without adding the
@@ -58,7 +64,7 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         embeds, pooled = self._encode(prompts, per_prompt, t5_length)
         if cfg:
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
-            embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+            embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
         self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 

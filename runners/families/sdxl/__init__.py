@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runners.conditioning.controlnet import ControlNets
+from runners.conditioning.controlnet import CONTROL_OPTIONS, GUESS_MODE, ControlNets
+from runners.options import IMAGE_TASKS, REQUEST, Option, options
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
@@ -24,6 +25,14 @@ class SDXLPipeline(ControlNets, TextToImage):
     defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
     control_defaults = {IMAGE: Defaults(50, 5.0, 0.8), INPAINT: Defaults(50, 5.0, 0.9999)}
     control_scales = {TEXT: 1.0, IMAGE: 0.8, INPAINT: 1.0}
+    options = options(REQUEST, TextToImage.guidance.options, IMAGE_TASKS, (
+        Option("original_size", "pairs", "SDXL's micro-condition (height, width); default: the image's size",
+               cli=False),
+        Option("crops_coords_top_left", "pairs", "SDXL's micro-condition (top, left)", default=(0, 0), cli=False),
+        Option("target_size", "pairs", "SDXL's micro-condition (height, width); default: the image's size", cli=False),
+        Option("aesthetic_score", "float", "a refiner-like UNet's aesthetic score condition", default=6.0),
+        Option("negative_aesthetic_score", "float", "... and its unconditional half's", default=2.5),
+    ), CONTROL_OPTIONS, (GUESS_MODE,))
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
@@ -59,7 +68,7 @@ class SDXLPipeline(ControlNets, TextToImage):
                 neg_embeds, neg_pooled = np.zeros_like(embeds), np.zeros_like(pooled)
             else:
                 neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt)
-            embeds, pooled = np.concatenate([neg_embeds, embeds]), np.concatenate([neg_pooled, pooled])
+            embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
         original_size = original_size or (height, width)
         sizes = [*original_size, *crops, *(target_size or (height, width))]
         if len(sizes) != 6:
@@ -73,9 +82,11 @@ class SDXLPipeline(ControlNets, TextToImage):
         else:
             negative_sizes = sizes
         n = len(embeds) // 2 if cfg else len(embeds)
-        rows = ([negative_sizes] * n if cfg else []) + [sizes] * n
+        rows = np.array([sizes] * n, dtype=np.float32)
+        if cfg:
+            rows = self.guidance.batch(rows, np.array([negative_sizes] * n, dtype=np.float32))
         self._start_control(control, height, width, n, per_prompt, cfg)
-        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": np.array(rows, dtype=np.float32)}
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": rows}
 
     def _encode(self, prompts: list[str], per_prompt: int):
         """Penultimate states of both CLIPs side by side; pooled: CLIP-G's projection."""
