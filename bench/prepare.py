@@ -33,9 +33,9 @@ def build_reference(build: Path) -> Path:
 def tiny_vae_name(run) -> str:
     """The random tiny autoencoder benchmarked beside the run's model: its family's, at test widths for a
     "-tiny" model, else at the real one's architecture (export/families/tiny_vae.py)."""
-    from export.families.tiny_vae import FAMILY_TINY_VAE
+    from export.families import FAMILIES
 
-    return f"{FAMILY_TINY_VAE[run.src.entry.family]}-{'tiny' if run.src.entry.name.endswith('-tiny') else 'bench'}"
+    return f"{FAMILIES[run.src.entry.family].tiny_vae}-{'tiny' if run.src.entry.name.endswith('-tiny') else 'bench'}"
 
 
 def build_with_tiny_vae(model, build: Path, tiny: str) -> Path:

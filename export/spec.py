@@ -72,6 +72,8 @@ class Family:
     # (component configs, output folder) -> writes a random-weight pipeline of this family.
     build_random: Callable[[dict, Any], None]
     scheduler: str = "scheduler"
+    # Its tiny autoencoder among madebyollin's (a hub id under madebyollin/: taesd, taesd3, ...), or None
+    tiny_vae: str | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 
 from export import api, onnx_export
 from export.__main__ import main
-from export.families import flux, sd3, unet
+from export.families import flux, sd3, sdxl
 from export.registry import MODELS
 from export.shapes import check_example_size
 
@@ -48,7 +48,7 @@ def test_a_range_with_a_min_of_one_deepest_cell_passes_the_check(tmp_path, no_tr
 
 # Each family's denoiser declares its divisor: (constants, refused range, accepted range, the graph named).
 FAMILIES = {
-    "sdxl": (unet.SDXL, {"vae_scale_factor": 8, "latent_multiple": 4}, (32, 32, 64), (32, 64, 128), "unet"),
+    "sdxl": (sdxl.FAMILY, {"vae_scale_factor": 8, "latent_multiple": 4}, (32, 32, 64), (32, 64, 128), "unet"),
     "sd3": (sd3.FAMILY, {"vae_scale_factor": 8, "latent_multiple": 2}, (16, 16, 32), (16, 32, 64), "transformer"),
     "flux": (flux.FAMILY, {"vae_scale_factor": 8, "latent_multiple": 2}, (16, 16, 32), (16, 32, 64), "transformer"),
 }

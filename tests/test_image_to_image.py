@@ -242,7 +242,7 @@ def sdxl_aesthetic_build(tmp_path_factory, shared_root, sdxl_tiny_build):
     two text encoders and its VAE, sdxl-tiny's, taken from that export)."""
     from engines.api import build_artifact
     from export.api import export_model
-    from export.families.unet import build_sdxl
+    from export.families.sdxl import build_sdxl
     from export.registry import SDXL_TINY
     from export.source import resolve
 

@@ -97,8 +97,9 @@ def test_folder_that_is_not_a_pipeline(tmp_path):
     with pytest.raises(SourceError, match="no model_index.json"):
         resolve(str(tmp_path))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "AuraFlowPipeline"}))
-    with pytest.raises(SourceError, match="AuraFlowPipeline; supported pipelines: StableDiffusion3Pipeline, "
-                                          "StableDiffusion3Img2ImgPipeline, .*StableDiffusion3ControlNetPipeline, .*FluxControlNetPipeline$"):
+    with pytest.raises(SourceError, match="AuraFlowPipeline; supported pipelines: FluxPipeline, .*FluxControlNetPipeline, "
+                                          ".*StableDiffusion3Pipeline, StableDiffusion3Img2ImgPipeline, "
+                                          ".*StableDiffusionXLControlNetInpaintPipeline$"):
         resolve(str(tmp_path))
 
 

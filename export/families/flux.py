@@ -209,4 +209,5 @@ FAMILY = Family(
     derived_dims={**VAE_DIMS, "image_tokens": _image_tokens},
     tokenizers=("tokenizer", "tokenizer_2"),
     build_random=build_random,
+    tiny_vae="taef1",
 )

@@ -181,4 +181,5 @@ FAMILY = Family(
     },
     tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"),
     build_random=build_random,
+    tiny_vae="taesd3",
 )

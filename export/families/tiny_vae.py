@@ -33,8 +33,6 @@ _FACTORS = {"taesd": (4, 1.0, 0.0), "taesdxl": (4, 1.0, 0.0), "taesd3": (16, 1.5
 TINY_VAES = {f"{name}-{size}": {**widths, "latent_channels": c, "scaling_factor": scaling, "shift_factor": shift}
              for name, (c, scaling, shift) in _FACTORS.items()
              for size, widths in (("tiny", _TINY_WIDTHS), ("bench", {}))}
-# Each family's tiny autoencoder among madebyollin's (a hub id under madebyollin/).
-FAMILY_TINY_VAE = {"sd15": "taesd", "sdxl": "taesdxl", "sd3": "taesd3", "flux": "taef1"}
 RANDOM_SEED = 0
 
 

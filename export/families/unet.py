@@ -1,6 +1,5 @@
-"""The U-Net families: Stable Diffusion 1.x (StableDiffusionPipeline) and SDXL
-(StableDiffusionXLPipeline). A text encoder or two, a UNet2DConditionModel with cross-attention
-and skip connections, and the 4-channel VAE, as data.
+"""What the U-Net families (export/families/sd15.py, sdxl.py) share: a UNet2DConditionModel with
+cross-attention and skip connections, and the 4-channel VAE, as data.
 
 The UNet halves the latent at every down block but the last, so latent sides are multiples of
 2 ** (down blocks - 1): the pipeline's `latent_multiple`.
@@ -20,10 +19,8 @@ import dataclasses
 import torch
 
 from export.families.deep_cache import unet_specs
-from export.families.parts import (
-    VAE_DECODER, VAE_DIMS, VAE_ENCODER, clip, clip_constants, clip_tokenizers, vae_runtime_constants,
-)
-from export.spec import Family, SubmoduleSpec, TensorSpec as T
+from export.families.parts import clip_constants, clip_tokenizers, vae_runtime_constants
+from export.spec import SubmoduleSpec, TensorSpec as T
 
 _LATENT = ("batch", "in_channels", "latent_height", "latent_width")
 # Everything outside the down, mid and up blocks: quantization keeps it in float (its errors
@@ -54,7 +51,7 @@ def residual_specs(blocks: int, layers: int) -> tuple[T, ...]:
         T("mid_residual", "float32", at(blocks - 1, 2 ** (blocks - 1))),)
 
 
-def _residual_dims(blocks: int) -> dict:
+def residual_dims(blocks: int) -> dict:
     """latent_height_S, latent_width_S: the latent sides at 1/S, S = 2 .. 2**(blocks-1)."""
     return {f"latent_{axis}_{2 ** b}": (lambda base, axis=axis, s=2 ** b: base[f"latent_{axis}"] // s)
             for b in range(1, blocks) for axis in ("height", "width")}
@@ -65,7 +62,7 @@ def split_residuals(inputs) -> tuple[list, object]:
     return list(inputs[:-1]), inputs[-1]
 
 
-class _UNet(torch.nn.Module):
+class UNet(torch.nn.Module):
     def __init__(self, unet):
         super().__init__()
         self.unet = unet
@@ -75,7 +72,7 @@ class _UNet(torch.nn.Module):
                           **_residual_kwargs(residuals))[0],)
 
 
-class _UNetXL(_UNet):
+class UNetXL(UNet):
     """SDXL's added conditions, CLIP-G's pooled embedding and the six size conditions, as two more inputs."""
 
     def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids, *residuals):
@@ -97,7 +94,7 @@ def has_layout(src, family: str) -> bool:
     return (len(unet["block_out_channels"]), unet["layers_per_block"]) == LAYOUTS[family]
 
 
-def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, ...]:
+def unet_specs_of(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, ...]:
     """The UNet with ControlNet residual inputs (its family's layout), and without (any other), each beside
     its shallow branch's graph (DeepCache's, export/families/deep_cache.py)."""
     inputs = (
@@ -125,7 +122,7 @@ def _unet(family: str, wrap, *added: T) -> tuple[SubmoduleSpec, ...]:
 SDXL_ADDED = (T("text_embeds", "float32", ("batch", "clip2_proj")), T("time_ids", "float32", ("batch", "time_ids")))
 
 
-def _constants(src) -> dict[str, int]:
+def constants(src) -> dict[str, int]:
     unet, vae = src.config("unet"), src.config("vae")
     c = {
         "clip_length": src.tokenizer_max_length("tokenizer"),
@@ -148,8 +145,8 @@ def _constants(src) -> dict[str, int]:
     return c
 
 
-def _runtime_constants(src) -> dict:
-    c = _constants(src)
+def runtime_constants(src) -> dict:
+    c = constants(src)
     return {
         **vae_runtime_constants(src.config("vae")),
         "denoiser": "unet",
@@ -160,7 +157,7 @@ def _runtime_constants(src) -> dict:
     }
 
 
-def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], configs: dict, out_dir,
+def build_pipeline(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], configs: dict, out_dir,
            seed: int, **pipeline_kwargs) -> None:
     """Write a pipeline folder with random seeded weights: `encoders` maps each text encoder
     component to its transformers class; `pads` each tokenizer to its pad token. The configs may
@@ -185,53 +182,3 @@ def _build(pipeline_class: str, encoders: dict[str, str], pads: dict[str, str], 
                   **clip_tokenizers(tmp, pads), **pipeline_kwargs, **configs.get("pipeline_kwargs", {})}
         save_pipeline(configs.get("pipeline_class", pipeline_class), build_modules(builders, seed, streamed=False),
                       others, out_dir)
-
-
-def build_sd15(configs: dict, out_dir, seed: int = 0) -> None:
-    _build("StableDiffusionPipeline", {"text_encoder": "CLIPTextModel"}, {"tokenizer": "<|endoftext|>"},
-           configs, out_dir, seed, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-
-
-def build_sdxl(configs: dict, out_dir, seed: int = 0) -> None:
-    _build("StableDiffusionXLPipeline",
-           {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"},
-           {"tokenizer": "<|endoftext|>", "tokenizer_2": "!"}, configs, out_dir, seed,
-           force_zeros_for_empty_prompt=True, add_watermarker=False)
-
-
-SD15 = Family(
-    name="sd15",
-    pipeline_classes=("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline",
-                      "StableDiffusionControlNetPipeline", "StableDiffusionControlNetImg2ImgPipeline",
-                      "StableDiffusionControlNetInpaintPipeline"),
-    submodules=(
-        clip("text_encoder", "clip", ("last_hidden_state",)),
-        *_unet("sd15", _UNet),
-        VAE_DECODER,
-        VAE_ENCODER,
-    ),
-    constants=_constants,
-    runtime_constants=_runtime_constants,
-    derived_dims={**VAE_DIMS, **_residual_dims(LAYOUTS["sd15"][0])},
-    tokenizers=("tokenizer",),
-    build_random=build_sd15,
-)
-
-SDXL = Family(
-    name="sdxl",
-    pipeline_classes=("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline",
-                      "StableDiffusionXLControlNetPipeline", "StableDiffusionXLControlNetImg2ImgPipeline",
-                      "StableDiffusionXLControlNetInpaintPipeline"),
-    submodules=(
-        clip("text_encoder", "clip", ("penultimate_hidden_states",)),
-        clip("text_encoder_2", "clip2", ("text_embeds", "penultimate_hidden_states")),
-        *_unet("sdxl", _UNetXL, *SDXL_ADDED),
-        VAE_DECODER,
-        VAE_ENCODER,
-    ),
-    constants=_constants,
-    runtime_constants=_runtime_constants,
-    derived_dims={**VAE_DIMS, **_residual_dims(LAYOUTS["sdxl"][0])},
-    tokenizers=("tokenizer", "tokenizer_2"),
-    build_random=build_sdxl,
-)

@@ -14,6 +14,15 @@ from runners.cli import run_cli
 from runners.manifest import ManifestError
 
 
+def _adapter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
+    p.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (.safetensors) that each request may "
+                   "name in its `loras` field, e.g. '[{\"name\": \"style\", \"scale\": 0.8}]'")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters a request may name at once")
+    p.add_argument("--lora-cache-mib", type=int, default=2048,
+                   help="memory for the adapted weights of recently used adapter sets (the current set's is kept)")
+
+
 def _repository_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", help="an artifact folder, e.g. build/sd3-tiny/ort-fp32")
     p.add_argument("--model-name", default=None, help="the Triton model's name (default: the artifact's model)")
@@ -24,12 +33,7 @@ def _repository_options(p: argparse.ArgumentParser) -> None:
                    help="run queued requests with equal settings as one Pipeline call (one denoiser batch)")
     p.add_argument("--queue-delay-us", type=int, default=2000,
                    help="how long Triton's dynamic batcher waits to fill a batch, in microseconds")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
-    p.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (.safetensors) that each request may "
-                   "name in its `loras` field, e.g. '[{\"name\": \"style\", \"scale\": 0.8}]'")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters a request may name at once")
-    p.add_argument("--lora-cache-mib", type=int, default=2048,
-                   help="memory for the adapted weights of recently used adapter sets (the current set's is kept)")
+    _adapter_options(p)
 
 
 def _repository_kwargs(args) -> dict:
@@ -111,12 +115,7 @@ def openai(argv) -> int:
     p.add_argument("--model-name", default=None, help="the model's name in requests (default: the artifact's model)")
     p.add_argument("--host", default="127.0.0.1", help="the address it binds (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of each engine session")
-    p.add_argument("--lora-dir", default=None, help="a folder of LoRA adapters (.safetensors) that each request may "
-                   "name in its `loras` field, e.g. '[{\"name\": \"style\", \"scale\": 0.8}]'")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters a request may name at once")
-    p.add_argument("--lora-cache-mib", type=int, default=2048,
-                   help="memory for the adapted weights of recently used adapter sets (the current set's is kept)")
+    _adapter_options(p)
     args = p.parse_args(argv)
 
     def run():
