@@ -99,10 +99,9 @@ class Pipeline:
         self._branches = get_backend(manifest["backend"]).lora_branches
         # Adapters `python -m engines lora` gave a branch artifact: applied under every set of `loras`.
         self._baked = {folder / e["file"]: e["scale"] for e in manifest.get("lora_branches", [])}
+        # An engine with branches runs its branched model while an adapter touches it, else the model as
+        # built: a set of adapters gives the same images whichever sets came before it, none the plain ones.
         self._adapted, self._factors = self.adapter_inputs(self.loras)
-        # From the first adapter on, every engine runs its branched model (none: rank 0), so that a set
-        # of adapters gives the same images whichever sets came before it.
-        self._branched = bool(self._factors)
         self.sessions = self._open_sessions()
         self.profiler: Profiler | None = None
         # Sees the inputs of every engine call: (submodule, feeds) -> None. The build's calibration
@@ -125,7 +124,7 @@ class Pipeline:
         branches = {}
         if self._branches and sub.get("weights_file"):
             layers = branch_layers(submodule_tables(self.folder, {"submodules": {name: sub}})[name])
-            branches = {"lora_layers": layers, "lora_factors": self._factors.get(name, {}) if self._branched else None}
+            branches = {"lora_layers": layers, "lora_factors": self._factors.get(name, {})}
         return open_session(backend_of(self.manifest, name), self.folder / sub["file"],
                             device=self.device_map.get(name), profile=profile, session_config=sub.get("session_config"),
                             session_options=sub.get("session_options"), initializers=self._adapted.get(name),
@@ -153,11 +152,9 @@ class Pipeline:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again")
         adapted, factors = inputs or self.adapter_inputs(dict(loras), ignore_unmatched)
         changed = (set(adapted) | set(self._adapted)) & set(self.sessions)
-        self._branched = self._branched or bool(factors)
-        if self._branched:
-            for name, session in self.sessions.items():
-                if getattr(session, "lora_layers", None):
-                    session.set_lora_factors(factors.get(name, {}))
+        for name, session in self.sessions.items():
+            if getattr(session, "lora_layers", None):
+                session.set_lora_factors(factors.get(name, {}))
         before, self._adapted, self._factors, self.loras = self._adapted, adapted, factors, dict(loras)
         for name in changed:
             if hasattr(self.sessions[name], "refit"):  # TensorRT: the weights change in the loaded engine

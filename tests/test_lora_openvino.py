@@ -77,7 +77,9 @@ def test_bf16_and_int8_with_an_adapter_against_ort_fp32(precision, ov_artifacts,
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_switching_a_b_a_none_is_exact_and_compiles_once(precision, ov_artifacts, sd3_adapters):
     """Every set gives the same image whichever sets came before it (TensorRT #3628's blend cannot
-    happen); only the first adapter compiles (the branched models); fp32's none is the base exactly."""
+    happen); only an engine's first adapter compiles (its branched model); none is the plain artifact's image
+    exactly on every precision (it runs the model as built, kept beside the branched one), and so is
+    none after loading with an adapter."""
     a, b = {sd3_adapters["a"]: 1.0}, {sd3_adapters["b"]: 1.0}
     latents = _latents(16, seed=2)
     pipe = Pipeline.load(ov_artifacts[precision])
@@ -89,12 +91,14 @@ def test_switching_a_b_a_none_is_exact_and_compiles_once(precision, ov_artifacts
         compiles.append(sum(s.compiles for s in pipe.sessions.values()))
     assert np.array_equal(seen[2], seen[0]) and np.array_equal(seen[4], seen[1])
     assert not np.array_equal(seen[0], seen[1])
-    assert compiles[1:] == [compiles[0]] * 4  # switching after the first compiled nothing
-    assert np.array_equal(Pipeline.load(ov_artifacts[precision], loras=a)(latents=latents, **CALL), seen[0])
-    if precision == "fp32":
-        assert np.array_equal(seen[3], base)  # rank-0 branches add nothing
-    else:  # the branched model at rank 0 against the model as built: within the precision's own error
-        assert psnr(base, seen[3]) >= BOUNDS[precision]
+    # a compiles the branched models of the engines it touches, b that of text_encoder_2 (a leaves it); after
+    # that no switch compiles anything, none included (the models as built stay beside the branched ones)
+    assert compiles[0] < compiles[1] and compiles[2:] == [compiles[1]] * 3
+    assert np.array_equal(seen[3], base)
+    loaded = Pipeline.load(ov_artifacts[precision], loras=a)
+    assert np.array_equal(loaded(latents=latents, **CALL), seen[0])
+    loaded.set_loras({})
+    assert np.array_equal(loaded(latents=latents, **CALL), base)
 
 
 def test_an_adapter_on_a_layer_no_branch_reaches_is_refused(ov_artifacts, sd3_adapters, tmp_path):

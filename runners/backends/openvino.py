@@ -8,9 +8,12 @@ load; "per-size" compiles, at the first call of each set of input shapes, the IR
 and keeps the most recent few. Models compiled static at build time (`static_models`) are imported
 at the first call of their shapes instead.
 
-Adapters (`lora_layers`, `set_lora_factors`): the first call of `set_lora_factors` compiles the model again
-with a low-rank branch beside every linear layer the build recorded (runners/backends/_openvino_lora.py);
-from then on, switching adapters (or back to none: rank 0) only changes the branches' inputs."""
+Adapters (`lora_layers`, `set_lora_factors`): the first adapter compiles the model again with a low-rank
+branch beside every linear layer the build recorded (runners/backends/_openvino_lora.py); from then on,
+switching adapters only changes the branches' inputs. With no adapter on the engine it runs the model as
+built, kept beside the branched one: "none" is the plain artifact's image exactly on every precision (the
+branches at rank 0 change how bf16 and int8 compile the base path: up to 0.08 in [0, 1] on sd3-tiny), at
+the memory of a second compiled model and no switch time."""
 from __future__ import annotations
 
 import os
@@ -113,32 +116,35 @@ class OpenVinoSession:
         self.blob = options.get("compiled_model")
         self.output_names = [o.get_any_name() for o in self.core.read_model(self.path).outputs]
         self.lora_layers = list(lora_layers or ())
-        self.branched = False  # compiled with the adapters' branches (from the first adapter on)
+        self.branched = False  # the adapters' inputs go to the branched model (an adapter touches the engine)
+        self.dynamic_branched = None  # the branched model, dynamic shapes (compiled at the first adapter)
         self.lora_feeds: dict[str, np.ndarray] = {}
-        if lora_factors is not None:
-            self.set_lora_factors(lora_factors)
-        elif self.shapes == "dynamic":
+        if self.shapes == "dynamic" and not lora_factors:
             self.dynamic = _Compiled((self._import(self.blob) if self.blob else None) or self._compile(),
                                      self.output_names)
-        self.last = self.dynamic  # the model run last
+        if lora_factors:
+            self.set_lora_factors(lora_factors)
+        self.last = self.dynamic_branched if self.branched else self.dynamic  # the model run last
 
     def set_lora_factors(self, factors: dict) -> None:
-        """Switch adapters ({layer: (A, B)}; {} for none) before the next call. The first call compiles
-        the branched model; after that a switch only replaces the branches' inputs. (Rank 0 gives the
-        built model's outputs exactly in fp32; in bf16 the branched model's own, within bf16's error.)"""
-        if not self.branched:
-            if not self.lora_layers:
-                raise ValueError(f"{self.path}: this engine records no layer an adapter can reach (built before "
-                                 "adapters reached OpenVINO artifacts: build it again with python -m engines)")
-            unknown = set(factors) - {layer["matmul"] for layer in self.lora_layers}
-            if unknown:
-                raise ValueError(f"{self.path}: adapters name layers the engine does not have: {sorted(unknown)[:3]}")
-            self.branched = True
-            self.per_size.clear()  # compiled without the branches' inputs
-            self.static_files = {}
-            self.dynamic = _Compiled(self._compile(), self.output_names) if self.shapes == "dynamic" else None
-        if self.branched:
-            self.lora_feeds = branch_feeds(self.lora_layers, factors)
+        """Switch adapters ({layer: (A, B)}; {} for none) before the next call. The first adapter compiles
+        the branched model; after that a switch only replaces the branches' inputs, and none runs the
+        model as built (both stay compiled)."""
+        if not self.lora_layers:
+            raise ValueError(f"{self.path}: this engine records no layer an adapter can reach (built before "
+                             "adapters reached OpenVINO artifacts: build it again with python -m engines)")
+        unknown = set(factors) - {layer["matmul"] for layer in self.lora_layers}
+        if unknown:
+            raise ValueError(f"{self.path}: adapters name layers the engine does not have: {sorted(unknown)[:3]}")
+        self.branched = bool(factors)
+        self.lora_feeds = branch_feeds(self.lora_layers, factors) if factors else {}
+        if self.shapes != "dynamic":
+            return
+        if self.branched and self.dynamic_branched is None:
+            self.dynamic_branched = _Compiled(self._compile(branched=True), self.output_names)
+        if not self.branched and self.dynamic is None:  # opened with adapters, switched to none
+            self.dynamic = _Compiled((self._import(self.blob) if self.blob else None) or self._compile(),
+                                     self.output_names)
 
     def _import(self, blob: str):
         try:
@@ -148,9 +154,9 @@ class OpenVinoSession:
                   f"({str(e).strip().splitlines()[-1]}); compiling the IR instead", file=sys.stderr, flush=True)
             return None
 
-    def _compile(self, shapes: dict | None = None):
+    def _compile(self, shapes: dict | None = None, branched: bool = False):
         model = self.core.read_model(self.path)
-        if self.branched:
+        if branched:
             add_branches(model, self.lora_layers)
         if shapes:
             model.reshape({name: list(shape) for name, shape in shapes.items()})
@@ -164,20 +170,21 @@ class OpenVinoSession:
 
     def _model_for(self, feeds: dict[str, np.ndarray]) -> _Compiled:
         key = _key({name: array.shape for name, array in feeds.items()})
-        if key not in self.static_files and self.shapes == "dynamic":
-            return self.dynamic
-        if key not in self.per_size:
-            blob = self.static_files.get(key)
-            compiled = (self._import(blob) if blob else None) or self._compile(dict(key))
-            self.per_size[key] = _Compiled(compiled, self.output_names)
+        blob = None if self.branched else self.static_files.get(key)  # the build's blobs are plain models
+        if blob is None and self.shapes == "dynamic":
+            return self.dynamic_branched if self.branched else self.dynamic
+        cached = (self.branched, key)
+        if cached not in self.per_size:
+            compiled = (self._import(blob) if blob else None) or self._compile(dict(key), self.branched)
+            self.per_size[cached] = _Compiled(compiled, self.output_names)
             while len(self.per_size) > KEEP_SIZES:
                 self.per_size.popitem(last=False)
-        self.per_size.move_to_end(key)
-        return self.per_size[key]
+        self.per_size.move_to_end(cached)
+        return self.per_size[cached]
 
     def close(self) -> None:
         self.per_size.clear()
-        self.dynamic = self.last = None
+        self.dynamic = self.dynamic_branched = self.last = None
 
     def run(self, feeds: dict[str, np.ndarray], release: bool = False) -> dict[str, np.ndarray]:
         """`release=True` on a stage's last call hands the plugin's working memory back."""
