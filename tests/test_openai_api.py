@@ -96,6 +96,7 @@ BAD = {  # name: (the request's fields, the field the error names, what it says)
     "another model": ({"model": "dall-e-3"}, "model", "model 'dall-e-3' is not served here"),
     "a zero n": ({"n": 0}, "n", "num_images_per_prompt=0 is not allowed: use an integer >= 1"),
     "a wrong kind": ({"guidance_scale": "high"}, "guidance_scale", "guidance_scale='high' is not allowed"),
+    "adapters that are not JSON": ({"loras": "style:0.8"}, "loras", "loras[0] is not JSON"),
 }
 
 

@@ -124,7 +124,10 @@ def _call(pipe, model_name: str, options: dict, fields: dict) -> tuple[dict, dic
         if name in OPENAI_FIELDS:
             continue
         if name in _SERVER_FIELDS:
-            server[name] = adapter_fields.parse(value, 0) if name == "loras" else value
+            try:
+                server[name] = adapter_fields.parse(value, 0) if name == "loras" else value
+            except ValueError as e:
+                raise BadField(name, str(e)) from None
             continue
         if name not in options:
             known = sorted(set(options) - {"prompt", "num_images_per_prompt", "width", "height"})
