@@ -37,7 +37,7 @@ def call_dims(src, constants: dict, size: int, batch: int) -> dict[str, int]:
     rules the export used) narrowed to one point."""
     from export.shapes import dim_ranges
 
-    point = dataclasses.replace(src.entry, image_size=(size,) * 3, batch=(batch,) * 3, t5_length=(T5_LENGTH,) * 3)
+    point = dataclasses.replace(src.entry, image_size=(size,) * 3, batch=(batch,) * 3, text_length=(T5_LENGTH,) * 3)
     return {dim: lo for dim, (lo, _, _) in dim_ranges(point, src.family, constants).items()}
 
 

@@ -17,7 +17,7 @@ from engines.precisions import RECIPES, Recipe, TargetRecipe
 from engines.targets import Target, TargetError, TargetOptions, get_target, refuse_foreign
 from runners.manifest import MANIFEST, ManifestError, digest, is_current, read_manifest
 
-ARTIFACT_FORMAT = 4  # bump when the artifact this code writes changes for the same inputs
+ARTIFACT_FORMAT = 5  # bump when the artifact this code writes changes for the same inputs
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
+from export.prompt_formats import rendered
 from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
@@ -24,7 +25,7 @@ from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
                               read_manifest, write_manifest)
 
-EXPORT_FORMAT = 6  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 7  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:
@@ -58,6 +59,8 @@ def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, 
             "max_length": tok.model_max_length,
             "pad_token_id": tok.pad_token_id,
         }
+        if component in src.family.prompt_formats:
+            tokenizers[component].update(rendered(tok, src.family.prompt_formats[component], component))
     scheduler_dir = dest / src.family.scheduler
     scheduler_dir.mkdir()
     shutil.copy(src.folder / src.family.scheduler / "scheduler_config.json", scheduler_dir)
@@ -155,7 +158,7 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
             "model": {"name": entry.name, "family": family.name, "source": entry.hub_id or str(src.folder),
                       "fingerprint": src.fingerprint},
             "pipeline": {**family.runtime_constants(src), "default_image_size": entry.image_size[1],
-                         "t5_max_length": entry.t5_length[2] if src.has("text_encoder_3") else None,
+                         "text_max_length": entry.text_length[2] if src.has("text_encoder_3") else None,
                          **({"tiny_vae": tiny_vae_constants(tiny, tiny_vae)} if tiny else {})},
             "dims": {k: list(v) for k, v in ranges.items()},
             "constants": constants,

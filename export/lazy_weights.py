@@ -125,8 +125,9 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
 
 
 def _key(name: str) -> str:
-    # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own tensors.
-    return name.split(".", 1)[1]
+    # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own tensors. A name
+    # without one is the wrapper's own buffer (Z-Image's rotary tables), which no checkpoint holds.
+    return name.split(".", 1)[-1]
 
 
 def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> tuple[str, ir.ExternalTensor]:

@@ -100,3 +100,34 @@ def write_t5_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> int:
         tok = T5TokenizerFast.from_pretrained(tmp, model_max_length=512)
         tok.save_pretrained(out_dir)
         return len(tok)
+
+
+# Qwen2's pre-tokenizer (Qwen3 and Qwen2.5-VL share it): this split, then byte-level BPE on each piece.
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_ADDED_TOKENS = ("<think>", "</think>")  # ordinary added tokens in Qwen3 (not special)
+
+
+def write_qwen_tokenizer(out_dir: Path, vocab_size: int, chat_template: str, seed: int = 0) -> int:
+    """A Qwen2-kind tokenizer (byte-level BPE with Qwen's split, NFC, its chat tokens, pad <|endoftext|>)
+    trained on synthetic prompts, with `chat_template` (the real model's Jinja template). Returns its size,
+    which the LLM config's vocab_size must cover."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_synthetic_prompts(2000, seed), trainer)
+    tok.add_special_tokens(list(QWEN_SPECIAL_TOKENS))  # after the vocabulary, in Qwen's order
+    tok.add_tokens(list(QWEN_ADDED_TOKENS))
+    fast = Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                              pad_token="<|endoftext|>", model_max_length=131072, chat_template=chat_template)
+    fast.save_pretrained(out_dir)
+    return len(fast)

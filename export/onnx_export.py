@@ -106,9 +106,14 @@ def example_inputs(spec: SubmoduleSpec, dims: dict, constants: dict, seed: int) 
     arrays = []
     for t in spec.inputs:
         shape = concrete(t.shape, dims, constants)
-        high = constants[t.high] if isinstance(t.high, str) else t.high
-        if t.dtype.startswith("int"):
-            arrays.append(rng.integers(0, high, size=shape, dtype=t.dtype))
+        high = t.high
+        if isinstance(high, str):
+            high = constants[high] if high in constants else dims[high] + 1
+        if t.mask:
+            lengths = rng.integers(1, shape[-1] + 1, size=shape[:-1])
+            arrays.append((np.arange(shape[-1]) < lengths[..., None]).astype(t.dtype))
+        elif t.dtype.startswith("int"):
+            arrays.append(rng.integers(t.low, high, size=shape, dtype=t.dtype))
         elif high is not None:
             arrays.append(rng.uniform(0, high, size=shape).astype(t.dtype))
         else:
@@ -191,6 +196,8 @@ def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyn
     optimize(program)
     counts["parameters_merged"] = _record_merged(table, small, program.model)
     counts.update(table.reconcile(initializer_types(program.model)))
+    # What the wrapper cut from the component (an LLM encoder's layers past the deepest read): the report's
+    program.model.meta["export_notes"] = getattr(getattr(module, "wrapper", module), "export_notes", None)
     return program.model, table, counts
 
 
@@ -245,6 +252,7 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
     model, table, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset)
     files = save_graph(model, out_path)
     table.save(table_path(out_path))
+    notes = model.meta["export_notes"]
     del model
     gc.collect()  # the graph's nodes and values refer to each other: free it (and its maps) now
     export_seconds = time.perf_counter() - t0
@@ -261,6 +269,7 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
         "opset": opset,
         "dtype": dtype,
         "weights": counts,
+        **({"graph": notes} if notes else {}),
         "parity": [{"dims": p.dims, "max_abs_err": p.max_abs_err, "max_abs_ref": p.max_abs_ref} for p in parity],
     }
 

@@ -18,7 +18,7 @@ class ModelEntry:
     # Image side in pixels: min, opt, max. Engines are built for this range; the runner's default is opt.
     image_size: tuple[int, int, int] = (256, 1024, 1536)
     batch: tuple[int, int, int] = (1, 2, 8)  # transformer batch is 2x the images (guidance)
-    t5_length: tuple[int, int, int] = (1, 256, 512)
+    text_length: tuple[int, int, int] = (1, 256, 512)
     # The weights' and the graphs' dtype: float16 halves the export's memory, and its engines are fp16.
     export_dtype: str = "float32"
     description: str = ""
@@ -260,6 +260,37 @@ FLUX_FULLSIZE = {
     "weights_for": ["transformer"],
 }
 
+# Z-Image: the transformer's real layout (3 rotary axes of 32, 48, 48 over 30 heads; captions of 2560) at
+# tiny widths; Qwen3's (head dim 128, 8 key-value heads) likewise. Turbo's scheduler: shift 3, no
+# resolution shift; the base model's: shift 6.
+def _z_image(dim: int, heads: int, layers: int, refiners: int, caption: int) -> dict:
+    """ZImageTransformer2DModel; `dim` / `heads` is the head dim the rotary axes (caption, rows, columns) share."""
+    head = dim // heads
+    axes = [head // 4, head * 3 // 8, head * 3 // 8]
+    return {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": dim, "n_layers": layers,
+            "n_refiner_layers": refiners, "n_heads": heads, "n_kv_heads": heads, "cap_feat_dim": caption,
+            "axes_dims": axes, "axes_lens": [1536, 512, 512], "norm_eps": 1e-05, "qk_norm": True,
+            "rope_theta": 256.0, "t_scale": 1000.0}
+
+
+def _qwen3(width: int, layers: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> dict:
+    return {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": mlp, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": True}
+
+
+_Z_IMAGE_TURBO_SCHEDULER = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
+Z_IMAGE_TINY = {
+    "transformer": _z_image(dim=128, heads=2, layers=2, refiners=1, caption=64),
+    "vae": {**_FLUX_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
+            "sample_size": 128},
+    # 3 layers: the encoder's graph keeps 2 (it reads hidden_states[-2])
+    "text_encoder": _qwen3(64, 3, 4, 2, 16, 128),
+    "vocab_pieces": 400,
+    "scheduler": _Z_IMAGE_TURBO_SCHEDULER,
+}
+
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -302,27 +333,35 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("sd3.5-large-transformer", "sd3", random_configs=SD35_LARGE_TRANSFORMER,
                    image_size=(256, 1024, 1024), batch=(1, 2, 4), export_dtype="float16",
                    description="SD3.5-large's transformer alone at its true shapes, random fp16 weights (make scale-check)"),
-        ModelEntry("flux-tiny", "flux", random_configs=FLUX_TINY, image_size=(64, 128, 512), t5_length=(1, 64, 512),
+        ModelEntry("flux-tiny", "flux", random_configs=FLUX_TINY, image_size=(64, 128, 512), text_length=(1, 64, 512),
                    description="FLUX.1-dev architecture (guidance embedding) at tiny widths, built offline"),
         ModelEntry("flux-fill-tiny", "flux", random_configs=FLUX_FILL_TINY, image_size=(64, 128, 512),
-                   t5_length=(1, 64, 512),
+                   text_length=(1, 64, 512),
                    description="FLUX.1 Fill architecture (inpainting: 384 input channels) at tiny widths, built offline"),
         ModelEntry("flux-control-tiny", "flux", random_configs=FLUX_CONTROL_TINY, image_size=(64, 128, 512),
-                   t5_length=(1, 64, 512),
+                   text_length=(1, 64, 512),
                    description="FLUX.1 Canny/Depth architecture (a control image's latents: 128 input channels) at "
                                "tiny widths, built offline"),
         ModelEntry("flux-kontext-tiny", "flux", random_configs=FLUX_KONTEXT_TINY, image_size=(64, 128, 512),
-                   t5_length=(1, 64, 512),
+                   text_length=(1, 64, 512),
                    description="FLUX.1 Kontext architecture (a reference image's tokens after the image's) at tiny "
                                "widths, built offline"),
         ModelEntry("flux-schnell-tiny", "flux", random_configs=FLUX_SCHNELL_TINY, image_size=(64, 128, 512),
-                   t5_length=(1, 64, 512),
+                   text_length=(1, 64, 512),
                    description="FLUX.1-schnell architecture (no guidance embedding, no shift) at tiny widths, built offline"),
         ModelEntry("flux-bench", "flux", random_configs=FLUX_BENCH, image_size=(256, 1024, 1024), batch=(1, 2, 4),
                    description="FLUX.1 widths, 2 double + 4 single blocks, 2 T5 layers, random weights (benchmarks)"),
         ModelEntry("flux-fullsize", "flux", random_configs=FLUX_FULLSIZE, image_size=(256, 1024, 1024),
                    batch=(1, 2, 4), export_dtype="float16",
                    description="FLUX.1-dev's transformer at its true shapes, random fp16 weights (make scale-check)"),
+        ModelEntry("z-image-turbo", "z_image", hub_id="Tongyi-MAI/Z-Image-Turbo", image_size=(256, 1024, 2048),
+                   text_length=(1, 128, 512), extra={"variant": "turbo"},
+                   description="Z-Image-Turbo (distilled: 8 steps, no guidance)"),
+        ModelEntry("z-image", "z_image", hub_id="Tongyi-MAI/Z-Image", image_size=(256, 1024, 2048),
+                   text_length=(1, 128, 512), description="Z-Image, the base model (50 steps, CFG)"),
+        ModelEntry("z-image-tiny", "z_image", random_configs=Z_IMAGE_TINY, image_size=(64, 128, 256),
+                   text_length=(1, 64, 512), extra={"variant": "turbo"},
+                   description="Z-Image-Turbo architecture (Qwen3 encoder) at tiny widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

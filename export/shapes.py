@@ -42,7 +42,7 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
     image-size and text ranges."""
     scale = constants["vae_scale_factor"]
     latent = tuple(s // scale for s in entry.image_size)
-    base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "t5_length": entry.t5_length}
+    base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "text_length": entry.text_length}
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
     return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 
@@ -87,10 +87,10 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
     if lo + step > hi:
         raise ValueError(f"{entry.name}: image size range {entry.image_size} is too narrow to check two shapes")
     side_a = example_side(entry, constants)
-    t5_lo, t5_opt, _ = entry.t5_length
+    t5_lo, t5_opt, _ = entry.text_length
     probes = [
-        {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "t5_length": max(2, t5_opt)},
-        {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale, "t5_length": max(t5_lo, min(t5_opt, 32) - 5)},
+        {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "text_length": max(2, t5_opt)},
+        {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale, "text_length": max(t5_lo, min(t5_opt, 32) - 5)},
     ]
     return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 

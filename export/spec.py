@@ -19,8 +19,12 @@ class TensorSpec:
     dtype: str  # numpy dtype name: "float32", "int64"
     shape: Shape
     # Example values: floats are standard normal unless `high` is set, then uniform in [0, high);
-    # integers (token ids) are uniform in [0, high). `high` may name a constant.
+    # integers (token ids) are uniform in [low, high). `high` may name a constant, or a dynamic dimension:
+    # then up to its size, included (a length along that axis).
     high: int | str | None = None
+    low: int = 0
+    # A right-padded attention mask (int64): its examples are ones up to a random length per row, at least 1.
+    mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,19 @@ class SubmoduleSpec:
 
 
 @dataclass(frozen=True)
+class PromptFormat:
+    """How a pipeline puts prompts to an LLM's tokenizer; the export renders it into the manifest
+    (export/prompt_formats.py) and the runner applies it without transformers (runners/text.py)."""
+
+    chat: dict | None = None  # apply_chat_template's keywords ({"enable_thinking": True}); None: no chat template
+    template: str | None = None  # or the pipeline's own format string around the prompt, with one "{}"
+    drop_tokens: int = 0  # the template's leading tokens whose hidden states the pipeline drops (Qwen-Image)
+    # "max_length": padded to the request's max_sequence_length (the pipeline reads the padding's states);
+    # "longest": to the call's longest prompt (it reads only each prompt's own tokens, of a causal encoder)
+    padding: str = "max_length"
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     # The diffusers classes whose model_index.json this family exports (text to image first; the
@@ -74,6 +91,8 @@ class Family:
     scheduler: str = "scheduler"
     # Its tiny autoencoder among madebyollin's (a hub id under madebyollin/: taesd, taesd3, ...), or None
     tiny_vae: str | None = None
+    # {tokenizer component: how the pipeline formats prompts for it}, for those that are not plain
+    prompt_formats: dict[str, PromptFormat] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

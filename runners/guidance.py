@@ -34,13 +34,68 @@ class ClassifierFree:
     def on(self, scale: float) -> bool:
         return scale > self.threshold
 
+    @property
+    def step_options(self) -> tuple[Option, ...]:
+        """The request options the rule reads at each step (beyond the scale), passed to `active` and `combine`."""
+        return ()
+
     def batch(self, positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
         """The denoiser's batch of both prompts' conditions, in the order `combine` splits it."""
         return np.concatenate([negative, positive])
 
-    def combine(self, noise: np.ndarray, scale: float) -> np.ndarray:
+    def positive(self, batched: np.ndarray) -> np.ndarray:
+        """The prompt's half of a batch `batch` made (a step that runs without guidance)."""
+        return np.split(batched, 2)[1]
+
+    def active(self, scale: float, t_norm: float, **step_options) -> bool:
+        """Whether the step at `t_norm` = (1000 - t) / 1000 runs both halves (else the prompt's alone)."""
+        return self.on(scale)
+
+    def combine(self, noise: np.ndarray, scale: float, **step_options) -> np.ndarray:
         uncond, cond = np.split(noise, 2)
         return uncond + np.float32(scale) * (cond - uncond)
+
+
+@dataclass(frozen=True)
+class NormalizedCFG(ClassifierFree):
+    """ZImagePipeline's rule: the prompt's half first, cond + scale * (cond - uncond), on above 0;
+    `cfg_normalization` caps each image's guided prediction at that multiple of its prompt prediction's
+    norm, and `cfg_truncation` turns guidance off at the steps past that fraction of the schedule."""
+    threshold: float = 0.0
+    help: str = "classifier-free guidance scale (default: the variant's; 0 turns it off)"
+
+    @property
+    def step_options(self) -> tuple[Option, ...]:
+        return (Option("cfg_normalization", "float", "cap each guided prediction's norm at this multiple of the "
+                       "prompt's prediction's (0 or False: no cap; True: 1)", default=False,
+                       within=lambda v: v >= 0, allowed="a number >= 0, or a bool"),
+                Option("cfg_truncation", "float", "turn guidance off at the steps whose (1000 - t) / 1000 is above "
+                       "this (1: never)", default=1.0, allowed="a number (above 1: never)"))
+
+    @property
+    def options(self) -> tuple[Option, ...]:
+        return super().options + self.step_options
+
+    def batch(self, positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
+        return np.concatenate([positive, negative])
+
+    def positive(self, batched: np.ndarray) -> np.ndarray:
+        return np.split(batched, 2)[0]
+
+    def active(self, scale: float, t_norm: float, cfg_truncation: float = 1.0, **_) -> bool:
+        # diffusers compares float32 (1000 - t) / 1000 with the option
+        return self.on(scale) and not (float(cfg_truncation) <= 1 and t_norm > cfg_truncation)
+
+    def combine(self, noise: np.ndarray, scale: float, cfg_normalization: float = False, **_) -> np.ndarray:
+        cond, uncond = np.split(noise, 2)
+        guided = cond + np.float32(scale) * (cond - uncond)
+        if cfg_normalization and float(cfg_normalization) > 0:
+            axes = tuple(range(1, noise.ndim))
+            most = np.sqrt((cond.astype(np.float32) ** 2).sum(axis=axes, keepdims=True)) * np.float32(cfg_normalization)
+            norm = np.sqrt((guided ** 2).sum(axis=axes, keepdims=True))
+            with np.errstate(divide="ignore", invalid="ignore"):  # a zero norm is never above the cap
+                guided = np.where(norm > most, guided * (most / norm), guided).astype(np.float32)
+        return guided
 
 
 # SD1.5, SDXL, SD3: `guidance_scale`, one batched call

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 

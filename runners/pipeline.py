@@ -108,7 +108,7 @@ class Pipeline:
         # step records with it (engines/calibration.py).
         self.recorder = None
         self.tokenizers = {
-            name: TextTokenizer(folder / t["file"], t["pad_token_id"], name)
+            name: TextTokenizer(folder / t["file"], t, name)
             for name, t in manifest["tokenizers"].items()
         }
         self.scheduler = load_scheduler(json.loads((folder / manifest["scheduler"]["file"]).read_text()))

@@ -48,7 +48,7 @@ class StaticRequest:
     def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
         """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
         # Flux: its T5 length follows each request (SD3's runs at the export's own), which a static request does not fix
-        if "image_tokens" in dims and "t5_length" in dims and pipeline.get("t5_max_length") is None:
+        if "image_tokens" in dims and "text_length" in dims and pipeline.get("text_max_length") is None:
             raise ValueError("--static is not supported for Flux: its transformer's image token count and T5 length "
                              "follow each request, and a static request fixes only the batch and image size; build "
                              "without --static")

@@ -126,6 +126,7 @@ class TextToImage(Pipeline):
         self._check(height, width, n_images * (2 if cfg else 1), output_type, sized_by_image)
         self.timings = {}
 
+        guide = {o.name: options.pop(o.name) for o in self.guidance.step_options if o.name in options}
         with self._timed("text_encoders"):
             conditions = self._conditions(prompts, negative_prompt, num_images_per_prompt, cfg, height, width,
                                           **options)
@@ -147,7 +148,7 @@ class TextToImage(Pipeline):
                     latents, inpainting = self._inpainting(pixels, mask, n_images, strength, schedule, noise,
                                                            encoder_noise, cfg, vae_tiling)
         with self._timed("denoise"):
-            latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting)
+            latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting, guide)
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
@@ -251,16 +252,26 @@ class TextToImage(Pipeline):
         return self.run(engine or denoiser, release=release, **{latent_input: x}, **conditions, **extra,
                         timestep=np.full(x.shape[0], t, dtype=np.float32))
 
-    def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None):
-        guidance = self.guidance
+    def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None,
+                 guide: dict | None = None):
+        """The loop. `guide`: the guidance rule's per-step options (Z-Image's truncation and normalization)."""
+        guidance, guide = self.guidance, guide or {}
         cfg, n = guidance.on(guidance_scale), len(schedule.timesteps)
+        alone = None  # the prompt's half of the conditions, for the steps the rule runs without guidance
         for i, t in enumerate(schedule.timesteps):
-            x = schedule.scale_model_input(np.concatenate([latents, latents]) if cfg else latents, i)
+            t_norm = (np.float32(1000) - np.float32(t)) / np.float32(1000)
+            both = cfg and guidance.active(guidance_scale, t_norm, **guide)
+            feeds = conditions
+            if cfg and not both:
+                alone = alone or {k: guidance.positive(v) if len(v) == 2 * len(latents) else v
+                                  for k, v in conditions.items()}
+                feeds = alone
+            x = schedule.scale_model_input(np.concatenate([latents, latents]) if both else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._evaluate(i, n, x, t, conditions, context=guidance.contexts if cfg else "batch")
-            if cfg:
-                noise = guidance.combine(noise, guidance_scale)
+            noise = self._evaluate(i, n, x, t, feeds, context=guidance.contexts if both else "batch")
+            if both:
+                noise = guidance.combine(noise, guidance_scale, **guide)
             if self._previews is not None:
                 self._previews(i, schedule.predicted_original(noise, i, latents))
             latents = schedule.step(noise, i, latents)

@@ -30,7 +30,7 @@ def test_manifest_describes_the_artifact(tiny_artifact):
     # dynamic dims with min/opt/max: 64..512 px images, opt 128, latents 8x smaller
     assert tr["dims"]["latent_height"] == [8, 16, 64]
     assert tr["dims"]["batch"] == [1, 2, 8]
-    assert m["submodules"]["text_encoder_3"]["dims"]["t5_length"] == [1, 256, 512]
+    assert m["submodules"]["text_encoder_3"]["dims"]["text_length"] == [1, 256, 512]
     assert m["submodules"]["vae_decoder"]["dims"]["image_width"] == [64, 128, 512]
     p = m["pipeline"]
     assert (p["vae_scaling_factor"], p["vae_shift_factor"]) == (1.5305, 0.0609)

@@ -16,7 +16,7 @@ SD3 = FAMILIES["sd3"]
 SUBMODULES = [s.name for s in SD3.submodules]
 # A third setting of the dims, unlike both export probes: batch 3, a wide image with odd patch
 # counts (5 x 7: an exporter once cropped SD3's position embedding wrong there), 40 T5 tokens.
-THIRD = {"batch": 3, "latent_height": 10, "latent_width": 14, "t5_length": 40,
+THIRD = {"batch": 3, "latent_height": 10, "latent_width": 14, "text_length": 40,
          "image_height": 80, "image_width": 112, "joint_length": 117, "image_tokens": 35}  # 5 x 7 patches
 
 
@@ -55,7 +55,7 @@ def test_dynamic_axes_carry_our_dimension_names(tiny_build):
     assert shapes["encoder_hidden_states"] == ["batch", "joint_length", 96]
     assert shapes["noise_pred"] == ["batch", 16, "latent_height", "latent_width"]
     t5 = onnx.load(str(tiny_build / "onnx" / "text_encoder_3.onnx"), load_external_data=False)
-    assert [d.dim_param for d in t5.graph.input[0].type.tensor_type.shape.dim] == ["batch", "t5_length"]
+    assert [d.dim_param for d in t5.graph.input[0].type.tensor_type.shape.dim] == ["batch", "text_length"]
 
 
 def test_reexport_with_same_inputs_is_reused(tiny_build, tiny_source, capsys):

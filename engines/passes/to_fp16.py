@@ -35,7 +35,7 @@ class ToFp16(LibraryPass):
         """The converter casts only tensors whose type it knows: every tensor gets one first. ONNX's
         inference types what the fusions added (fuse_attention's reshapes); the contrib ops they made
         (MultiHeadAttention) carry their types already. (ONNX Runtime's symbolic inference, used
-        before, raises on a Split whose sizes are symbolic: Flux's text/image split at t5_length.)"""
+        before, raises on a Split whose sizes are symbolic: Flux's text/image split at text_length.)"""
         InferShapes(self.context)(model)
         untyped = [v.name for node in model.graph for v in node.outputs if v.dtype is None]
         if untyped:

@@ -64,11 +64,11 @@ def _spec(config: dict) -> SubmoduleSpec:
         component="controlnet",
         inputs=(
             T("hidden_states", "float32", ("batch", "image_tokens", "packed_channels")),
-            T("encoder_hidden_states", "float32", ("batch", "t5_length", "joint_dim")),
+            T("encoder_hidden_states", "float32", ("batch", "text_length", "joint_dim")),
             T("pooled_projections", "float32", ("batch", "pooled_dim")),
             T("timestep", "float32", ("batch",), high=1),
             T("img_ids", "float32", ("image_tokens", 3), high=64),
-            T("txt_ids", "float32", ("t5_length", 3), high=64),
+            T("txt_ids", "float32", ("text_length", 3), high=64),
             *guidance,
             *mode,
             T("controlnet_cond", "float32", ("batch", 3, "image_height", "image_width") if _encodes_image(config)

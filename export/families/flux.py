@@ -99,13 +99,13 @@ def _has_guidance(src) -> bool:
 def _transformer(guidance: bool) -> SubmoduleSpec:
     """The transformer's description with a guidance input (dev) or without (schnell)."""
     # Example ids: positions of up to 64 patches a side (1024 pixels).
-    ids = (T("img_ids", "float32", ("image_tokens", 3), high=64), T("txt_ids", "float32", ("t5_length", 3), high=64))
+    ids = (T("img_ids", "float32", ("image_tokens", 3), high=64), T("txt_ids", "float32", ("text_length", 3), high=64))
     return SubmoduleSpec(
         name="transformer",
         component="transformer",
         inputs=(
             T("hidden_states", "float32", ("batch", "image_tokens", "packed_channels")),
-            T("encoder_hidden_states", "float32", ("batch", "t5_length", "joint_dim")),
+            T("encoder_hidden_states", "float32", ("batch", "text_length", "joint_dim")),
             T("pooled_projections", "float32", ("batch", "pooled_dim")),
             T("timestep", "float32", ("batch",), high=1),
             *ids,

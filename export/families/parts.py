@@ -63,8 +63,8 @@ def t5_encoder(name: str) -> SubmoduleSpec:
     return SubmoduleSpec(
         name=name,
         component=name,
-        inputs=(T("input_ids", "int64", ("batch", "t5_length"), high="t5_vocab"),),
-        outputs=(T("last_hidden_state", "float32", ("batch", "t5_length", "t5_width")),),
+        inputs=(T("input_ids", "int64", ("batch", "text_length"), high="t5_vocab"),),
+        outputs=(T("last_hidden_state", "float32", ("batch", "text_length", "t5_width")),),
         wrap=_T5Encoder,
         # T5's default (sdpa) attention does not export under dynamo; eager does.
         load_kwargs={"attn_implementation": "eager"},

@@ -176,7 +176,7 @@ FAMILY = Family(
     runtime_constants=_runtime_constants,
     derived_dims={
         **VAE_DIMS,
-        "joint_length": ("t5_length", 1, "clip_length"),
+        "joint_length": ("text_length", 1, "clip_length"),
         "image_tokens": _image_tokens,
     },
     tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"),

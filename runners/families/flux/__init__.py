@@ -154,8 +154,8 @@ class FluxPipeline(FluxControlNets, TextToImage):
         num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         if max_sequence_length is None:
-            max_sequence_length = min(MAX_SEQUENCE_LENGTH[self.variant], self.dims["t5_length"][2])
-        lo, _, hi = self.dims["t5_length"]
+            max_sequence_length = min(MAX_SEQUENCE_LENGTH[self.variant], self.dims["text_length"][2])
+        lo, _, hi = self.dims["text_length"]
         if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, (int, np.integer)) or \
                 not lo <= max_sequence_length <= hi:
             raise ValueError(f"max_sequence_length={max_sequence_length!r} is not allowed: use an integer from {lo} "
@@ -170,7 +170,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                                          num_images_per_prompt, seed, latents, output_type, vae_tiling,
                                          image=image, mask_image=mask_image, strength=strength, noise=noise,
                                          encoder_noise=encoder_noise,
-                                         t5_length=max_sequence_length, guidance=guidance_scale, control=control,
+                                         text_length=max_sequence_length, guidance=guidance_scale, control=control,
                                          reference=reference, controlnets=controlnets)
         finally:
             self._control_latents = self._reference = self._control = None
@@ -202,7 +202,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
         reference = dict(image=image, auto_resize=auto_resize, vae_tiling=vae_tiling) if image is not None else None
         return height, width, reference
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, guidance, control,
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, text_length, guidance, control,
                     reference, controlnets):
         n_images = len(prompts) * per_prompt
         self._start_control(controlnets, height, width, n_images, per_prompt, cfg)
@@ -210,21 +210,21 @@ class FluxPipeline(FluxControlNets, TextToImage):
             self._control_latents = control_latents(self, height=height, width=width, n_images=n_images, **control)
         if reference is not None:
             self._reference = self._reference_tokens(reference, height, width, n_images)
-        embeds, pooled = self._encode(prompts, per_prompt, t5_length)
+        embeds, pooled = self._encode(prompts, per_prompt, text_length)
         if cfg:
-            neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
+            neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, text_length)
             embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
         conditions = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
-                      "txt_ids": np.zeros((t5_length, 3), dtype=np.float32)}
+                      "txt_ids": np.zeros((text_length, 3), dtype=np.float32)}
         if self.variant == "dev":
             conditions["guidance"] = np.full(len(embeds), guidance, dtype=np.float32)
         return conditions
 
-    def _encode(self, prompts: list[str], per_prompt: int, t5_length: int):
+    def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
         """diffusers' encode_prompt: T5's last states, and CLIP-L's pooled state."""
         clip_ids = self.tokenizers["tokenizer"](prompts, self.constants["clip_length"])
         pooled = self.run("text_encoder", input_ids=clip_ids)["pooler_output"]
-        embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, t5_length))
+        embeds = self.run("text_encoder_2", input_ids=self.tokenizers["tokenizer_2"](prompts, text_length))
         return np.repeat(embeds["last_hidden_state"], per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)
 
     def _reference_tokens(self, reference: dict, height: int, width: int, n_images: int):

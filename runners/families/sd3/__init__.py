@@ -49,21 +49,21 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         list of them for several ControlNets. With inpainting ControlNets (StableDiffusion3ControlNetInpainting-
         Pipeline's), `mask_image` is their mask (diffusers' `control_mask`) and `control_noise` is N."""
         if "text_encoder_3" in self.sessions:
-            lo, _, hi = self.dims["t5_length"]
+            lo, _, hi = self.dims["text_length"]
             if not lo <= max_sequence_length <= hi:
                 raise ValueError(f"max_sequence_length={max_sequence_length} is outside this artifact's range "
                                  f"{lo}..{hi}")
         return self._controlled_text_to_image(
             prompt, negative_prompt, height, width, num_inference_steps, guidance_scale, num_images_per_prompt, seed,
             latents, output_type, vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,
-            encoder_noise=encoder_noise, t5_length=max_sequence_length, control_image=control_image,
+            encoder_noise=encoder_noise, text_length=max_sequence_length, control_image=control_image,
             controlnet_conditioning_scale=controlnet_conditioning_scale, control_guidance_start=control_guidance_start,
             control_guidance_end=control_guidance_end, control_noise=control_noise)
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, t5_length, control=None):
-        embeds, pooled = self._encode(prompts, per_prompt, t5_length)
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, text_length, control=None):
+        embeds, pooled = self._encode(prompts, per_prompt, text_length)
         if cfg:
-            neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, t5_length)
+            neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, text_length)
             embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
         self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -71,7 +71,7 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
     def _mu(self, latent_shape):
         return self.scheduler.mu_for(latent_shape[2], latent_shape[3], self.constants["patch_size"])
 
-    def _encode(self, prompts: list[str], per_prompt: int, t5_length: int):
+    def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
         """diffusers' encode_prompt: penultimate CLIP-L and CLIP-G states side by side, zero-padded
         to the T5 width, then T5's states along the sequence; pooled: both CLIPs' projections."""
         c = self.constants
@@ -85,10 +85,10 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         width = c["joint_attention_dim"]
         clip = np.pad(clip, ((0, 0), (0, 0), (0, width - clip.shape[-1])))
         if "text_encoder_3" in self.sessions:
-            ids = self.tokenizers["tokenizer_3"](prompts, t5_length)
+            ids = self.tokenizers["tokenizer_3"](prompts, text_length)
             t5 = self.run("text_encoder_3", input_ids=ids)["last_hidden_state"]
         else:  # a pipeline saved without T5: zeros, as diffusers does
-            t5 = np.zeros((len(prompts), t5_length, width), dtype=np.float32)
+            t5 = np.zeros((len(prompts), text_length, width), dtype=np.float32)
         embeds = np.concatenate([clip, t5], axis=1)
         pooled = np.concatenate(pooled, axis=-1)
         return np.repeat(embeds, per_prompt, axis=0), np.repeat(pooled, per_prompt, axis=0)

@@ -1,0 +1,86 @@
+"""Prompt encoders that are decoder-only LLMs (Qwen3, the text path of Qwen2.5-VL, Mistral3's): the
+hidden states of the layers a pipeline reads, from `input_ids` and `attention_mask` over `text_length`.
+
+The graph stops at the deepest layer read. `hidden_states[k]` is the output of the first k decoder layers
+(0: the token embeddings), and only the last entry passes the final norm: a pipeline that reads
+`hidden_states[-2]` (Z-Image) never runs the last layer, one that reads layer 27 of 36 (FLUX.2 klein) never
+runs 9, and none runs the language-model head that `Qwen3ForCausalLM` computes over the whole vocabulary for
+every token. The export's report says what was cut (`graph`: layers kept, FLOPs per token saved).
+"""
+from __future__ import annotations
+
+import torch
+
+from export.spec import SubmoduleSpec, TensorSpec as T
+
+
+def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layers' module (embed_tokens, layers, norm) of a bare model, a causal LM, or a
+    vision-language model's language model."""
+    for path in ("model.language_model", "language_model", "model", ""):
+        module = model
+        for part in filter(None, path.split(".")):
+            module = getattr(module, part, None)
+        if module is not None and hasattr(module, "layers") and hasattr(module, "embed_tokens"):
+            return module
+    raise TypeError(f"{type(model).__name__} has no decoder stack (embed_tokens, layers) where LLMs keep one")
+
+
+def _params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class _LLMHiddenStates(torch.nn.Module):
+    """input_ids, attention_mask -> the hidden states of `layers` (indices into `hidden_states`,
+    negative from the end), concatenated on the feature axis in that order."""
+
+    def __init__(self, model, layers: tuple[int, ...]):
+        super().__init__()
+        stack = decoder_stack(model)
+        total = len(stack.layers)
+        self.reads = [k % (total + 1) for k in layers]
+        deepest = max(self.reads)
+        lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        dropped = _params(stack.layers[deepest:]) + (_params(lm_head) if lm_head is not None else 0)
+        if deepest < total:  # the norm applies to hidden_states[total] only
+            dropped += _params(stack.norm)
+            stack.layers = stack.layers[:deepest]
+            stack.norm = torch.nn.Identity()
+        self.model = model  # the component: its weights keep their checkpoint names under one prefix
+        self.__dict__["stack"] = stack  # not a second child
+        # Matrix products cost 2 FLOPs per weight per token; attention's own products (which grow with
+        # the length) come on top, in the same proportion as the layers.
+        self.export_notes = {"layers_read": self.reads, "layers_kept": deepest, "layers_total": total,
+                             "lm_head_dropped": lm_head is not None,
+                             "gflops_per_token_saved": float(f"{2 * dropped / 1e9:.3g}"),
+                             "gflops_per_token_kept": float(f"{2 * _params(stack.layers) / 1e9:.3g}")}
+
+    def forward(self, input_ids, attention_mask):
+        out = self.stack(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                         use_cache=False)
+        states = out.hidden_states
+        return (torch.cat([states[k] for k in self.reads], dim=-1),)
+
+
+def llm_encoder(name: str, layers: tuple[int, ...], width: str = "text_width", vocab: str = "text_vocab",
+                output: str = "hidden_states") -> SubmoduleSpec:
+    """The LLM text encoder `name`, reading `layers` of `hidden_states`; its output's width is the
+    constant `width` (the model's hidden size times the layers read)."""
+    import functools
+
+    return SubmoduleSpec(
+        name=name,
+        component=name,
+        inputs=(T("input_ids", "int64", ("batch", "text_length"), high=vocab),
+                T("attention_mask", "int64", ("batch", "text_length"), mask=True)),
+        outputs=(T(output, "float32", ("batch", "text_length", width)),),
+        wrap=functools.partial(_LLMHiddenStates, layers=layers),
+        # sdpa's masks export under dynamo through transformers' own mask functions; eager is its twin
+        load_kwargs={"attn_implementation": "eager"},
+    )
+
+
+def llm_constants(config: dict, layers: tuple[int, ...], prefix: str = "text") -> dict[str, int]:
+    """The widths an LLM encoder's shapes name: its config's, or its text config's (a VLM's)."""
+    text = config.get("text_config", config)
+    return {f"{prefix}_width": text["hidden_size"] * len(layers), f"{prefix}_vocab": text["vocab_size"]}

@@ -1,0 +1,135 @@
+"""Z-Image (export/families/z_image.py, runners/families/z_image/) against diffusers' ZImagePipeline on
+z-image-tiny, and the LLM prompt encoder it is built on (export/families/llm_encoder.py,
+export/prompt_formats.py, runners/text.py, runners/prompts.py). One export and one ort-fp32 build."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from export.prompt_formats import CHECKED_PROMPTS, rendered
+from export.spec import PromptFormat
+
+# Measured: at most 6e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
+IMAGE_ATOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def pair(z_image_tiny_build):
+    from conftest import ours_and_diffusers
+
+    return ours_and_diffusers(z_image_tiny_build, "ZImagePipeline")
+
+
+@pytest.fixture(scope="module")
+def run_both(pair):
+    ours, reference = pair
+    cache = {}
+
+    def run(prompt, height=64, width=64, steps=3, per_prompt=1, **options):
+        key = repr((prompt, height, width, steps, per_prompt, sorted(options.items())))
+        if key not in cache:
+            n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
+            latents = np.random.default_rng(0).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
+            common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
+                          num_images_per_prompt=per_prompt)
+            with torch.no_grad():  # diffusers templates a list of prompts in place: it gets copies
+                copies = {k: list(v) if isinstance(v, list) else v for k, v in dict(options, prompt=prompt).items()}
+                theirs = reference(latents=torch.from_numpy(latents), **common, **copies).images
+            cache[key] = (ours(prompt, latents=latents, **common, **options), theirs)
+        return cache[key]
+    return run
+
+
+CFG = dict(guidance_scale=4.0, negative_prompt="blurry, dark")
+CASES = {  # name: (arguments, the case whose image it must change)
+    "guidance 0": (dict(prompt="a red cat", guidance_scale=0.0), None),
+    "cfg": (dict(prompt="a red cat", **CFG), "guidance 0"),
+    "cfg_normalization": (dict(prompt="a red cat", cfg_normalization=1.0, **CFG), "cfg"),
+    # 3 steps: (1000 - t) / 1000 is 0, 0.14 and 0.4: guidance off at the last two
+    "cfg_truncation": (dict(prompt="a red cat", cfg_truncation=0.1, **CFG), "cfg"),
+    "two lengths": (dict(prompt=["a red cat", "a golden dragon on the moon at sunset, misty light, detailed"],
+                         guidance_scale=0.0), None),
+    "non-square": (dict(prompt="a red cat", width=128, guidance_scale=0.0), None),
+    "two per prompt": (dict(prompt=["a cat", "a very long dog in a garden"], per_prompt=2, guidance_scale=4.0,
+                            negative_prompt=["blurry", "dark"]), None),  # diffusers takes one negative per prompt
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equal_to_diffusers(run_both, case):
+    from conftest import assert_real_image
+
+    arguments, changes = CASES[case]
+    ours, theirs = run_both(**arguments)
+    assert_real_image(theirs)
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= IMAGE_ATOL
+    if changes:  # the feature did something
+        assert np.abs(ours - run_both(**CASES[changes][0])[0]).max() > 0.01
+
+
+def test_turbo_defaults(pair):
+    ours, _ = pair
+    assert ours.defaults["text to image"][:2] == (8, 0.0)
+    assert ours.guidance.on(0.0) is False and ours.guidance.on(0.5) is True
+
+
+def test_text_encoder_stops_at_the_layer_read(z_image_tiny_build):
+    """hidden_states[-2] of 3 layers: the graph holds layers 0 and 1, no final norm; the report says so."""
+    from conftest import manifest
+
+    folder = z_image_tiny_build.folder / "onnx"
+    table = json.loads((folder / "text_encoder.weights.json").read_text())  # the graph's weights' sources
+    read = {part["key"] for entry in table["weights"].values() for part in entry["parts"]}
+    unread = {key for _, key in table["unread"]}
+    assert {int(k.split(".")[1]) for k in read if k.startswith("layers.")} == {0, 1}
+    assert "norm.weight" in unread and any(k.startswith("layers.2.") for k in unread)
+    report = manifest(folder)["submodules"]["text_encoder"]["export"]
+    assert report["graph"]["layers_kept"] == 2 and report["graph"]["layers_total"] == 3
+    assert report["graph"]["gflops_per_token_saved"] > 0
+    assert len({p["dims"]["text_length"] for p in report["parity"]}) == 2  # checked at two caption lengths
+
+
+def test_encoder_output_does_not_depend_on_the_padding(pair):
+    """Why the runner pads Z-Image's prompts to the call's longest, not 512: each prompt's own tokens' states
+    are those it has alone and padded to 512 (a causal encoder, right padding)."""
+    ours, _ = pair
+    tokens = ours.tokenizers["tokenizer"].encode(["a red cat", "a golden dragon in the rain"], 512)
+    states = {}
+    for padding in ("longest", "max_length"):
+        t = ours.tokenizers["tokenizer"].encode(["a red cat", "a golden dragon in the rain"], 512, padding=padding)
+        states[padding] = ours.run("text_encoder", input_ids=t.ids, attention_mask=t.mask)["hidden_states"]
+    assert states["max_length"].shape[1] == 512 and states["longest"].shape[1] == tokens.ids.shape[1] < 40
+    for row, length in enumerate(tokens.lengths):
+        np.testing.assert_allclose(states["longest"][row, :length], states["max_length"][row, :length], atol=1e-5)
+
+
+@pytest.mark.parametrize("max_length", [512, 12])
+def test_tokens_equal_transformers_chat_template(pair, max_length):
+    """The runner's prefix + prompt + suffix, tokenized without transformers, gives apply_chat_template's ids,
+    on prompts with the characters a template could touch, truncated as diffusers truncates."""
+    ours, reference = pair
+    prompts = [*CHECKED_PROMPTS, "a red cat"]
+    got = ours.tokenizers["tokenizer"].encode(prompts, max_length, padding="max_length")
+    texts = [reference.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True, enable_thinking=True) for p in prompts]
+    want = reference.tokenizer(texts, padding="max_length", max_length=max_length, truncation=True)
+    np.testing.assert_array_equal(got.ids, want.input_ids)
+    np.testing.assert_array_equal(got.mask, want.attention_mask)
+
+
+class _Template:
+    """A tokenizer whose chat template trims the prompt, as some templates do."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, **_):
+        return f"<user>{messages[0]['content'].strip()}</user>"
+
+
+def test_a_template_that_changes_the_prompt_is_refused():
+    with pytest.raises(ValueError, match="changes the prompt"):
+        rendered(_Template(), PromptFormat(chat={}), "tokenizer")
+    assert rendered(_Template(), PromptFormat(template="<s>{}</s>", drop_tokens=3), "tokenizer")["template"] == {
+        "prefix": "<s>", "suffix": "</s>"}
