@@ -63,9 +63,10 @@ class Defaults(NamedTuple):
 
 class TextToImage(Pipeline):
     defaults: dict[str, Defaults]  # {task: ...}, a family's
-    # Image to image without a size: the image's own, rounded down (diffusers' SD1.5 and SDXL Img2Img),
-    # or the model's default size, the image resized to it (SD3's; and every Inpaint pipeline's).
-    image_sets_size = True
+    # The tasks whose images set the size a request leaves unset: the image's own, rounded down (diffusers'
+    # SD1.5 and SDXL Img2Img, Z-Image's Img2Img and Inpaint); in the others, the model's default size, the
+    # image resized to it (SD3's, Flux's, and the SD Inpaint pipelines').
+    image_sets_size: tuple[str, ...] = (IMAGE,)
     strength_whole_steps = True  # see runners.schedulers.schedule.strength_start (SD3: False)
     inpaint_decode_adds_shift = True  # see SD3Pipeline
     # How the predictions for the prompt and the negative prompt combine (runners/guidance.py): when it is
@@ -91,7 +92,7 @@ class TextToImage(Pipeline):
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         prompts = _prompts("prompt", prompt)
         check_steps(num_inference_steps, self.manifest["constants"]["num_train_timesteps"])
-        sized_by_image = task == IMAGE and self.image_sets_size and (height is None or width is None)
+        sized_by_image = task in self.image_sets_size and (height is None or width is None)
         if not sized_by_image:
             # None, not 0, means "not given": 0 is refused by the size check below.
             height = c["default_image_size"] if height is None else height

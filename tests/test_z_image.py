@@ -133,3 +133,36 @@ def test_a_template_that_changes_the_prompt_is_refused():
         rendered(_Template(), PromptFormat(chat={}), "tokenizer")
     assert rendered(_Template(), PromptFormat(template="<s>{}</s>", drop_tokens=3), "tokenizer")["template"] == {
         "prefix": "<s>", "suffix": "</s>"}
+
+
+@pytest.mark.parametrize("task", ["ZImageImg2ImgPipeline", "ZImageInpaintPipeline"])
+def test_image_tasks_equal_to_diffusers(pair, monkeypatch, task):
+    """Image to image and inpainting at the image's own size (Z-Image's pipelines take it): diffusers' noise
+    and VAE samples are ours (its randn_tensor patched)."""
+    import diffusers
+    import diffusers.models.autoencoders.vae as diffusers_vae
+    import diffusers.pipelines.z_image as z_image_pipelines
+
+    from conftest import assert_real_image, smooth_image, soft_mask
+
+    ours, text_to_image = pair
+    reference = getattr(diffusers, task)(**text_to_image.components)
+    reference.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(3)
+    encoder_noise, noise = (rng.standard_normal((1, 16, 8, 16), dtype=np.float32) for _ in range(2))
+    module = getattr(z_image_pipelines, "pipeline_z_image_" + ("img2img" if "Img2Img" in task else "inpaint"))
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    images = dict(image=smooth_image(64, 128, seed=1))
+    if "Inpaint" in task:
+        images["mask_image"] = soft_mask(64, 128)
+    request = dict(prompt="a red cat", num_inference_steps=4, strength=0.6, guidance_scale=0.0, output_type="np")
+    with torch.no_grad():
+        theirs = reference(**images, **request).images
+    got = ours(noise=noise, encoder_noise=encoder_noise, **images, **request)
+    assert got.shape == theirs.shape == (1, 64, 128, 3)
+    assert_real_image(theirs)
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    plain = ours(request["prompt"], height=64, width=128, num_inference_steps=4, guidance_scale=0.0, output_type="np",
+                 latents=noise)
+    assert np.abs(got - plain).max() > 0.01  # the image changed the result

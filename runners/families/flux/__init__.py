@@ -52,7 +52,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                    [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
                    [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
                    [-0.1262, -0.0982, -0.0778]], [-0.0329, -0.0718, -0.0851])
-    image_sets_size = False  # every Flux pipeline renders at the requested (or the default) size
+    image_sets_size = ()  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
     guidance = TRUE_CFG  # FluxPipeline's: true_cfg_scale with a negative prompt (runners/guidance.py)
     options = options(REQUEST, (

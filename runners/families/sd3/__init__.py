@@ -26,7 +26,7 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
     defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
     options = options(REQUEST, TextToImage.guidance.options, (replace(MAX_SEQUENCE_LENGTH, default=256),), IMAGE_TASKS,
                       CONTROL_OPTIONS, (CONTROL_NOISE,))
-    image_sets_size = False
+    image_sets_size = ()
     strength_whole_steps = False
     # diffusers' StableDiffusion3InpaintPipeline decodes latents / scaling_factor without adding the
     # VAE's shift_factor back (its text-to-image and Img2Img pipelines add it): matched, so that the

@@ -40,8 +40,8 @@ class ZImagePipeline(TextToImage):
     turbo_defaults = {TEXT: Defaults(8, 0.0), IMAGE: Defaults(8, 0.0, 0.6), INPAINT: Defaults(8, 0.0, 1.0)}
     options = options(REQUEST, guidance.options, (replace(MAX_SEQUENCE_LENGTH, default=512, help="Qwen3 tokens of a "
                                                           "prompt, its chat template's included"),), IMAGE_TASKS)
-    image_sets_size = False
-    strength_whole_steps = False
+    image_sets_size = (IMAGE, INPAINT)
+    strength_whole_steps = False  # diffusers' get_timesteps rounds the steps skipped down (as SD3's)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
