@@ -12,7 +12,7 @@ from runners.conditioning.images import check_mask_size, to_model_input, to_outp
 from runners.conditioning.inpainting import Inpainting, latent_mask
 from runners.guidance import BATCHED_CFG, ClassifierFree
 from runners.pipeline import VAE_ENGINES, Pipeline
-from runners.schedulers.schedule import check_steps, strength_start
+from runners.schedulers.schedule import PIPELINE_SIGMAS, check_steps, strength_start
 from runners.static import check_static_request
 from runners.tiling import tiled
 
@@ -195,10 +195,6 @@ class TextToImage(Pipeline):
         """The denoiser's feeds besides the latents and the timestep, for the whole batch."""
         raise NotImplementedError
 
-    def _mu(self, latent_shape) -> float | None:
-        """A resolution-dependent shift for the scheduler (flow matching); None for the others."""
-        return None
-
     def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
         """diffusers' _encode_vae_image: a sample of the image's latent posterior (`encoder_noise`),
         scaled as the denoiser's latents, repeated for the images to generate."""
@@ -241,8 +237,17 @@ class TextToImage(Pipeline):
         return np.concatenate([small_mask, masked], axis=1)
 
     def _schedule(self, num_inference_steps: int, latent_shape):
-        """The scheduler's run for a request (Flux gives it its own sigmas)."""
-        return self.scheduler.start(num_inference_steps, self._mu(latent_shape))
+        """The scheduler's run for a request, as the artifact's pipeline sets it (manifest data,
+        `pipeline.schedule`): its own sigmas (PIPELINE_SIGMAS), and a shift by the image's token count
+        ("mu": "linear", where the scheduler's config asks for one: SD3.5, FLUX.1 dev)."""
+        rule = self.constants.get("schedule", {})
+        extra = {}
+        if rule.get("sigmas"):
+            extra["sigmas"] = PIPELINE_SIGMAS[rule["sigmas"]](num_inference_steps)
+        mu = None
+        if rule.get("mu") == "linear":
+            mu = self.scheduler.mu_for(latent_shape[2], latent_shape[3], self.constants["patch_size"])
+        return self.scheduler.start(num_inference_steps, mu, **extra)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: the engine's outputs, its prediction

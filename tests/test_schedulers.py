@@ -131,3 +131,14 @@ def test_image_to_image_start_and_noise_match_diffusers(name, steps, strength):
         sample = expected
         if i + 1 < len(timesteps):
             _close(run.noised(x0, noise, i + 1), _ref_noised(ref, x0, noise, timesteps[i + 1]), f"re-noised {i + 1}")
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 8, 9, 28, 50])
+def test_pipeline_sigmas(steps):
+    """FluxPipeline's sigmas bit for bit; ZImagePipeline's (torch.linspace in float32, whose last bit follows the
+    CPU's vector width) within one float32 rounding, once the scheduler takes them in float32."""
+    from runners.schedulers.schedule import PIPELINE_SIGMAS
+
+    ours = PIPELINE_SIGMAS["linspace"](steps)
+    np.testing.assert_array_equal(ours, np.linspace(1.0, 1 / steps, steps))
+    np.testing.assert_allclose(ours.astype(np.float32), torch.linspace(1.0, 1 / steps, steps).numpy(), rtol=1.2e-7)

@@ -167,6 +167,7 @@ def _runtime_constants(src) -> dict:
         "denoiser": "transformer",
         "latent_multiple": PACK,
         "patch_size": PACK,  # the scheduler's resolution shift counts packed tokens
+        "schedule": {"sigmas": "linspace", "mu": "linear"},  # FluxPipeline's sigmas, shifted by size (dev)
         "clip_length": src.tokenizer_max_length("tokenizer"),
         # FLUX.1 Kontext's transformer is FLUX.1-dev's layout, trained to read a reference image's tokens
         # appended to the image's: only its pipeline says so.

@@ -136,6 +136,7 @@ def _runtime_constants(src) -> dict:
         "denoiser": "transformer",
         "latent_multiple": c["latent_multiple"],
         "patch_size": tr["patch_size"],
+        "schedule": {"sigmas": None, "mu": "linear"},  # the scheduler's sigmas; SD3.5's configs shift them by size
         "joint_attention_dim": tr["joint_attention_dim"],
         "clip_length": c["clip_length"],
     }

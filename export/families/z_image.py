@@ -171,7 +171,9 @@ def _runtime_constants(src) -> dict:
     # its scheduler's shift: the registry's entry says, or the folder's name
     variant = src.entry.extra.get("variant") or ("turbo" if "turbo" in str(src.folder).lower() else "base")
     return {**vae_runtime_constants(src.config("vae")), "denoiser": "transformer", "latent_multiple": PATCH,
-            "patch_size": PATCH, "variant": variant}
+            "patch_size": PATCH, "variant": variant,
+            # ZImagePipeline's sigmas; it passes a mu its schedulers' configs ignore
+            "schedule": {"sigmas": "linspace", "mu": "linear"}}
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:

@@ -4,6 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 
+# A pipeline's own sigmas for n steps, in place of its scheduler's, by the rule the artifact's manifest names
+# (`pipeline.schedule.sigmas`; none: the scheduler's): from 1 to 1/n, as FluxPipeline computes them (numpy,
+# float64) and ZImagePipeline nearly so (torch.linspace in float32, whose last bit depends on the CPU's
+# vector width: within one float32 rounding of these).
+PIPELINE_SIGMAS = {"linspace": lambda n: np.linspace(1.0, 1 / n, n)}
+
+
 class Schedule:
     """The timesteps of one run and the update between them. `step` is called once per timestep,
     in order; multistep schedulers (PNDM) keep their history on the instance."""

@@ -251,13 +251,6 @@ class FluxPipeline(FluxControlNets, TextToImage):
         folded = folded.reshape(n, s * s, height // s, width // s)
         return np.concatenate([masked, np.concatenate([folded] * (len(masked) // n))], axis=1)
 
-    def _mu(self, latent_shape):
-        return self.scheduler.mu_for(latent_shape[2], latent_shape[3], PACK)
-
-    def _schedule(self, num_inference_steps: int, latent_shape):
-        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)  # FluxPipeline's
-        return self.scheduler.start(num_inference_steps, self._mu(latent_shape), sigmas=sigmas)
-
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """The transformer (or `engine`, another graph of it, with `extra` inputs) on the packed latents, its
         timestep divided by 1000 (as the pipeline feeds it): its outputs, `noise_pred` unpacked."""

@@ -68,9 +68,6 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
-    def _mu(self, latent_shape):
-        return self.scheduler.mu_for(latent_shape[2], latent_shape[3], self.constants["patch_size"])
-
     def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
         """diffusers' encode_prompt: penultimate CLIP-L and CLIP-G states side by side, zero-padded
         to the T5 width, then T5's states along the sequence; pooled: both CLIPs' projections."""

@@ -15,15 +15,6 @@ from runners.prompts import encode_prompts
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
-def torch_linspace(start: float, end: float, steps: int) -> np.ndarray:
-    """torch.linspace in float32, as its CPU kernel computes it (from both ends towards the middle)."""
-    step = (np.float32(end) - np.float32(start)) / np.float32(max(steps - 1, 1))
-    i = np.arange(steps)
-    head = np.float32(start) + step * i.astype(np.float32)
-    tail = np.float32(end) - step * (steps - 1 - i).astype(np.float32)
-    return np.where(i < steps // 2, head, tail).astype(np.float32)
-
-
 def _padded(captions: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
     batch = np.zeros((len(captions), length, captions[0].shape[1]), dtype=np.float32)
     for row, c in zip(batch, captions):
@@ -81,11 +72,6 @@ class ZImagePipeline(TextToImage):
         """Each prompt's own tokens' hidden states, each repeated for its images (diffusers' order)."""
         trimmed = encode_prompts(self, "text_encoder", "tokenizer", prompts, max_length, post="trimmed")
         return [e for e in trimmed for _ in range(per_prompt)]
-
-    def _schedule(self, num_inference_steps: int, latent_shape):
-        # ZImagePipeline's sigmas (get_default_z_image_sigmas); its scheduler has no resolution shift
-        return self.scheduler.start(num_inference_steps, None, sigmas=torch_linspace(1.0, 1 / num_inference_steps,
-                                                                                    num_inference_steps))
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """The transformer on the latents at timestep (1000 - t) / 1000, its prediction negated (as the
