@@ -67,8 +67,8 @@ class NormalizedCFG(ClassifierFree):
     @property
     def step_options(self) -> tuple[Option, ...]:
         return (Option("cfg_normalization", "float", "cap each guided prediction's norm at this multiple of the "
-                       "prompt's prediction's (0 or False: no cap; True: 1)", default=False,
-                       within=lambda v: v >= 0, allowed="a number >= 0, or a bool"),
+                       "prompt's prediction's (0: no cap, diffusers' False; 1: its True)", default=0.0,
+                       within=lambda v: v >= 0, allowed="a number >= 0 (0: no cap)"),
                 Option("cfg_truncation", "float", "turn guidance off at the steps whose (1000 - t) / 1000 is above "
                        "this (1: never)", default=1.0, allowed="a number (above 1: never)"))
 
@@ -86,7 +86,7 @@ class NormalizedCFG(ClassifierFree):
         # diffusers compares float32 (1000 - t) / 1000 with the option
         return self.on(scale) and not (float(cfg_truncation) <= 1 and t_norm > cfg_truncation)
 
-    def combine(self, noise: np.ndarray, scale: float, cfg_normalization: float = False, **_) -> np.ndarray:
+    def combine(self, noise: np.ndarray, scale: float, cfg_normalization: float = 0.0, **_) -> np.ndarray:
         cond, uncond = np.split(noise, 2)
         guided = cond + np.float32(scale) * (cond - uncond)
         if cfg_normalization and float(cfg_normalization) > 0:

@@ -42,7 +42,7 @@ class ZImagePipeline(TextToImage):
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
                  vae_tiling=None, image=None, mask_image=None, strength=None, noise=None, encoder_noise=None,
-                 cfg_normalization=False, cfg_truncation=1.0, max_sequence_length=512):
+                 cfg_normalization=0.0, cfg_truncation=1.0, max_sequence_length=512):
         """Generate images (call the pipeline: `pipe(prompt, ...)`); from an `image` too (image to image, with
         `strength`), and a `mask_image` (inpainting). Steps, guidance and strength left None take the
         variant's defaults (Turbo: 8 steps, guidance 0). `latents` as ZImagePipeline takes them (N, 16, h, w).
