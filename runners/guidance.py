@@ -29,7 +29,8 @@ class ClassifierFree:
     @property
     def options(self) -> tuple[Option, ...]:
         return (Option(self.scale_option, "float", self.help, default=self.default, flag=self.flag,
-                       allowed="a finite number (<= 1 turns classifier-free guidance off)"),)
+                       allowed=f"a finite number (<= {self.threshold:g} turns classifier-free guidance off)"),
+                *self.step_options)
 
     def on(self, scale: float) -> bool:
         return scale > self.threshold
@@ -71,10 +72,6 @@ class NormalizedCFG(ClassifierFree):
                        within=lambda v: v >= 0, allowed="a number >= 0 (0: no cap)"),
                 Option("cfg_truncation", "float", "turn guidance off at the steps whose (1000 - t) / 1000 is above "
                        "this (1: never)", default=1.0, allowed="a number (above 1: never)"))
-
-    @property
-    def options(self) -> tuple[Option, ...]:
-        return super().options + self.step_options
 
     def batch(self, positive: np.ndarray, negative: np.ndarray) -> np.ndarray:
         return np.concatenate([positive, negative])

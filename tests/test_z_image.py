@@ -97,11 +97,12 @@ def test_encoder_output_does_not_depend_on_the_padding(pair):
     """Why the runner pads Z-Image's prompts to the call's longest, not 512: each prompt's own tokens' states
     are those it has alone and padded to 512 (a causal encoder, right padding)."""
     ours, _ = pair
-    tokens = ours.tokenizers["tokenizer"].encode(["a red cat", "a golden dragon in the rain"], 512)
-    states = {}
+    states, tokens = {}, {}
     for padding in ("longest", "max_length"):
-        t = ours.tokenizers["tokenizer"].encode(["a red cat", "a golden dragon in the rain"], 512, padding=padding)
+        t = tokens[padding] = ours.tokenizers["tokenizer"].encode(["a red cat", "a golden dragon in the rain"], 512,
+                                                                  padding=padding)
         states[padding] = ours.run("text_encoder", input_ids=t.ids, attention_mask=t.mask)["hidden_states"]
+    tokens = tokens["longest"]
     assert states["max_length"].shape[1] == 512 and states["longest"].shape[1] == tokens.ids.shape[1] < 40
     for row, length in enumerate(tokens.lengths):
         np.testing.assert_allclose(states["longest"][row, :length], states["max_length"][row, :length], atol=1e-5)

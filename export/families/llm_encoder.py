@@ -9,6 +9,8 @@ every token. The export's report says what was cut (`graph`: layers kept, FLOPs 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from export.spec import SubmoduleSpec, TensorSpec as T
@@ -66,8 +68,6 @@ def llm_encoder(name: str, layers: tuple[int, ...], width: str = "text_width", v
                 output: str = "hidden_states") -> SubmoduleSpec:
     """The LLM text encoder `name`, reading `layers` of `hidden_states`; its output's width is the
     constant `width` (the model's hidden size times the layers read)."""
-    import functools
-
     return SubmoduleSpec(
         name=name,
         component=name,
