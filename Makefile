@@ -78,7 +78,7 @@ image: engines
 # --max-worker-restart=0: a worker that dies (a native crash) ends the run, named. With a restart,
 # xdist's loadgroup hands the crashed test to the new worker, which rebuilds its fixtures and dies again.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart=0 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart=0 --durations=60 tests
 
 # The tests that need no export (conftest.py marks the others `export`): a developer's inner loop.
 test-fast: venv

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from runners import Pipeline
-from runners.manifest import ManifestError
+from runners.manifest import FORMAT_VERSION, ManifestError
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_checksum_mismatch(artifact_copy):
 def test_unknown_format_version(artifact_copy):
     path = artifact_copy / "manifest.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 99}))
-    with pytest.raises(ManifestError, match="format version 99; this runner reads version 1"):
+    with pytest.raises(ManifestError, match=f"format version 99; this runner reads version {FORMAT_VERSION}"):
         Pipeline.load(artifact_copy)
 
 
