@@ -187,8 +187,9 @@ class _CompanionRecorder:
     def __call__(self, submodule: str, release: bool = True, **feeds):
         out = self.run(submodule, release=release, **feeds)
         if submodule == self.pipe.constants["denoiser"]:
-            if self.call is not self.pipe._step_cache:  # a new pipeline call
-                self.call, self.value = self.pipe._step_cache, np.array(out[self.output])
+            call = self.pipe._calls.current
+            if self.call is not call:  # a new pipeline call
+                self.call, self.value = call, np.array(out[self.output])
             self.store.record(self.graph, {**{k: v for k, v in feeds.items() if k in self.accepted},
                                            self.output: self.value})
         return out

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.caches import CacheConfig, StepCache, parse_cache
+from runners.call import Call, Calls
 from runners.backends import backend_of, get_backend, open_session, thread_backends
 from runners.adapters.lora import adapted_submodules, base_values, submodule_tables
 from runners.adapters.branches import branch_factors, branch_layers
@@ -82,15 +83,14 @@ class Pipeline:
         self.vae_engines = VAE_ENGINES[vae]  # (decoder, encoder)
         self.cache_config: CacheConfig | None = None  # enable_cache / disable_cache
         self.cache_stats: dict = {}  # denoiser evaluations of the last call: full, cached and their seconds
-        self._cache_config_of_call: CacheConfig | None = None
-        self._step_cache: StepCache | None = None  # the running call's cache state
-        self._previews: Previews | None = None  # the running call's previews
         self.device_map = dict(device_map or {})
         self.opened = list(submodules or manifest["submodules"])
         self.constants = manifest["pipeline"]
         self.dims = manifest["dims"]
         self.progress = progress
         self.timings: dict[str, float] = {}  # seconds per stage of the last call
+        self._calls = Calls(f"diffusion_aot.call.{id(self)}",
+                            all(get_backend(backend_of(manifest, name)).concurrent for name in self.opened))
         self._session_options = {"threads": threads, "providers": providers}
         self.closed = False
         self.loras: dict = dict(loras or {})
@@ -192,16 +192,15 @@ class Pipeline:
             raise RuntimeError(f"this pipeline was closed (Pipeline.close()): load {self.folder} again to run it")
         check_call(self, kwargs)  # every keyword is a declared option, of its kind (runners/options.py)
         config = self.cache_config if cache is False else self._checked_cache(cache)
-        self._previews = Previews.for_call(self, preview_every, on_preview)
-        self._step_cache, self._cache_config_of_call = None, config
-        try:
-            if profile is None:
-                return self.generate(*args, **kwargs)
-            with self._profiling(profile):
-                return self.generate(*args, **kwargs)
-        finally:
-            self.cache_stats = dict(self._step_cache.stats) if self._step_cache else {}
-            self._step_cache = self._previews = None
+        with self._calls.run(Call(config, Previews.for_call(self, preview_every, on_preview))) as call:
+            try:
+                if profile is None:
+                    return self.generate(*args, **kwargs)
+                with self._profiling(profile):
+                    return self.generate(*args, **kwargs)
+            finally:
+                self.timings = call.timings
+                self.cache_stats = dict(call.step_cache.stats) if call.step_cache else {}
 
     def enable_cache(self, config) -> None:
         """Cache denoiser evaluations in every later call (diffusers' `enable_cache`): a config such as
@@ -227,12 +226,13 @@ class Pipeline:
         `_predict` in full, or the running call's cache's answer. Every denoising loop calls the
         denoiser through this (`context` as diffusers' cache_context: one name per stream of
         evaluations a step makes, "cond" and "uncond" when guidance runs them apart)."""
-        if self._step_cache is None:
-            config = self._cache_config_of_call
-            self._step_cache = config.start(self, num_steps) if config else StepCache(self, num_steps)
+        call = self._calls.current
+        if call.step_cache is None:
+            config = call.cache_config
+            call.step_cache = config.start(self, num_steps) if config else StepCache(self, num_steps)
         last = step == num_steps - 1  # the engine's working memory is released after the last step (or
         # after the last that runs in full, when the cache knows it: `run_full(release=True)`)
-        return self._step_cache(step, context, (x, t, conditions),
+        return call.step_cache(step, context, (x, t, conditions),
                                 lambda release=last: self._predict(x, t, conditions, release=release)["noise_pred"])
 
     @contextmanager
@@ -271,7 +271,8 @@ class Pipeline:
     def _timed(self, stage: str):
         t0 = time.perf_counter()
         yield
-        self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - t0
+        timings = self._calls.current.timings
+        timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - t0
 
     def _progress(self, i: int, n: int) -> None:
         # A redrawn bar on a terminal; only the final line in a log file.

@@ -45,7 +45,7 @@ class Previews:
             return
         t0 = time.perf_counter()
         self.on_preview(step + 1, to_output(self._pixels(x0), "pil"))
-        timings = self.pipe.timings
+        timings = self.pipe._calls.current.timings
         timings["previews"] = timings.get("previews", 0.0) + time.perf_counter() - t0
 
     def _pixels(self, x0: np.ndarray) -> np.ndarray:

@@ -125,7 +125,6 @@ class TextToImage(Pipeline):
         cfg = self.guidance.on(guidance_scale)
         check_static_request(self.manifest, height, width, len(prompts), num_images_per_prompt, cfg)
         self._check(height, width, n_images * (2 if cfg else 1), output_type, sized_by_image)
-        self.timings = {}
 
         guide = {o.name: options.pop(o.name) for o in self.guidance.step_options if o.name in options}
         with self._timed("text_encoders"):
@@ -180,9 +179,9 @@ class TextToImage(Pipeline):
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
 
-    def hidden_tokens(self, h: int, w: int) -> int:
+    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
         """A transformer's hidden stream length for latents of sides h, w: its patches (First-Block Cache's
-        tail residual has it); FLUX.1 Kontext's adds its reference's."""
+        tail residual has it); FLUX.1 Kontext's adds its reference's (in the call's `conditions`)."""
         patch = self.constants["patch_size"]
         return (h // patch) * (w // patch)
 
@@ -263,14 +262,15 @@ class TextToImage(Pipeline):
         """The loop. `guide`: the guidance rule's per-step options (Z-Image's truncation and normalization)."""
         guidance, guide = self.guidance, guide or {}
         cfg, n = guidance.on(guidance_scale), len(schedule.timesteps)
+        previews = self._calls.current.previews
         alone = None  # the prompt's half of the conditions, for the steps the rule runs without guidance
         for i, t in enumerate(schedule.timesteps):
             t_norm = (np.float32(1000) - np.float32(t)) / np.float32(1000)
             both = cfg and guidance.active(guidance_scale, t_norm, **guide)
             feeds = conditions
             if cfg and not both:
-                alone = alone or {k: guidance.positive(v) if len(v) == 2 * len(latents) else v
-                                  for k, v in conditions.items()}
+                alone = alone or {k: guidance.positive(v) if isinstance(v, np.ndarray) and len(v) == 2 * len(latents)
+                                  else v for k, v in conditions.items()}
                 feeds = alone
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if both else latents, i)
             if inpainting is not None:
@@ -278,8 +278,8 @@ class TextToImage(Pipeline):
             noise = self._evaluate(i, n, x, t, feeds, context=guidance.contexts if both else "batch")
             if both:
                 noise = guidance.combine(noise, guidance_scale, **guide)
-            if self._previews is not None:
-                self._previews(i, schedule.predicted_original(noise, i, latents))
+            if previews is not None:
+                previews(i, schedule.predicted_original(noise, i, latents))
             latents = schedule.step(noise, i, latents)
             if inpainting is not None:
                 latents = inpainting.blend(latents, schedule, i)

@@ -432,3 +432,40 @@ def compare_controlled(ours, ref, unused) -> float:
     assert np.abs(ref - unused).max() > 10 * 1 / 255, "the ControlNet changed nothing: the test would prove nothing"
     assert_real_image(ref)
     return err
+
+
+def assert_calls_keep_apart(pipe, calls: list[dict]) -> None:
+    """Each call's conditions are its own (runners/call.py): two `calls` (keyword dicts) on `pipe` in two
+    threads, held together at their first denoiser call so that each has made its conditions before the
+    other denoises, give each the latents it gives alone; the two differ, so this fails if either call saw
+    the other's conditions."""
+    import threading
+
+    calls = [dict(call, output_type="latent") for call in calls]
+    alone = [pipe(**call) for call in calls]
+    assert np.abs(alone[0] - alone[1]).max() > 1e-3
+    together, errors, first, started = [None, None], [], threading.Barrier(2, timeout=120), set()
+
+    def hold(submodule, feeds):  # each thread's first denoiser call waits for the other's
+        if submodule == pipe.constants["denoiser"] and threading.get_ident() not in started:
+            started.add(threading.get_ident())
+            first.wait()
+
+    def run(k):
+        try:
+            together[k] = pipe(**calls[k])
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    pipe.recorder = hold
+    try:
+        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        pipe.recorder = None
+    assert not errors, errors
+    for got, expected in zip(together, alone):
+        assert np.abs(got - expected).max() <= 1e-6

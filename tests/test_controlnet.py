@@ -14,8 +14,8 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_real_image, compare_controlled, edge_image, int8_bounds, library_deep_cache, manifest, rtx_options,
-    smooth_image, soft_mask,
+    assert_calls_keep_apart, assert_real_image, compare_controlled, edge_image, int8_bounds, library_deep_cache,
+    manifest, rtx_options, smooth_image, soft_mask,
 )
 from runners import DeepCacheConfig, Pipeline
 from runners.conditioning.controlnet import residual_inputs
@@ -483,6 +483,14 @@ def test_deep_cache_matches_the_library_with_a_controlnet(loaded, setup):
     assert err <= ONE_LEVEL, err
     assert change > 10 * ONE_LEVEL, "the cache changed nothing: the test would prove nothing"
     assert_real_image(ref)
+
+
+@pytest.mark.parametrize("setup", ["sd15_one"])
+def test_two_threads_on_one_pipeline_keep_their_controls(loaded, setup):
+    """The ControlRun of a call is in its conditions (runners/conditioning/controlnet.py), not on the pipeline."""
+    calls = [dict(prompt="a photo of a cat", control_image=edge_image(64, 64, seed=k), height=64, width=64,
+                  num_inference_steps=3, seed=k) for k in (1, 2)]
+    assert_calls_keep_apart(loaded(setup)[0], calls)
 
 
 def _patched_reference(monkeypatch, module, noise, encoder_noise):

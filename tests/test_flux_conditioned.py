@@ -11,7 +11,7 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, ours_and_diffusers, smooth_image,
+    assert_calls_keep_apart, assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, ours_and_diffusers, smooth_image,
     soft_mask,
 )
 
@@ -233,3 +233,16 @@ def test_the_graphs_of_shared_components_are_flux_devs(flux_tiny_build, model, s
     names = manifest(build.folder / "onnx")["submodules"]
     assert set(names) == SHARED | TRANSFORMER
     assert {name for name in names if inode(build, name) == inode(flux_tiny_build, name)} == shared
+
+
+
+# Two calls with other conditions: Kontext's reference tokens, Canny/Depth's control latents.
+TWO_CALLS = {"kontext": [dict(image=smooth_image(80, 112, seed=k), max_area=64 * 64, auto_resize=False) for k in (1, 2)],
+             "control": [dict(control_image=smooth_image(64, 64, seed=k)) for k in (1, 2)]}
+
+
+@pytest.mark.parametrize("setup", TWO_CALLS)
+def test_two_threads_on_one_pipeline_keep_their_conditions(setup, request):
+    calls = [dict(call, prompt=prompt, height=64, width=64, num_inference_steps=3, max_sequence_length=16, seed=k)
+             for k, (call, prompt) in enumerate(zip(TWO_CALLS[setup], ("a cat", "a dog")))]
+    assert_calls_keep_apart(request.getfixturevalue(setup)[0], calls)

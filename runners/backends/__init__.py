@@ -37,6 +37,9 @@ class Backend:
     lora_branches: bool = False
     triton: str | None = None  # the config.pbtxt line of Triton's own backend for its engines (native layout)
     device_hint: str = ""  # how its engines' device is chosen instead, said when a device map names one
+    # Two threads may run its sessions at once (ONNX Runtime's run is thread-safe); else a pipeline's calls wait
+    # for each other (one OpenVINO infer request per engine; TensorRT's reused device and output buffers)
+    concurrent: bool = False
 
 
 THREADS_VARIABLE = "DIFFUSION_AOT_THREADS"

@@ -129,5 +129,5 @@ def _open(path, device=None, **options) -> OrtSession:
     return OrtSession(path, **options)
 
 
-BACKENDS = [Backend("ort", "ONNX Runtime", _open, threads=True, adapters=True, triton='backend: "onnxruntime"',
-                    device_hint=" (choose its GPU with ONNX Runtime's provider options)")]
+BACKENDS = [Backend("ort", "ONNX Runtime", _open, threads=True, adapters=True, concurrent=True,
+                    triton='backend: "onnxruntime"', device_hint=" (choose its GPU with ONNX Runtime's provider options)")]

@@ -55,7 +55,7 @@ class FirstBlockCache(StepCache):
         states = [self.contexts.setdefault(name, _Context()) for name in names]
         last = step == self.num_steps - 1
         first = self.pipe._predict(x, t, conditions, release=last, engine=FIRST_BLOCK,
-                                   tail_residual=self._tails(states, x))
+                                   tail_residual=self._tails(states, x, conditions))
         residuals = np.split(first["first_block_residual"], len(names))
         full = [state.runs_in_full(r, self.config.threshold) for state, r in zip(states, residuals)]
         for name, decision in zip(names, full):
@@ -73,11 +73,12 @@ class FirstBlockCache(StepCache):
                 predictions[i] = cached[i]
         return np.concatenate(predictions), "full"
 
-    def _tails(self, states, x: np.ndarray) -> np.ndarray:
+    def _tails(self, states, x: np.ndarray, conditions: dict) -> np.ndarray:
         """The tail residuals the first-block graph adds: the contexts' parts of the batch side by side, zeros
         where a context has none yet for this shape (its step runs in full whatever the graph predicts)."""
         n, _, h, w = x.shape
-        shape = (n // len(states), self.pipe.hidden_tokens(h, w), self.pipe.manifest["constants"]["inner_dim"])
+        shape = (n // len(states), self.pipe.hidden_tokens(h, w, conditions),
+                 self.pipe.manifest["constants"]["inner_dim"])
         return np.concatenate([s.tail if s.tail is not None and s.tail.shape == shape else np.zeros(shape, np.float32)
                                for s in states])
 

@@ -39,6 +39,8 @@ CONTROL_OPTIONS = (
 )
 CONTROL_NOISE = Option("control_noise", "array", "the control images' VAE posterior samples", cli=False,
                        group="controlnet")
+# The conditions' entry of a controlled call (`_control_conditions`): its ControlRun, which `_predict` takes out
+CONTROLNETS = "controlnets"
 GUESS_MODE = Option("guess_mode", "bool", "ControlNet guess mode: the ControlNets see the conditional half of "
                     "guidance only", default=False, group="controlnet")
 
@@ -156,7 +158,6 @@ class ControlNets:
     """The ControlNet side of a family's pipeline: `_predict` feeds the denoiser the residuals. The hooks
     below are the U-Nets'; SD3's are in runners/families/sd3/controlnet.py."""
 
-    _control: ControlRun | None = None
     # {task: Defaults} of diffusers' ControlNet pipelines where they differ from the family's others
     control_defaults: dict = {}
     # {task: controlnet_conditioning_scale} by default: diffusers' ControlNet pipelines' (SD1.5's); the
@@ -189,12 +190,9 @@ class ControlNets:
             num_inference_steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
             guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
             strength = defaults.strength if strength is None else strength
-        try:
-            return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                       num_images_per_prompt, seed, latents, output_type, vae_tiling, image=image,
-                                       mask_image=mask_image, strength=strength, control=control, **kwargs)
-        finally:
-            self._control = None
+        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                   num_images_per_prompt, seed, latents, output_type, vae_tiling, image=image,
+                                   mask_image=mask_image, strength=strength, control=control, **kwargs)
 
     def _control_mask(self, control_image, image, mask_image) -> tuple:
         """(the request's mask_image, the ControlNets' mask): the U-Nets' inpainting ControlNet pipelines mask
@@ -267,20 +265,21 @@ class ControlNets:
             return height, width
         return request.size(self.constants["vae_scale_factor"])
 
-    def _start_control(self, request: ControlRequest | None, height, width, n_images, per_prompt, cfg) -> None:
-        """Called by the family's `_conditions`, which knows the request's size and batch."""
+    def _control_conditions(self, request: ControlRequest | None, height, width, n_images, per_prompt, cfg) -> dict:
+        """The call's ControlNets as an entry of its conditions ({CONTROLNETS: ControlRun}; {} without a
+        request): the family's `_conditions`, which knows the request's size and batch, returns it."""
         if request is None:
-            self._control = None
-            return
-        if not self.runs_with_step_caches and self._cache_config_of_call is not None:
-            raise ValueError(f"control_image= with cache={self._cache_config_of_call.spelled}: {self.family}'s "
+            return {}
+        cache = self._calls.current.cache_config
+        if not self.runs_with_step_caches and cache is not None:
+            raise ValueError(f"control_image= with cache={cache.spelled}: {self.family}'s "
                              "ControlNet residuals are added between the transformer's blocks, which a cached step "
                              "skips; run the ControlNets without a step cache")
         images = [self._control_input(name, given, request, height, width, n_images, per_prompt, cfg)
                   for name, given in zip(self.controlnets(), request.images)]
         shared = cfg and self.guided_halves_share_residuals
-        self._control = ControlRun(self.controlnets(), images, request, half=shared or (cfg and request.guess_mode),
-                                   zero_uncond=not shared)
+        return {CONTROLNETS: ControlRun(self.controlnets(), images, request, half=shared or (cfg and request.guess_mode),
+                                        zero_uncond=not shared)}
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         """A ControlNet's controlnet_cond, as diffusers' prepare_image makes it: the image resized, in [0, 1];
@@ -300,26 +299,29 @@ class ControlNets:
         return np.concatenate([image, image]) if double else image
 
     def _evaluate(self, step, num_steps, x, t, conditions, context="batch"):
-        if self._control is not None:
-            self._control.step = (step, num_steps)
+        if CONTROLNETS in conditions:  # the ControlNets' guidance window is counted in steps
+            conditions[CONTROLNETS].step = (step, num_steps)
         return super()._evaluate(step, num_steps, x, t, conditions, context)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         # an inpainting UNet's extra channels are not the ControlNets'
         latents = x[:, :self.manifest["constants"]["latent_channels"]]
-        residuals = self._control_residuals(engine, latents, np.full(len(x), t, dtype=np.float32), conditions, release)
-        return super()._predict(x, t, {**conditions, **residuals}, release, engine, **extra)
+        feeds = {k: v for k, v in conditions.items() if k != CONTROLNETS}
+        residuals = self._control_residuals(engine, latents, np.full(len(x), t, dtype=np.float32), feeds, release,
+                                            conditions.get(CONTROLNETS))
+        return super()._predict(x, t, {**feeds, **residuals}, release, engine, **extra)
 
-    def _control_residuals(self, engine, latents, timestep, conditions: dict, release: bool, **unbatched) -> dict:
+    def _control_residuals(self, engine, latents, timestep, conditions: dict, release: bool,
+                           control: ControlRun | None, **unbatched) -> dict:
         """{residual input: array} for the denoiser graph `engine` (default: the denoiser; DeepCache's shallow
-        branch takes some only): the scaled residuals of the ControlNets that run at this step, summed, or
-        zeros. The ControlNets read `latents` (their first input), `timestep`, the `conditions` they take
-        (batch-major: guess mode halves them) and the `unbatched` inputs they take (Flux's ids)."""
+        branch takes some only): the scaled residuals of the `control` ControlNets that run at this step,
+        summed, or zeros. The ControlNets read `latents` (their first input), `timestep`, the `conditions` they
+        take (batch-major: guess mode halves them) and the `unbatched` inputs they take (Flux's ids)."""
         specs = self._residual_inputs()
         if not specs:
             return {}
         accepted = {i["name"] for i in self.manifest["submodules"][engine or self.constants["denoiser"]]["inputs"]}
-        control, total, whole = self._control, None, latents
+        total, whole = None, latents
         if control is not None:
             if control.half:
                 n = len(latents) // 2
@@ -359,9 +361,11 @@ class ControlNets:
     def _zeros(self, specs: list[dict], x: np.ndarray) -> dict[str, np.ndarray]:
         """Zero residuals for the latents `x` (made once per latent shape)."""
         cache = self.__dict__.setdefault("_zero_residuals", {})
-        if x.shape not in cache:
+        zeros = cache.get(x.shape)
+        if zeros is None:  # (two calls at once of other shapes: each keeps the zeros it made)
             dims = {**self.manifest["constants"], **self._residual_dims(x)}
+            zeros = {s["name"]: np.zeros([dims[d] if isinstance(d, str) else d for d in s["shape"]], dtype=np.float32)
+                     for s in specs}
             cache.clear()  # one shape at a time: a request's
-            cache[x.shape] = {s["name"]: np.zeros([dims[d] if isinstance(d, str) else d for d in s["shape"]],
-                                                  dtype=np.float32) for s in specs}
-        return cache[x.shape]
+            cache[x.shape] = zeros
+        return zeros

@@ -16,7 +16,7 @@ import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.families.flux import lora_keys
-from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS
+from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS, CONTROLNETS
 from runners.families.flux.controlnet import FluxControlNets
 from runners.guidance import TRUE_CFG
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH as T5_LENGTH, REQUEST, Option, options
@@ -35,6 +35,9 @@ SCHNELL = {TEXT: Defaults(4, 0.0), IMAGE: Defaults(4, 0.0, 0.6), INPAINT: Defaul
 # that reads a control image's latents) those of FluxControlPipeline, FluxControlImg2ImgPipeline and
 # FluxControlInpaintPipeline: dev's.
 FILL = {INPAINT: Defaults(50, 30.0, 1.0)}
+# The conditions' entries that are not engine feeds: FLUX.1 Canny/Depth's control image latents (beside the
+# latents' channels) and Kontext's reference tokens with their position ids (after the image's tokens)
+CONTROL_LATENTS, REFERENCE = "control_latents", "reference_tokens"
 CONTROL = DEV
 # FluxControlNetPipeline's and its Img2Img and Inpaint twins': 28 steps at guidance 7 (its ControlNets' model
 # cards run guidance 3.5)
@@ -73,8 +76,6 @@ class FluxPipeline(FluxControlNets, TextToImage):
         self.reads_reference_image = bool(self.constants.get("reference_image"))  # FLUX.1 Kontext's transformer
         self.defaults = (CONTROL if self.reads_control_image else FILL if self.inpainting_denoiser()
                          else KONTEXT if self.reads_reference_image else DEV if self.variant == "dev" else SCHNELL)
-        self._control_latents = None  # a call's control image latents (FLUX.1 Canny/Depth)
-        self._reference = None  # a call's reference tokens and their ids (FLUX.1 Kontext)
 
     @property
     def reads_control_image(self) -> bool:
@@ -164,16 +165,13 @@ class FluxPipeline(FluxControlNets, TextToImage):
             latents = self._unpacked(latents, height, width, output_type)
         control = dict(control_image=control_image, noise=control_noise, seed=seed, vae_tiling=vae_tiling) \
             if control_image is not None else None
-        try:
-            result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
-                                         true_cfg_scale if negative_prompt is not None else 1.0,
-                                         num_images_per_prompt, seed, latents, output_type, vae_tiling,
-                                         image=image, mask_image=mask_image, strength=strength, noise=noise,
-                                         encoder_noise=encoder_noise,
-                                         text_length=max_sequence_length, guidance=guidance_scale, control=control,
-                                         reference=reference, controlnets=controlnets)
-        finally:
-            self._control_latents = self._reference = self._control = None
+        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
+                                     true_cfg_scale if negative_prompt is not None else 1.0,
+                                     num_images_per_prompt, seed, latents, output_type, vae_tiling,
+                                     image=image, mask_image=mask_image, strength=strength, noise=noise,
+                                     encoder_noise=encoder_noise, text_length=max_sequence_length,
+                                     guidance=guidance_scale, control=control, reference=reference,
+                                     controlnets=controlnets)
         return pack(result) if output_type == "latent" else result
 
     def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
@@ -205,11 +203,11 @@ class FluxPipeline(FluxControlNets, TextToImage):
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, text_length, guidance, control,
                     reference, controlnets):
         n_images = len(prompts) * per_prompt
-        self._start_control(controlnets, height, width, n_images, per_prompt, cfg)
+        added = self._control_conditions(controlnets, height, width, n_images, per_prompt, cfg)
         if control is not None:
-            self._control_latents = control_latents(self, height=height, width=width, n_images=n_images, **control)
+            added[CONTROL_LATENTS] = control_latents(self, height=height, width=width, n_images=n_images, **control)
         if reference is not None:
-            self._reference = self._reference_tokens(reference, height, width, n_images)
+            added[REFERENCE] = self._reference_tokens(reference, height, width, n_images)
         embeds, pooled = self._encode(prompts, per_prompt, text_length)
         if cfg:
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, text_length)
@@ -218,7 +216,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                       "txt_ids": np.zeros((text_length, 3), dtype=np.float32)}
         if self.variant == "dev":
             conditions["guidance"] = np.full(len(embeds), guidance, dtype=np.float32)
-        return conditions
+        return {**conditions, **added}
 
     def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
         """diffusers' encode_prompt: T5's last states, and CLIP-L's pooled state."""
@@ -255,23 +253,26 @@ class FluxPipeline(FluxControlNets, TextToImage):
         """The transformer (or `engine`, another graph of it, with `extra` inputs) on the packed latents, its
         timestep divided by 1000 (as the pipeline feeds it): its outputs, `noise_pred` unpacked."""
         n, _, h, w = x.shape
-        if self._control_latents is not None:  # the same control for guidance's halves
-            x = np.concatenate([x, np.concatenate([self._control_latents] * (n // len(self._control_latents)))], axis=1)
+        feeds = {k: v for k, v in conditions.items() if k not in (CONTROL_LATENTS, REFERENCE, CONTROLNETS)}
+        control = conditions.get(CONTROL_LATENTS)
+        if control is not None:  # the same control for guidance's halves
+            x = np.concatenate([x, np.concatenate([control] * (n // len(control)))], axis=1)
         tokens, ids = pack(x), image_ids(h, w)
-        if self._reference is not None:  # Kontext's reference tokens after the image's, for guidance's halves too
-            reference, reference_ids = self._reference
+        if REFERENCE in conditions:  # Kontext's reference tokens after the image's, for guidance's halves too
+            reference, reference_ids = conditions[REFERENCE]
             tokens = np.concatenate([tokens, np.concatenate([reference] * (n // len(reference)))], axis=1)
             ids = np.concatenate([ids, reference_ids])
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
-        batched = {k: v for k, v in conditions.items() if k != "txt_ids"}
-        residuals = self._control_residuals(engine, tokens, timestep, batched, release, img_ids=ids,
-                                            txt_ids=conditions["txt_ids"])
+        batched = {k: v for k, v in feeds.items() if k != "txt_ids"}
+        residuals = self._control_residuals(engine, tokens, timestep, batched, release, conditions.get(CONTROLNETS),
+                                            img_ids=ids, txt_ids=feeds["txt_ids"])
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep,
-                       img_ids=ids, **conditions, **residuals, **extra)
+                       img_ids=ids, **feeds, **residuals, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"][:, :(h // PACK) * (w // PACK)], h, w)}
 
-    def hidden_tokens(self, h: int, w: int) -> int:
-        return super().hidden_tokens(h, w) + (0 if self._reference is None else self._reference[0].shape[1])
+    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+        reference = conditions.get(REFERENCE)
+        return super().hidden_tokens(h, w, conditions) + (0 if reference is None else reference[0].shape[1])
 
 
 register_key_spelling(lora_keys.to_diffusers_names)  # adapters in FLUX.1's original module names

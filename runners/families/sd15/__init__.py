@@ -46,8 +46,8 @@ class SD15Pipeline(ControlNets, TextToImage):
         embeds = self._encode(prompts, per_prompt)
         if cfg:
             embeds = self.guidance.batch(embeds, self._encode(self._negatives(prompts, negative_prompt), per_prompt))
-        self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
-        return {"encoder_hidden_states": embeds}
+        return {"encoder_hidden_states": embeds,
+                **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
 
     def _encode(self, prompts: list[str], per_prompt: int) -> np.ndarray:
         ids = self.tokenizers["tokenizer"](prompts, self.constants["clip_length"])

@@ -65,8 +65,8 @@ class SD3Pipeline(SD3ControlNets, TextToImage):
         if cfg:
             neg_embeds, neg_pooled = self._encode(self._negatives(prompts, negative_prompt), per_prompt, text_length)
             embeds, pooled = self.guidance.batch(embeds, neg_embeds), self.guidance.batch(pooled, neg_pooled)
-        self._start_control(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)
-        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled,
+                **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
 
     def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
         """diffusers' encode_prompt: penultimate CLIP-L and CLIP-G states side by side, zero-padded

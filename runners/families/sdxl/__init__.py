@@ -85,8 +85,8 @@ class SDXLPipeline(ControlNets, TextToImage):
         rows = np.array([sizes] * n, dtype=np.float32)
         if cfg:
             rows = self.guidance.batch(rows, np.array([negative_sizes] * n, dtype=np.float32))
-        self._start_control(control, height, width, n, per_prompt, cfg)
-        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": rows}
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": rows,
+                **self._control_conditions(control, height, width, n, per_prompt, cfg)}
 
     def _encode(self, prompts: list[str], per_prompt: int):
         """Penultimate states of both CLIPs side by side; pooled: CLIP-G's projection."""
