@@ -3,9 +3,9 @@ the negative prompt, as diffusers' guiders do. A rule says when it is on for a r
 order the two prompt batches go into the denoiser's batch (and so which order `combine` splits),
 the cache contexts of that batch (Pipeline._evaluate), and the request options it reads.
 
-The loop (runners/text_to_image.py) asks the family's `guidance` and nothing else; a family without
-classifier-free guidance (a distilled model) has `NoGuidance()`. Guidance that is an input of the
-denoiser (FLUX.1 dev's embedded scale) is a condition of the family, not a rule here."""
+The loop (runners/text_to_image.py) asks the family's `guidance` and nothing else. Guidance that is an
+input of a guidance-distilled denoiser (FLUX.1 dev's embedded scale) is an `EmbeddedGuidance`: one more
+condition, beside whichever rule the family has."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -95,6 +95,37 @@ class NormalizedCFG(ClassifierFree):
         return guided
 
 
+@dataclass(frozen=True)
+class RescaledTrueCFG(ClassifierFree):
+    """QwenImagePipeline's true CFG: uncond + scale * (cond - uncond), then each packed token of the guided
+    prediction (a `patch` x `patch` square of the latents, every channel) rescaled to its norm in the
+    prompt's prediction."""
+    patch: int = 2
+
+    def combine(self, noise: np.ndarray, scale: float, **step_options) -> np.ndarray:
+        cond = np.split(noise, 2)[1]
+        guided = super().combine(noise, scale)
+        n, c, h, w, p = *noise.shape[:1], cond.shape[1], *noise.shape[2:], self.patch
+
+        def token_norms(x):  # (n, c, h, w) -> (n, 1, h/p, 1, w/p, 1): the norm of each packed token
+            return np.sqrt((x.reshape(n // 2, c, h // p, p, w // p, p) ** 2).sum(axis=(1, 3, 5), keepdims=True))
+
+        factor = token_norms(cond) / token_norms(guided)
+        return (guided.reshape(n // 2, c, h // p, p, w // p, p) * factor).reshape(guided.shape).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class EmbeddedGuidance:
+    """A guidance-distilled denoiser's scale as an input (FLUX.1 dev's `guidance`): the request option that
+    holds it, and the feed, one value per row of the denoiser's batch (both halves of a classifier-free
+    rule alike)."""
+    option: Option
+    feed: str = "guidance"
+
+    def conditions(self, scale: float, batch: int) -> dict[str, np.ndarray]:
+        return {self.feed: np.full(batch, scale, dtype=np.float32)}
+
+
 # SD1.5, SDXL, SD3: `guidance_scale`, one batched call
 BATCHED_CFG = ClassifierFree()
 # FluxPipeline's true CFG: `true_cfg_scale` with a negative prompt, the halves as two cache contexts
@@ -102,3 +133,8 @@ BATCHED_CFG = ClassifierFree()
 TRUE_CFG = ClassifierFree(scale_option="true_cfg_scale", contexts="uncond,cond", flag=None, default=1.0,
                           help="classifier-free guidance with a negative prompt, as diffusers' true_cfg_scale "
                                "(default 1: none; the negative prompt does nothing without a scale over 1)")
+# QwenImagePipeline's: true_cfg_scale (default 4) with a negative prompt, the guided prediction rescaled
+QWEN_TRUE_CFG = RescaledTrueCFG(scale_option="true_cfg_scale", contexts="uncond,cond", flag=None, default=4.0,
+                                help="classifier-free guidance with a negative prompt, as diffusers' true_cfg_scale "
+                                     "(default 4; 1 or no negative prompt: none), each token rescaled to the "
+                                     "prompt's prediction's norm")

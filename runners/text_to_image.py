@@ -12,7 +12,7 @@ from runners.conditioning.images import check_mask_size, to_model_input, to_outp
 from runners.conditioning.inpainting import Inpainting, latent_mask
 from runners.guidance import BATCHED_CFG, ClassifierFree
 from runners.pipeline import VAE_ENGINES, Pipeline
-from runners.schedulers.schedule import PIPELINE_SIGMAS, check_steps, strength_start
+from runners.schedulers.schedule import PIPELINE_MU, PIPELINE_SIGMAS, check_steps, strength_start
 from runners.static import check_static_request
 from runners.tiling import tiled
 
@@ -237,15 +237,15 @@ class TextToImage(Pipeline):
 
     def _schedule(self, num_inference_steps: int, latent_shape):
         """The scheduler's run for a request, as the artifact's pipeline sets it (manifest data,
-        `pipeline.schedule`): its own sigmas (PIPELINE_SIGMAS), and a shift by the image's token count
-        ("mu": "linear", where the scheduler's config asks for one: SD3.5, FLUX.1 dev)."""
+        `pipeline.schedule`): its own sigmas (PIPELINE_SIGMAS), and its shift by the image's size (PIPELINE_MU)."""
         rule = self.constants.get("schedule", {})
         extra = {}
         if rule.get("sigmas"):
             extra["sigmas"] = PIPELINE_SIGMAS[rule["sigmas"]](num_inference_steps)
         mu = None
-        if rule.get("mu") == "linear":
-            mu = self.scheduler.mu_for(latent_shape[2], latent_shape[3], self.constants["patch_size"])
+        if rule.get("mu"):
+            mu = PIPELINE_MU[rule["mu"]](self.scheduler, latent_shape[2], latent_shape[3], self.constants["patch_size"],
+                                         num_inference_steps)
         return self.scheduler.start(num_inference_steps, mu, **extra)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:

@@ -142,3 +142,19 @@ def test_pipeline_sigmas(steps):
     ours = PIPELINE_SIGMAS["linspace"](steps)
     np.testing.assert_array_equal(ours, np.linspace(1.0, 1 / steps, steps))
     np.testing.assert_allclose(ours.astype(np.float32), torch.linspace(1.0, 1 / steps, steps).numpy(), rtol=1.2e-7)
+
+
+@pytest.mark.parametrize("steps", [1, 4, 28, 50, 200])
+def test_flux2_empirical_mu_is_diffusers(steps):
+    """FLUX.2's shift of the schedule (pipeline.schedule.mu "empirical") against Flux2Pipeline's and
+    Flux2KleinPipeline's compute_empirical_mu, on both sides of its 4300-token break."""
+    from diffusers.pipelines.flux2 import pipeline_flux2, pipeline_flux2_klein
+
+    from runners.schedulers.schedule import PIPELINE_MU
+
+    for tokens in (16, 256, 1024, 4096, 4300, 4301, 16384):
+        side = int(tokens ** 0.5)
+        ours = PIPELINE_MU["empirical"](None, 2 * side, 2 * (tokens // side), 2, steps)
+        tokens = side * (tokens // side)
+        for module in (pipeline_flux2, pipeline_flux2_klein):
+            assert ours == module.compute_empirical_mu(image_seq_len=tokens, num_steps=steps), (tokens, steps)

@@ -11,6 +11,28 @@ import numpy as np
 PIPELINE_SIGMAS = {"linspace": lambda n: np.linspace(1.0, 1 / n, n)}
 
 
+def empirical_mu(image_tokens: int, num_steps: int) -> float:
+    """FLUX.2's shift (Flux2Pipeline's and Flux2KleinPipeline's compute_empirical_mu): two lines in the image's
+    token count, fitted at 10 and 200 steps, and between them a line in the step count; past 4300 tokens the
+    200-step line alone."""
+    at_200 = 0.00016927 * image_tokens + 0.45666666
+    if image_tokens > 4300:
+        return float(at_200)
+    at_10 = 8.73809524e-05 * image_tokens + 1.89833333
+    slope = (at_200 - at_10) / 190.0
+    return float(slope * num_steps + (at_200 - 200.0 * slope))
+
+
+# A pipeline's shift of its schedule by the image's size ("mu"), by the rule the manifest names
+# (`pipeline.schedule.mu`; none: no shift): (scheduler, latent height, latent width, patch size, steps) -> mu.
+# "linear": the scheduler config's, in the image's tokens (None where the config has no dynamic shifting:
+# SD3-medium, FLUX.1 schnell); "empirical": FLUX.2's, in its tokens and the step count.
+PIPELINE_MU = {
+    "linear": lambda scheduler, h, w, patch, steps: scheduler.mu_for(h, w, patch),
+    "empirical": lambda scheduler, h, w, patch, steps: empirical_mu((h // patch) * (w // patch), steps),
+}
+
+
 class Schedule:
     """The timesteps of one run and the update between them. `step` is called once per timestep,
     in order; multistep schedulers (PNDM) keep their history on the instance."""

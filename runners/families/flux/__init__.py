@@ -18,7 +18,7 @@ from runners.adapters.lora import register_key_spelling
 from runners.families.flux import lora_keys
 from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS, CONTROLNETS
 from runners.families.flux.controlnet import FluxControlNets
-from runners.guidance import TRUE_CFG
+from runners.guidance import TRUE_CFG, EmbeddedGuidance
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH as T5_LENGTH, REQUEST, Option, options
 from runners.families.flux.conditions import (
     KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
@@ -58,10 +58,9 @@ class FluxPipeline(FluxControlNets, TextToImage):
     image_sets_size = ()  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
     guidance = TRUE_CFG  # FluxPipeline's: true_cfg_scale with a negative prompt (runners/guidance.py)
-    options = options(REQUEST, (
-        Option("guidance_scale", "float", "FLUX.1 dev's guidance embedding (default: diffusers', 3.5, and with an "
-               "image 7; schnell has none)", flag="--guidance"),
-    ), guidance.options, (T5_LENGTH,), IMAGE_TASKS, CONTROL_OPTIONS, (CONTROL_NOISE, Option(
+    embedded = EmbeddedGuidance(Option("guidance_scale", "float", "FLUX.1 dev's guidance embedding (default: "
+                                       "diffusers', 3.5, and with an image 7; schnell has none)", flag="--guidance"))
+    options = options(REQUEST, (embedded.option,), guidance.options, (T5_LENGTH,), IMAGE_TASKS, CONTROL_OPTIONS, (CONTROL_NOISE, Option(
         "control_mode", "int", "a ControlNet-Union's control mode (the kind of control image: its model card lists "
         "them): one for every ControlNet, or one per ControlNet", repeat=True, group="controlnet"), Option(
         "max_area", "int", "FLUX.1 Kontext: the output's area in pixels (default 1024**2)"), Option(
@@ -72,7 +71,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
         inputs = [t["name"] for t in self.manifest["submodules"]["transformer"]["inputs"]]
         # A guidance-distilled transformer (FLUX.1-dev) takes the scale as an input; a timestep-distilled
         # one (schnell) has none.
-        self.variant = "dev" if "guidance" in inputs else "schnell"
+        self.variant = "dev" if self.embedded.feed in inputs else "schnell"
         self.reads_reference_image = bool(self.constants.get("reference_image"))  # FLUX.1 Kontext's transformer
         self.defaults = (CONTROL if self.reads_control_image else FILL if self.inpainting_denoiser()
                          else KONTEXT if self.reads_reference_image else DEV if self.variant == "dev" else SCHNELL)
@@ -215,7 +214,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
         conditions = {"encoder_hidden_states": embeds, "pooled_projections": pooled,
                       "txt_ids": np.zeros((text_length, 3), dtype=np.float32)}
         if self.variant == "dev":
-            conditions["guidance"] = np.full(len(embeds), guidance, dtype=np.float32)
+            conditions.update(self.embedded.conditions(guidance, len(embeds)))
         return {**conditions, **added}
 
     def _encode(self, prompts: list[str], per_prompt: int, text_length: int):
