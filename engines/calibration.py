@@ -15,6 +15,7 @@ settings and the prompts, so the same build reuses the same calibration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -258,9 +259,22 @@ class CalibrationFeeds:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {name: np.load(self.folder / "arrays" / f"{h}.npy") for name, h in self._calls[i].items()}
 
+    @functools.cached_property
+    def _shapes(self) -> list[tuple]:
+        """Each call's input shapes, read from the arrays' headers."""
+        return [tuple((name, np.load(self.folder / "arrays" / f"{h}.npy", mmap_mode="r").shape)
+                      for name, h in sorted(call.items())) for call in self._calls]
+
+    @functools.cached_property
+    def _by_shape(self) -> list[int]:
+        """The calls' indices, those of the same input shapes together (in recorded order within each): a
+        tool that stacks the activations of the calls it collects at a time (`chunk`) needs them alike.
+        (Z-Image's caption length is each call's own.)"""
+        return sorted(range(len(self)), key=lambda i: self._shapes[i])
+
     def reader(self):
-        """The same feeds as ONNX Runtime's quantization tools read them, in ranges when a tool
-        collects a few calls at a time (`CalibStridedMinMax`)."""
+        """The same feeds as ONNX Runtime's quantization tools read them, those of one shape together
+        (`_by_shape`), in ranges when a tool collects a few calls at a time (`CalibStridedMinMax`)."""
         from onnxruntime.quantization import CalibrationDataReader
 
         feeds = self
@@ -279,11 +293,14 @@ class CalibrationFeeds:
                 if self._next >= self._end:
                     return None
                 self._next += 1
-                return feeds[self._next - 1]
+                return feeds[feeds._by_shape[self._next - 1]]
 
         return Reader()
 
     def chunk(self, most: int = 8) -> int:
-        """The largest number of calls, up to `most`, that divides the recording evenly: a tool
-        that keeps every activation of the calls it collects holds only that many at a time."""
-        return max(d for d in range(1, most + 1) if len(self) % d == 0)
+        """The largest number of calls, up to `most`, that divides the recording evenly into ranges of
+        one input shape each (in `reader`'s order): a tool that keeps every activation of the calls it
+        collects holds only that many at a time, and stacks them."""
+        shapes = [self._shapes[i] for i in self._by_shape]
+        return max(d for d in range(1, most + 1) if len(self) % d == 0
+                   and all(len(set(shapes[k:k + d])) == 1 for k in range(0, len(self), d)))

@@ -469,3 +469,48 @@ def assert_calls_keep_apart(pipe, calls: list[dict]) -> None:
     assert not errors, errors
     for got, expected in zip(together, alone):
         assert np.abs(got - expected).max() <= 1e-6
+
+
+def diffusers_schedule(config, steps: int) -> list[bool]:
+    """Full (True) or cached per step by diffusers' TaylorSeer rule for our `config`, written out as the oracle."""
+    before, after = config.disable_cache_before_step, config.disable_cache_after_step
+    after = after + steps if after is not None and after < 0 else after
+    return [s < before or (s - before - 1) % config.cache_interval == 0 or (after is not None and s >= after)
+            for s in range(steps)]
+
+
+def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
+    """(images, transformer calls) of diffusers' `reference_pipeline` called with `call` under its TaylorSeer hook
+    on the transformer's output layer `module` (lite mode's cached module; the blocks still run and their work
+    is thrown away: the image is lite mode's). For a transformer without CacheMixin (SD3's, Z-Image's) the
+    cache context is set around each call and the state reset after the run, as CacheMixin and the pipelines do."""
+    import torch
+    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig as Reference, apply_taylorseer_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    transformer = reference_pipeline.transformer
+    apply_taylorseer_cache(transformer, Reference(
+        cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
+        disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
+        taylor_factors_dtype=torch.float32, cache_identifiers=[f"^{re.escape(module)}$"]))
+    calls = []
+    forward = transformer.forward
+
+    def in_context(*args, **kwargs):
+        calls.append(1)
+        _set_cache_context(transformer, CacheContext("cond"))
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _set_cache_context(transformer, None)
+
+    transformer.forward = in_context
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.invalidate_child_registries_cache()  # the hook just added is among them (the pipeline is the session's)
+    try:
+        with torch.no_grad():
+            return reference_pipeline(**call).images, len(calls)
+    finally:
+        del transformer.forward  # the class's own again
+        registry.remove_hook("taylorseer_cache", recurse=True)
+        registry.invalidate_child_registries_cache()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_real_image
+from conftest import assert_real_image, diffusers_schedule, with_diffusers_taylorseer
 from runners import Pipeline, TaylorSeerCacheConfig
 from runners.caches import parse_cache
 
@@ -21,14 +21,6 @@ SD3_CASES = {  # name: our config (diffusers' equal below)
 }
 
 
-def diffusers_schedule(config: TaylorSeerCacheConfig, steps: int) -> list[bool]:
-    """Full (True) or cached per step by diffusers' rule, written out here as the oracle."""
-    before, after = config.disable_cache_before_step, config.disable_cache_after_step
-    after = after + steps if after is not None and after < 0 else after
-    return [s < before or (s - before - 1) % config.cache_interval == 0 or (after is not None and s >= after)
-            for s in range(steps)]
-
-
 @pytest.fixture(scope="module")
 def sd3_pipe(tiny_artifact):
     with Pipeline.load(tiny_artifact) as pipe:
@@ -39,49 +31,14 @@ def _latents(seed=0, shape=(1, 16, 8, 8)):
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
-def _with_diffusers_taylorseer(reference_pipeline, config: TaylorSeerCacheConfig, latents):
-    """diffusers' StableDiffusion3Pipeline with its TaylorSeer hook on the transformer's proj_out (lite mode's
-    cached module; SD3's last block returns None for the text stream, which lite mode's block skipping
-    cannot record, so the blocks run and their work is thrown away: the image is lite mode's). SD3's
-    transformer has no CacheMixin: the cache context is set around each call and the state reset after the run,
-    as CacheMixin and the pipelines do."""
-    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig as Reference, apply_taylorseer_cache
-    from diffusers.hooks.hooks import CacheContext, _set_cache_context
-
-    transformer = reference_pipeline.transformer
-    apply_taylorseer_cache(transformer, Reference(
-        cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
-        disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
-        taylor_factors_dtype=torch.float32, cache_identifiers=["proj_out"]))
-    calls = []
-    forward = transformer.forward
-
-    def in_context(*args, **kwargs):
-        calls.append(1)
-        _set_cache_context(transformer, CacheContext("cond"))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _set_cache_context(transformer, None)
-
-    transformer.forward = in_context
-    registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.invalidate_child_registries_cache()  # the hook just added is among them (the pipeline is the session's)
-    try:
-        return reference_pipeline(latents=torch.from_numpy(latents), **SD3_CALL).images, len(calls)
-    finally:
-        del transformer.forward  # the class's own again
-        registry.remove_hook("taylorseer_cache", recurse=True)
-        registry.invalidate_child_registries_cache()
-
-
 @pytest.mark.parametrize("case", SD3_CASES)
 def test_taylorseer_matches_diffusers_hook_on_sd3(sd3_pipe, reference_pipeline, case):
     config = SD3_CASES[case]
     latents = _latents(seed=len(case))
     uncached = sd3_pipe(latents=latents, **SD3_CALL)
     ours = sd3_pipe(latents=latents, cache=config, **SD3_CALL)
-    ref, calls = _with_diffusers_taylorseer(reference_pipeline, config, latents)
+    ref, calls = with_diffusers_taylorseer(reference_pipeline, config, "proj_out", latents=torch.from_numpy(latents),
+                                           **SD3_CALL)
     schedule = diffusers_schedule(config, SD3_CALL["num_inference_steps"])
     assert calls == len(schedule)
     assert (sd3_pipe.cache_stats["full"], sd3_pipe.cache_stats["cached"]) == (sum(schedule), schedule.count(False))

@@ -3,6 +3,7 @@ z-image-tiny, and the LLM prompt encoder it is built on (export/families/llm_enc
 export/prompt_formats.py, runners/text.py, runners/prompts.py). One export and one ort-fp32 build."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -167,3 +168,91 @@ def test_image_tasks_equal_to_diffusers(pair, monkeypatch, task):
     plain = ours(request["prompt"], height=64, width=128, num_inference_steps=4, guidance_scale=0.0, output_type="np",
                  latents=noise)
     assert np.abs(got - plain).max() > 0.01  # the image changed the result
+
+
+# Image PSNR against ort-fp32 per call (guidance 0; CFG with a negative prompt), measured by the test below on
+# a CPU without VNNI (calibrated on 4 prompts x 4 steps): ort fp16 61.6, 58.1 dB, int8 31.2, 27.8, fp8 40.2,
+# 30.6; openvino fp32 132.6, 130.5, bf16 61.7, 58.1, int8 29.4, 28.3, bf16 with int8 weights 58.6, 54.4, with
+# int4 weights 34.5, 30.6. Bounds 5 dB under each (int8's on every CPU: VNNI's kernels only come closer);
+# OpenVINO's fp32 at 100 dB, which any numeric change falls far below. fp16 keeps in fp32 what overflows it
+# on the calibration run (to_fp16's fp32_nodes): nothing on these random weights.
+TARGET_MIN_PSNR = {"fp16": (56.5, 53.0), "int8": (26.0, 22.5), "fp8": (35.0, 25.5), "openvino-fp32": (100.0, 100.0),
+                   "openvino-bf16": (56.5, 53.0), "openvino-int8": (24.0, 23.0),
+                   "openvino-bf16-int8-weights": (53.5, 49.0), "openvino-bf16-int4-weights": (29.5, 25.5)}
+
+
+def _target_images(artifact):
+    from runners import Pipeline
+
+    pipe = Pipeline.load(artifact)
+    latents = np.random.default_rng(1).standard_normal((1, 16, 8, 8), dtype=np.float32)
+    return [pipe(prompt, latents=latents, height=64, width=64, num_inference_steps=4, output_type="np", **options)
+            for prompt, options in (("a photo of a cat", {}), ("a red fox", CFG))]
+
+
+def test_every_target_and_precision_within_its_bound(z_image_tiny_build):
+    from bench.accuracy import psnr
+    from engines.api import build_artifact
+    from engines.calibration import CalibrationSettings
+    from engines.targets import target_options
+
+    reference = _target_images(z_image_tiny_build.folder / "ort-fp32")
+    for label, bounds in TARGET_MIN_PSNR.items():
+        target, precision, *weights = label.split("-") if "-" in label else ("ort", label)
+        options = target_options(target, weights=weights[0]) if weights else None
+        artifact = build_artifact(z_image_tiny_build.folder, target, precision, options=options,
+                                  calibration=CalibrationSettings(prompts=4, steps=4))
+        for ref, image, bound in zip(reference, _target_images(artifact), bounds):
+            print(f"z-image {label}: PSNR {psnr(ref, image):.1f} dB")
+            assert np.isfinite(image).all() and psnr(ref, image) >= bound, (label, psnr(ref, image))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
+def test_tensorrt_rtx_builds_every_submodule(z_image_tiny_build, monkeypatch):
+    """Real fp16 engines for every submodule, the export's ranges as their profiles; the pipeline on them
+    through the GPU stand-in (tests/gpu_double.py) gives ONNX Runtime's images exactly."""
+    from conftest import manifest, rtx_options
+    from engines.api import build_artifact
+    from gpu_double import SharedBuffers
+
+    folder = build_artifact(z_image_tiny_build.folder, "trt-rtx", "fp16", options=rtx_options())
+    m = manifest(folder)
+    assert sorted(m["submodules"]) == sorted(manifest(z_image_tiny_build.folder / "onnx")["submodules"])
+    for name, sub in m["submodules"].items():
+        assert (folder / sub["file"]).stat().st_size > 100_000, name  # a serialized engine, not a stub
+        assert set(sub["engine"]["profile"]) == {t["name"] for t in sub["inputs"]}, name
+    reference = _target_images(z_image_tiny_build.folder / "ort-fp32")
+    double = SharedBuffers.install(monkeypatch, z_image_tiny_build.folder / "ort-fp32")
+    assert all(np.array_equal(a, b) for a, b in zip(_target_images(folder), reference))
+    assert double.opened and all(s.profile for s in double.opened)
+
+
+TAYLORSEER_CASES = {"interval 2, order 1": dict(cache_interval=2, disable_cache_before_step=2, max_order=1),
+                    "interval 3, order 2, with guidance": dict(cache_interval=3, disable_cache_before_step=2,
+                                                               max_order=2)}
+
+
+@pytest.mark.parametrize("case", TAYLORSEER_CASES)
+def test_taylorseer_equal_to_diffusers_hook(pair, case):
+    """TaylorSeer lite on the Z-Image transformer against diffusers' hook on its output layer (all_final_layer):
+    the same steps cached, the images within IMAGE_ATOL (measured: 1.9e-6, 4.3e-6), and the cache changed the
+    image."""
+    from conftest import assert_real_image, diffusers_schedule, with_diffusers_taylorseer
+    from runners import TaylorSeerCacheConfig
+
+    ours, reference = pair
+    config = TaylorSeerCacheConfig(**TAYLORSEER_CASES[case])
+    steps = 9
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=steps, output_type="np",
+                **(CFG if "guidance" in case else dict(guidance_scale=0.0)))
+    latents = np.random.default_rng(len(case)).standard_normal((1, 16, 8, 8), dtype=np.float32)
+    theirs, calls = with_diffusers_taylorseer(reference, config, "all_final_layer.2-1",
+                                              latents=torch.from_numpy(latents), **call)
+    cached = ours(latents=latents, cache=config, **call)
+    schedule = diffusers_schedule(config, steps)
+    assert calls == steps and (ours.cache_stats["full"], ours.cache_stats["cached"]) == (sum(schedule),
+                                                                                          schedule.count(False))
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
+    print(f"z-image {case}: |ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
+    assert error <= IMAGE_ATOL and changed > 3 / 255
+    assert_real_image(theirs)

@@ -80,6 +80,11 @@ class _Compiled:
     def __init__(self, compiled, names: list[str]):
         self.compiled, self.request = compiled, compiled.create_infer_request()
         self.output_names = names
+        # OpenVINO 2026.4's CPU plugin fuses an LLM's rotary embedding into a RoPE node, which release_memory
+        # leaves without its buffers: every later call of the same shape fails ("Memory has not been
+        # allocated"; Z-Image's Qwen3 encoder, its prompt and negative prompt). Such a model keeps its memory.
+        layers = {op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()}
+        self.releasable = "RoPE" not in layers
 
 
 class OpenVinoSession:
@@ -193,7 +198,7 @@ class OpenVinoSession:
         # share_outputs=False: the results are copies, not views of tensors the next call overwrites.
         results = model.request.infer({**feeds, **self.lora_feeds}, share_inputs=True, share_outputs=False)
         outputs = {name: results[port] for name, port in zip(model.output_names, model.compiled.outputs)}
-        if release:
+        if release and model.releasable:
             model.compiled.release_memory()
         return outputs
 
