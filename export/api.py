@@ -8,6 +8,7 @@ complete or absent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ from export.shapes import check_example_size, dim_ranges, image_multiple, probe_
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, resolve
+from export.spec import SubmoduleSpec
 from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
                               read_manifest, write_manifest)
@@ -122,14 +124,15 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     specs += control_specs
     sources.update({s.name: c for s, c in zip(control_specs, controls)})
     check_example_size(entry, specs, constants)  # in one line now, not deep in torch.export's trace
-    settings = [EXPORT_FORMAT, family.name, opset, dtype, package_versions()]
+    graph_settings = [EXPORT_FORMAT, opset, dtype, package_versions()]
+    settings = [*graph_settings, family.name]
     cache_key = digest([settings, ranges, probes, src.fingerprint,
                         {s.name: [s.component, sources[s.name].fingerprint] for s in specs}])
     dest = Path(out) / "onnx"
     if not force and is_current(dest, cache_key):
         _log(f"{dest} is up to date (same weights, settings and versions): reusing it")
         return dest
-    keys = {s.name: _submodule_key(s, sources[s.name], settings, ranges, probes, constants) for s in specs}
+    keys = {s.name: _submodule_key(s, sources[s.name], graph_settings, ranges, probes, constants) for s in specs}
     earlier = {} if force else _exported_before(dest, keys, reuse_from)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
@@ -186,16 +189,32 @@ def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset) 
 
 
 def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes: list[dict], constants: dict) -> str:
-    """What one graph depends on: the exporter's settings, the submodule's description, its component's
-    content, and of the shapes and constants only those its inputs and outputs name. A text encoder's
-    graph is then the same in every model whose text encoder is (FLUX.1 dev's in Fill's and Kontext's),
-    and whatever image sizes the export is for."""
+    """What one graph depends on: the exporter's settings, the submodule's description (the code that wraps
+    its component included, not the family that names it), its component's content, and of the shapes and
+    constants only those its inputs and outputs name. A text encoder's graph is then the same in every model
+    whose text encoder is (FLUX.1 dev's in Fill's and Kontext's), a VAE's in every family that describes it
+    alike (FLUX.1's in Z-Image), whatever image sizes the export is for."""
     tensors = (*spec.inputs, *spec.outputs)
     names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
-    return digest([settings, spec.name, spec.component, spec.load_kwargs, [str(t) for t in tensors],
+    return digest([settings, spec.name, spec.component, _code_name(spec.wrap), spec.load_kwargs, spec.quantization,
+                   [str(t) for t in tensors],
                    {d: r for d, r in ranges.items() if d in names},
                    [{d: p[d] for d in p if d in names} for p in probes],
                    {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
+
+
+def _code_name(fn) -> str:
+    """The code that wraps a component, as part of a key: a function's module and name; a partial's with its
+    arguments; a closure's with what it captured (deep_cache's and first_block's wrap another spec's wrap)."""
+    if isinstance(fn, functools.partial):
+        return f"{_code_name(fn.func)}{fn.args!r}{sorted(fn.keywords.items())!r}"
+    captured = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        value = value.wrap if isinstance(value, SubmoduleSpec) else value
+        captured.append(_code_name(value) if callable(value) else repr(value)
+                        if isinstance(value, (str, int, float, bool, tuple, type(None))) else type(value).__name__)
+    return f"{fn.__module__}.{fn.__qualname__}{captured if captured else ''}"
 
 
 def _exported_before(dest: Path, keys: dict[str, str], reuse_from: Path | None) -> dict[str, tuple[Path, dict, dict]]:

@@ -282,8 +282,8 @@ def _qwen3(width: int, layers: int, heads: int, kv_heads: int, head_dim: int, ml
 _Z_IMAGE_TURBO_SCHEDULER = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 3.0}
 Z_IMAGE_TINY = {
     "transformer": _z_image(dim=128, heads=2, layers=2, refiners=1, caption=64),
-    "vae": {**_FLUX_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
-            "sample_size": 128},
+    # flux-tiny's VAE (FLUX.1's, as Z-Image's is), at flux-tiny's image sizes: the tests' export links its graphs
+    "vae": FLUX_TINY["vae"],
     # 3 layers: the encoder's graph keeps 2 (it reads hidden_states[-2])
     "text_encoder": _qwen3(64, 3, 4, 2, 16, 128),
     "vocab_pieces": 400,
@@ -359,7 +359,7 @@ MODELS: dict[str, ModelEntry] = {
                    description="Z-Image-Turbo (distilled: 8 steps, no guidance)"),
         ModelEntry("z-image", "z_image", hub_id="Tongyi-MAI/Z-Image", image_size=(256, 1024, 2048),
                    text_length=(1, 128, 512), description="Z-Image, the base model (50 steps, CFG)"),
-        ModelEntry("z-image-tiny", "z_image", random_configs=Z_IMAGE_TINY, image_size=(64, 128, 256),
+        ModelEntry("z-image-tiny", "z_image", random_configs=Z_IMAGE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512), extra={"variant": "turbo"},
                    description="Z-Image-Turbo architecture (Qwen3 encoder) at tiny widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),

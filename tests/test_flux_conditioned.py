@@ -235,7 +235,6 @@ def test_the_graphs_of_shared_components_are_flux_devs(flux_tiny_build, model, s
     assert {name for name in names if inode(build, name) == inode(flux_tiny_build, name)} == shared
 
 
-
 # Two calls with other conditions: Kontext's reference tokens, Canny/Depth's control latents.
 TWO_CALLS = {"kontext": [dict(image=smooth_image(80, 112, seed=k), max_area=64 * 64, auto_resize=False) for k in (1, 2)],
              "control": [dict(control_image=smooth_image(64, 64, seed=k)) for k in (1, 2)]}

@@ -256,3 +256,62 @@ def test_taylorseer_equal_to_diffusers_hook(pair, case):
     print(f"z-image {case}: |ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
     assert error <= IMAGE_ATOL and changed > 3 / 255
     assert_real_image(theirs)
+
+
+def _diffusion_model_named(peft_file, out):
+    """The adapter in the original checkpoint's names, which diffusers' Z-Image loader converts:
+    `diffusion_model.<module>.lora_down.weight` and `lora_up`, the attention's output projection as
+    `attention.out`, and each module's alpha as a tensor (such files carry no PEFT metadata)."""
+    from lora_adapters import read_raw, write_raw
+
+    tensors, metadata = read_raw(peft_file)
+    alpha = np.array(json.loads(metadata["lora_adapter_metadata"])["transformer.lora_alpha"], np.float32)
+    renamed = {"diffusion_model." + k.removeprefix("transformer.").replace(".to_out.0.", ".out.")
+               .replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up."): v for k, v in tensors.items()}
+    alphas = {k.replace(".lora_down.weight", ".alpha"): alpha for k in renamed if k.endswith(".lora_down.weight")}
+    return write_raw(out, {**renamed, **alphas})
+
+
+@pytest.mark.parametrize("spelling", ["diffusers", "kohya", "diffusion_model"])
+def test_lora_equal_to_diffusers_fuse_lora(pair, z_image_tiny_build, tmp_path, spelling):
+    """A Z-Image adapter (made with peft on the transformer's attention and feed-forward layers) in diffusers'
+    format and in two that diffusers' Z-Image loader converts, at load and switched at run time, against
+    diffusers' load_lora_weights + fuse_lora of the same file; switched off, the plain image exactly."""
+    from diffusers import ZImagePipeline
+
+    from lora_adapters import ATTENTION, make_adapter, to_kohya
+    from runners import Pipeline
+
+    adapter = make_adapter(ZImagePipeline, z_image_tiny_build.source.folder, tmp_path / "a",
+                           {"transformer": ATTENTION + ["w1", "w2", "w3"]}, seed=5, rank=2, alpha=4.0)
+    adapter = {"diffusers": lambda: adapter,
+               "kohya": lambda: to_kohya(adapter, tmp_path / "kohya.safetensors", {"transformer": "lora_unet_"}),
+               "diffusion_model": lambda: _diffusion_model_named(adapter, tmp_path / "original.safetensors")}[spelling]()
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, guidance_scale=0.0, output_type="np")
+    latents = np.random.default_rng(5).standard_normal((1, 16, 8, 8), dtype=np.float32)
+    reference = ZImagePipeline.from_pretrained(z_image_tiny_build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), **call).images
+    ours, _ = pair
+    plain = ours(latents=latents, **call)
+    assert np.abs(theirs - plain).max() > 0.05  # the adapter changes the image
+    loaded = Pipeline.load(z_image_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
+    got = loaded(latents=latents, **call)
+    print(f"z-image LoRA ({spelling}): max abs error {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    loaded.set_loras({})
+    assert np.array_equal(loaded(latents=latents, **call), plain)
+    loaded.set_loras({adapter: 0.8})
+    assert np.array_equal(loaded(latents=latents, **call), got)
+
+
+def test_the_vae_graphs_are_flux_tinys(z_image_tiny_build, flux_tiny_build):
+    """Z-Image's VAE is FLUX.1's, described by the same code in both families: the export links flux-tiny's
+    graphs rather than tracing them again (the submodule's key names the code that wraps it, not the family)."""
+    for name in ("vae_decoder", "vae_encoder"):
+        ours, flux = ((b.folder / "onnx" / f"{name}.onnx").stat().st_ino for b in (z_image_tiny_build, flux_tiny_build))
+        assert ours == flux, name

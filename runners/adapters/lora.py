@@ -172,12 +172,16 @@ def _spellings(module: str) -> list[str]:
 
 
 def _kohya_names(parameters) -> dict[str, tuple[str, str]]:
-    """{kohya layer name: (component, module)} for every weight the artifact holds."""
+    """{kohya layer name: (component, module)} for every weight the artifact holds. kohya's trainers name
+    any denoiser `lora_unet_`: a transformer's too, where the artifact has no U-Net (Z-Image's adapters)."""
+    prefixes = dict(KOHYA_PREFIXES)
+    if all(component != "unet" for component, _ in parameters):
+        prefixes["lora_unet_"] = "transformer"
     names = {}
     for component, key in parameters:
         if key.endswith(".weight"):
             module = key[:-len(".weight")]
-            for prefix, named in KOHYA_PREFIXES.items():
+            for prefix, named in prefixes.items():
                 if named == component:
                     for spelling in _spellings(module):
                         names[prefix + spelling.replace(".", "_")] = (component, module)

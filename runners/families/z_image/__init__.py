@@ -9,6 +9,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from runners.adapters.lora import register_key_spelling
+from runners.families.z_image import lora_keys
 from runners.guidance import NormalizedCFG
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, options
 from runners.prompts import encode_prompts
@@ -79,3 +81,6 @@ class ZImagePipeline(TextToImage):
         timestep = np.full(x.shape[0], (np.float32(1000) - np.float32(t)) / np.float32(1000), dtype=np.float32)
         out = self.run(engine or "transformer", release=release, latent=x, timestep=timestep, **conditions, **extra)
         return {**out, "noise_pred": -out["noise_pred"]}
+
+
+register_key_spelling(lora_keys.to_diffusers_names)  # adapters in the original checkpoint's names
