@@ -26,7 +26,8 @@ class Calls:
 
     def __init__(self, name: str, concurrent: bool):
         self._running: ContextVar[Call | None] = ContextVar(name, default=None)
-        self._one_at_a_time = None if concurrent else threading.Lock()
+        # re-entrant: a call made from inside a call (an on_preview callback) in the same thread goes on
+        self._one_at_a_time = None if concurrent else threading.RLock()
 
     @contextmanager
     def run(self, call: Call):

@@ -543,3 +543,31 @@ def test_a_tiled_decode_compiles_each_tile_size_and_matches_the_dynamic_model(ov
     expected = pipe.vae_decode(z, tiling=True, tile_size=16)
     assert got.shape == (1, 3, 192, 160)
     np.testing.assert_allclose(got, expected, atol=SUBMODULE_RTOL * np.abs(expected).max())
+
+
+def test_two_threads_on_one_openvino_pipeline_take_turns(ov_fp32):
+    """An OpenVINO engine has one infer request (Backend.concurrent is False): a second call in another thread
+    waits for the first (runners/call.py) and each gets the image it gets alone, where two calls at once on one
+    request would fail or mix their tensors."""
+    import threading
+
+    pipe = Pipeline.load(ov_fp32)
+    calls = [dict(prompt=p, height=64, width=64, num_inference_steps=3, seed=k, output_type="np")
+             for k, p in enumerate(("a photo of a cat", "a red fox in the snow"))]
+    alone = [pipe(**call) for call in calls]
+    together, errors = [None, None], []
+
+    def run(k):
+        try:
+            together[k] = pipe(**calls[k])
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(np.array_equal(got, image) for got, image in zip(together, alone))
+    assert np.abs(alone[0] - alone[1]).max() > 0.01
