@@ -208,13 +208,18 @@ def _code_name(fn) -> str:
     arguments; a closure's with what it captured (deep_cache's and first_block's wrap another spec's wrap)."""
     if isinstance(fn, functools.partial):
         return f"{_code_name(fn.func)}{fn.args!r}{sorted(fn.keywords.items())!r}"
-    captured = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        value = cell.cell_contents
-        value = value.wrap if isinstance(value, SubmoduleSpec) else value
-        captured.append(_code_name(value) if callable(value) else repr(value)
-                        if isinstance(value, (str, int, float, bool, tuple, type(None))) else type(value).__name__)
+    captured = [_captured(cell.cell_contents) for cell in getattr(fn, "__closure__", None) or ()]
     return f"{fn.__module__}.{fn.__qualname__}{captured if captured else ''}"
+
+
+def _captured(value) -> str:
+    """A closure's captured value in `_code_name`: a spec by its wrap, code by its name, plain data by its repr
+    (an object's repr may hold its address, which would change the key in every process: its type instead)."""
+    if isinstance(value, SubmoduleSpec):
+        value = value.wrap
+    if callable(value):
+        return _code_name(value)
+    return repr(value) if isinstance(value, (str, int, float, bool, tuple, type(None))) else type(value).__name__
 
 
 def _exported_before(dest: Path, keys: dict[str, str], reuse_from: Path | None) -> dict[str, tuple[Path, dict, dict]]:

@@ -90,7 +90,8 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
     t5_lo, t5_opt, _ = entry.text_length
     probes = [
         {"batch": 2, "latent_height": side_a // scale, "latent_width": side_a // scale, "text_length": max(2, t5_opt)},
-        {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale, "text_length": max(t5_lo, min(t5_opt, 32) - 5)},
+        {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale,
+         "text_length": max(t5_lo, min(t5_opt, 32) - 5)},
     ]
     return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 

@@ -105,13 +105,14 @@ class RescaledTrueCFG(ClassifierFree):
     def combine(self, noise: np.ndarray, scale: float, **step_options) -> np.ndarray:
         cond = np.split(noise, 2)[1]
         guided = super().combine(noise, scale)
-        n, c, h, w, p = *noise.shape[:1], cond.shape[1], *noise.shape[2:], self.patch
+        n, c, h, w = cond.shape
+        tokens = (n, c, h // self.patch, self.patch, w // self.patch, self.patch)  # a packed token: axes 1, 3, 5
 
-        def token_norms(x):  # (n, c, h, w) -> (n, 1, h/p, 1, w/p, 1): the norm of each packed token
-            return np.sqrt((x.reshape(n // 2, c, h // p, p, w // p, p) ** 2).sum(axis=(1, 3, 5), keepdims=True))
+        def token_norms(x):
+            return np.sqrt((x.reshape(tokens) ** 2).sum(axis=(1, 3, 5), keepdims=True))
 
         factor = token_norms(cond) / token_norms(guided)
-        return (guided.reshape(n // 2, c, h // p, p, w // p, p) * factor).reshape(guided.shape).astype(np.float32)
+        return (guided.reshape(tokens) * factor).reshape(cond.shape).astype(np.float32)
 
 
 @dataclass(frozen=True)

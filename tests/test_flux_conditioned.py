@@ -11,7 +11,8 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_calls_keep_apart, assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, ours_and_diffusers, smooth_image,
+    assert_calls_keep_apart, assert_real_image, compare_flux_image_task, flux_packed_latents, manifest,
+    ours_and_diffusers, smooth_image,
     soft_mask,
 )
 
@@ -236,8 +237,9 @@ def test_the_graphs_of_shared_components_are_flux_devs(flux_tiny_build, model, s
 
 
 # Two calls with other conditions: Kontext's reference tokens, Canny/Depth's control latents.
-TWO_CALLS = {"kontext": [dict(image=smooth_image(80, 112, seed=k), max_area=64 * 64, auto_resize=False) for k in (1, 2)],
-             "control": [dict(control_image=smooth_image(64, 64, seed=k)) for k in (1, 2)]}
+TWO_CALLS = {
+    "kontext": [dict(image=smooth_image(80, 112, seed=k), max_area=64 * 64, auto_resize=False) for k in (1, 2)],
+    "control": [dict(control_image=smooth_image(64, 64, seed=k)) for k in (1, 2)]}
 
 
 @pytest.mark.parametrize("setup", TWO_CALLS)

@@ -284,9 +284,10 @@ def test_lora_equal_to_diffusers_fuse_lora(pair, z_image_tiny_build, tmp_path, s
 
     adapter = make_adapter(ZImagePipeline, z_image_tiny_build.source.folder, tmp_path / "a",
                            {"transformer": ATTENTION + ["w1", "w2", "w3"]}, seed=5, rank=2, alpha=4.0)
-    adapter = {"diffusers": lambda: adapter,
-               "kohya": lambda: to_kohya(adapter, tmp_path / "kohya.safetensors", {"transformer": "lora_unet_"}),
-               "diffusion_model": lambda: _diffusion_model_named(adapter, tmp_path / "original.safetensors")}[spelling]()
+    if spelling == "kohya":
+        adapter = to_kohya(adapter, tmp_path / "kohya.safetensors", {"transformer": "lora_unet_"})
+    elif spelling == "diffusion_model":
+        adapter = _diffusion_model_named(adapter, tmp_path / "original.safetensors")
     call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, guidance_scale=0.0, output_type="np")
     latents = np.random.default_rng(5).standard_normal((1, 16, 8, 8), dtype=np.float32)
     reference = ZImagePipeline.from_pretrained(z_image_tiny_build.source.folder)

@@ -130,4 +130,5 @@ def _open(path, device=None, **options) -> OrtSession:
 
 
 BACKENDS = [Backend("ort", "ONNX Runtime", _open, threads=True, adapters=True, concurrent=True,
-                    triton='backend: "onnxruntime"', device_hint=" (choose its GPU with ONNX Runtime's provider options)")]
+                    triton='backend: "onnxruntime"',
+                    device_hint=" (choose its GPU with ONNX Runtime's provider options)")]

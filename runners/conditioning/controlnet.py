@@ -278,8 +278,9 @@ class ControlNets:
         images = [self._control_input(name, given, request, height, width, n_images, per_prompt, cfg)
                   for name, given in zip(self.controlnets(), request.images)]
         shared = cfg and self.guided_halves_share_residuals
-        return {CONTROLNETS: ControlRun(self.controlnets(), images, request, half=shared or (cfg and request.guess_mode),
-                                        zero_uncond=not shared)}
+        run = ControlRun(self.controlnets(), images, request, half=shared or (cfg and request.guess_mode),
+                         zero_uncond=not shared)
+        return {CONTROLNETS: run}
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         """A ControlNet's controlnet_cond, as diffusers' prepare_image makes it: the image resized, in [0, 1];

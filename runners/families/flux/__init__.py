@@ -60,11 +60,12 @@ class FluxPipeline(FluxControlNets, TextToImage):
     guidance = TRUE_CFG  # FluxPipeline's: true_cfg_scale with a negative prompt (runners/guidance.py)
     embedded = EmbeddedGuidance(Option("guidance_scale", "float", "FLUX.1 dev's guidance embedding (default: "
                                        "diffusers', 3.5, and with an image 7; schnell has none)", flag="--guidance"))
-    options = options(REQUEST, (embedded.option,), guidance.options, (T5_LENGTH,), IMAGE_TASKS, CONTROL_OPTIONS, (CONTROL_NOISE, Option(
-        "control_mode", "int", "a ControlNet-Union's control mode (the kind of control image: its model card lists "
-        "them): one for every ControlNet, or one per ControlNet", repeat=True, group="controlnet"), Option(
-        "max_area", "int", "FLUX.1 Kontext: the output's area in pixels (default 1024**2)"), Option(
-        "auto_resize", "bool", "FLUX.1 Kontext: resize the reference to a trained resolution", default=True)))
+    options = options(REQUEST, (embedded.option,), guidance.options, (T5_LENGTH,), IMAGE_TASKS, CONTROL_OPTIONS, (
+        CONTROL_NOISE,
+        Option("control_mode", "int", "a ControlNet-Union's control mode (the kind of control image: its model card "
+               "lists them): one for every ControlNet, or one per ControlNet", repeat=True, group="controlnet"),
+        Option("max_area", "int", "FLUX.1 Kontext: the output's area in pixels (default 1024**2)"),
+        Option("auto_resize", "bool", "FLUX.1 Kontext: resize the reference to a trained resolution", default=True)))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
