@@ -290,6 +290,25 @@ Z_IMAGE_TINY = {
     "scheduler": _Z_IMAGE_TURBO_SCHEDULER,
 }
 
+# Z-Image's real widths (3840 = 30 heads of 128, captions of 2560) with 2 main layers and 1 refiner of each kind;
+# Qwen3-4B's real widths at 3 layers (the encoder's graph keeps 2); FLUX.1's real VAE (benchmarks).
+Z_IMAGE_BENCH = {
+    "transformer": _z_image(dim=3840, heads=30, layers=2, refiners=1, caption=2560),
+    "vae": FLUX_BENCH["vae"],
+    "text_encoder": _qwen3(2560, 3, 32, 8, 128, 9728),
+    "vocab_pieces": 1000,
+    "scheduler": _Z_IMAGE_TURBO_SCHEDULER,
+}
+# Z-Image-Turbo at its true shapes (30 layers, 2 refiners of each kind: 6.2 B parameters) and the whole Qwen3-4B
+# (36 layers, its 151936-token embedding); they get weights, streamed in fp16 (make scale-check).
+Z_IMAGE_FULLSIZE = {
+    **Z_IMAGE_BENCH,
+    "transformer": _z_image(dim=3840, heads=30, layers=30, refiners=2, caption=2560),
+    "text_encoder": {**_qwen3(2560, 36, 32, 8, 128, 9728), "vocab_size": 151936},
+    "weights_dtype": "float16",
+    "weights_for": ["transformer", "text_encoder"],
+}
+
 
 MODELS: dict[str, ModelEntry] = {
     e.name: e
@@ -362,6 +381,14 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("z-image-tiny", "z_image", random_configs=Z_IMAGE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512), extra={"variant": "turbo"},
                    description="Z-Image-Turbo architecture (Qwen3 encoder) at tiny widths, built offline"),
+        ModelEntry("z-image-bench", "z_image", random_configs=Z_IMAGE_BENCH, image_size=(256, 1024, 1024),
+                   text_length=(1, 128, 512), batch=(1, 2, 4), extra={"variant": "turbo"},
+                   description="Z-Image widths, 2 layers and 1 refiner of each kind, Qwen3-4B's widths at 3 layers, "
+                               "random weights (benchmarks)"),
+        ModelEntry("z-image-fullsize", "z_image", random_configs=Z_IMAGE_FULLSIZE, image_size=(256, 1024, 1024),
+                   text_length=(1, 128, 512), batch=(1, 2, 4), extra={"variant": "turbo"}, export_dtype="float16",
+                   description="Z-Image-Turbo's transformer and Qwen3-4B at their true shapes, random fp16 weights "
+                               "(make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -480,20 +480,15 @@ def diffusers_schedule(config, steps: int) -> list[bool]:
             for s in range(steps)]
 
 
-def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
-    """(images, transformer calls) of diffusers' `reference_pipeline` called with `call` under its TaylorSeer hook
-    on the transformer's output layer `module` (lite mode's cached module; the blocks still run and their work
-    is thrown away: the image is lite mode's). For a transformer without CacheMixin (SD3's, Z-Image's) the
-    cache context is set around each call and the state reset after the run, as CacheMixin and the pipelines do."""
-    import torch
-    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig as Reference, apply_taylorseer_cache
+@contextmanager
+def diffusers_cache_hooks(transformer, apply, hooks: tuple[str, ...]):
+    """diffusers' cache hooks put on `transformer` by `apply(transformer)` and named `hooks` (removed after),
+    yielding the list of its calls. For a transformer without CacheMixin (SD3's, Z-Image's) the cache context is
+    set around each call and the state reset after the run, as CacheMixin and the pipelines do."""
+    from diffusers.hooks import HookRegistry
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
-    transformer = reference_pipeline.transformer
-    apply_taylorseer_cache(transformer, Reference(
-        cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
-        disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
-        taylor_factors_dtype=torch.float32, cache_identifiers=[f"^{re.escape(module)}$"]))
+    apply(transformer)
     calls = []
     forward = transformer.forward
 
@@ -507,11 +502,58 @@ def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
 
     transformer.forward = in_context
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.invalidate_child_registries_cache()  # the hook just added is among them (the pipeline is the session's)
+    registry.invalidate_child_registries_cache()  # the hooks just added are among them (the pipeline is the session's)
     try:
-        with torch.no_grad():
-            return reference_pipeline(**call).images, len(calls)
+        yield calls
     finally:
         del transformer.forward  # the class's own again
-        registry.remove_hook("taylorseer_cache", recurse=True)
+        for hook in hooks:
+            registry.remove_hook(hook, recurse=True)
         registry.invalidate_child_registries_cache()
+
+
+@contextmanager
+def diffusers_fbc_decisions():
+    """diffusers' First-Block Cache decisions in call order (True: the remaining blocks ran)."""
+    from diffusers.hooks import first_block_cache
+
+    hook, seen = first_block_cache.FBCHeadBlockHook, []
+    decide = hook._should_compute_remaining_blocks
+
+    def spy(self, residual):
+        seen.append(decide(self, residual))
+        return seen[-1]
+
+    hook._should_compute_remaining_blocks = spy
+    try:
+        yield seen
+    finally:
+        hook._should_compute_remaining_blocks = decide
+
+
+def with_diffusers_first_block_cache(reference_pipeline, threshold: float, **call):
+    """(images, decisions) of diffusers' `reference_pipeline` called with `call` under `apply_first_block_cache`
+    on its transformer (one context per call)."""
+    import torch
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    apply = lambda transformer: apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))  # noqa: E731
+    with diffusers_cache_hooks(reference_pipeline.transformer, apply, ("fbc_leader_block_hook", "fbc_block_hook")), \
+            diffusers_fbc_decisions() as seen, torch.no_grad():
+        return reference_pipeline(**call).images, seen
+
+
+def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
+    """(images, transformer calls) of diffusers' `reference_pipeline` called with `call` under its TaylorSeer hook
+    on the transformer's output layer `module` (lite mode's cached module; the blocks still run and their work
+    is thrown away: the image is lite mode's)."""
+    import torch
+    from diffusers.hooks import TaylorSeerCacheConfig as Reference, apply_taylorseer_cache
+
+    reference = Reference(
+        cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
+        disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
+        taylor_factors_dtype=torch.float32, cache_identifiers=[f"^{re.escape(module)}$"])
+    with diffusers_cache_hooks(reference_pipeline.transformer, lambda t: apply_taylorseer_cache(t, reference),
+                               ("taylorseer_cache",)) as calls, torch.no_grad():
+        return reference_pipeline(**call).images, len(calls)

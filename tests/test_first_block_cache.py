@@ -5,13 +5,11 @@ context). Each case asserts diffusers' decisions step by step, our counts, the i
 the cache changed the image; the thresholds are chosen so that the cases skip none, some and most steps."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import assert_real_image
+from conftest import assert_real_image, diffusers_fbc_decisions, with_diffusers_first_block_cache
 from runners import FirstBlockCacheConfig, Pipeline
 from runners.caches import parse_cache
 
@@ -24,25 +22,6 @@ SD3_THRESHOLDS = (0.32, 0.38, 0.5)  # sd3-tiny at SD3_CALL: 5, 7 and 9 of 10 ste
 FLUX_THRESHOLDS = (0.46, 0.56, 0.7)  # flux-tiny at FLUX_CALL: 6, 6; 8, 7; 9, 9 cached (uncond, cond)
 
 
-@contextlib.contextmanager
-def _decisions():
-    """diffusers' FBC decisions in call order (True: the remaining blocks ran)."""
-    from diffusers.hooks import first_block_cache
-
-    hook, seen = first_block_cache.FBCHeadBlockHook, []
-    decide = hook._should_compute_remaining_blocks
-
-    def spy(self, residual):
-        seen.append(decide(self, residual))
-        return seen[-1]
-
-    hook._should_compute_remaining_blocks = spy
-    try:
-        yield seen
-    finally:
-        hook._should_compute_remaining_blocks = decide
-
-
 @pytest.fixture(scope="module")
 def sd3_pipe(tiny_artifact):
     with Pipeline.load(tiny_artifact) as pipe:
@@ -50,43 +29,22 @@ def sd3_pipe(tiny_artifact):
 
 
 def _sd3_reference(reference_pipeline, threshold: float, latents):
-    """diffusers' StableDiffusion3Pipeline with `apply_first_block_cache` on its transformer. SD3's transformer
-    has no CacheMixin: the context is set around each call, as CacheMixin does. Its last block returns None for
-    the text stream (nothing reads it after the last block), which the tail hook subtracts: the shim returns
-    the block's text input in its place, which changes no image."""
-    from diffusers.hooks import FirstBlockCacheConfig as Reference, HookRegistry, apply_first_block_cache
-    from diffusers.hooks.hooks import CacheContext, _set_cache_context
-
-    transformer = reference_pipeline.transformer
-    last = transformer.transformer_blocks[-1]
-    block_forward, forward = last.forward, transformer.forward
+    """diffusers' StableDiffusion3Pipeline with `apply_first_block_cache` on its transformer (one batched context).
+    Its last block returns None for the text stream (nothing reads it after the last block), which the tail hook
+    subtracts: the shim returns the block's text input in its place, which changes no image."""
+    last = reference_pipeline.transformer.transformer_blocks[-1]
+    block_forward = last.forward
 
     def text_passed_on(*args, **kwargs):
         text, hidden = block_forward(*args, **kwargs)
         return (kwargs["encoder_hidden_states"] if text is None else text), hidden
 
-    def in_context(*args, **kwargs):
-        _set_cache_context(transformer, CacheContext("batch"))
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _set_cache_context(transformer, None)
-
-    last.forward, transformer.forward = text_passed_on, in_context
-    apply_first_block_cache(transformer, Reference(threshold=threshold))
-    # The transformer's registry caches its children's registries when a context is first set (the
-    # session's pipeline may have had other hooks): rebuilt, it reaches the block hooks just added.
-    registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.invalidate_child_registries_cache()
+    last.forward = text_passed_on
     try:
-        with _decisions() as seen:
-            images = reference_pipeline(latents=torch.from_numpy(latents), **SD3_CALL).images
-        return images, seen
+        return with_diffusers_first_block_cache(reference_pipeline, threshold, latents=torch.from_numpy(latents),
+                                                **SD3_CALL)
     finally:
-        registry.remove_hook("fbc_leader_block_hook", recurse=True)
-        registry.remove_hook("fbc_block_hook", recurse=True)
-        registry.invalidate_child_registries_cache()
-        del last.forward, transformer.forward  # the classes' own again
+        del last.forward  # the class's own again
 
 
 def _check(name, ours, ref, uncached, decisions, stats, ours_decisions):
@@ -131,7 +89,7 @@ def test_first_block_cache_matches_diffusers_on_flux(flux_pipes, threshold):
     ours = pipe(latents=latents, cache=FirstBlockCacheConfig(threshold), **FLUX_CALL)
     reference.transformer.enable_cache(Reference(threshold=threshold))
     try:
-        with _decisions() as seen:
+        with diffusers_fbc_decisions() as seen:
             ref = reference(latents=torch.from_numpy(latents), **FLUX_CALL).images
     finally:
         reference.transformer.disable_cache()

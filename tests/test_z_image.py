@@ -258,6 +258,39 @@ def test_taylorseer_equal_to_diffusers_hook(pair, case):
     assert_real_image(theirs)
 
 
+FBC_THRESHOLDS = (1.0, 1.5)  # z-image-tiny at the call below: 3 and 9 steps of 10 cached (0.8: none)
+
+
+@pytest.mark.parametrize("threshold", FBC_THRESHOLDS)
+def test_first_block_cache_equal_to_diffusers_hooks(pair, monkeypatch, threshold):
+    """First-Block Cache on the Z-Image transformer against diffusers' `apply_first_block_cache`: on its `layers`
+    (the refiner blocks before them run every step), guidance batched in one context as ZImagePipeline calls it.
+    diffusers' hooks look for a block's input by the name `hidden_states`, which Z-Image's blocks call `x`, and
+    raise: the shim tells them its position. The same decisions step by step, the images within IMAGE_ATOL, and
+    the cache changed the image."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    from conftest import assert_real_image, with_diffusers_first_block_cache
+    from runners import FirstBlockCacheConfig
+
+    ours, reference = pair
+    monkeypatch.setattr(TransformerBlockRegistry.get(ZImageTransformerBlock), "_cached_parameter_indices",
+                        {"hidden_states": 0})
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=10, output_type="np", **CFG)
+    latents = np.random.default_rng(1).standard_normal((1, 16, 8, 8), dtype=np.float32)
+    theirs, decisions = with_diffusers_first_block_cache(reference, threshold, latents=torch.from_numpy(latents),
+                                                         **call)
+    cached = ours(latents=latents, cache=FirstBlockCacheConfig(threshold), **call)
+    stats = ours.cache_stats
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
+    print(f"z-image threshold {threshold}: diffusers {decisions}; ours {stats['full']} full, {stats['cached']} cached; "
+          f"|ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
+    assert stats["decisions"]["batch"] == decisions
+    assert error <= IMAGE_ATOL and changed > 3 / 255
+    assert_real_image(theirs)
+
+
 def _diffusion_model_named(peft_file, out):
     """The adapter in the original checkpoint's names, which diffusers' Z-Image loader converts:
     `diffusion_model.<module>.lora_down.weight` and `lora_up`, the attention's output projection as

@@ -1,5 +1,5 @@
 """What First-Block Cache (runners/caches/first_block.py, diffusers' `FirstBlockCacheConfig`) needs from
-a transformer's export, for every family whose transformer is a list of blocks (SD3, Flux).
+a transformer's export, for every family whose transformer is a list of blocks (SD3, Flux, Z-Image).
 
 - The denoiser graph gives one more output, `tail_residual`: the hidden stream after the last block
   minus after the first (what diffusers' FBC keeps on a full step). Its cost on an uncached step is
@@ -25,17 +25,39 @@ import torch
 from export.spec import SubmoduleSpec, TensorSpec as T
 
 NAME = "transformer_first_block"
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")  # in diffusers' order (Flux: double, single)
+
+
+def _block_lists(transformer) -> list[str]:
+    """The names of the transformer's block lists as diffusers' `apply_first_block_cache` finds them: its
+    ModuleList children named as diffusers' block lists, in the model's order (Flux: double, then single
+    blocks; Z-Image: `layers`, its refiner blocks before them left out)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [name for name, child in transformer.named_children()
+            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)]
 
 
 def blocks(transformer) -> list:
-    return [block for name in BLOCK_LISTS for block in getattr(transformer, name, ())]
+    return [block for name in _block_lists(transformer) for block in transformer._modules[name]]
 
 
-def _hidden_index(block) -> int:
+def _hidden_index(block, output) -> int | None:
+    """Where a block's output holds the hidden stream: the element of its tuple diffusers'
+    `TransformerBlockRegistry` names, or None where the output is it (Z-Image's blocks return one tensor)."""
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
-    return TransformerBlockRegistry.get(type(block)).return_hidden_states_index
+    return TransformerBlockRegistry.get(type(block)).return_hidden_states_index if isinstance(output, tuple) else None
+
+
+def _hidden_output(block, output):
+    i = _hidden_index(block, output)
+    return output if i is None else output[i]
+
+
+def _hidden_input(args, kwargs):
+    # Flux and SD3 pass it by name; Z-Image's blocks take it first, as `x` (which diffusers' hooks, looking
+    # for "hidden_states" in the signature, do not find: tests/test_z_image.py)
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 @contextmanager
@@ -67,7 +89,7 @@ class WithTailResidual(torch.nn.Module):
 
         def take(name):
             def hook(block, args, kwargs, output):
-                taken[name] = output[_hidden_index(block)]
+                taken[name] = _hidden_output(block, output)
             return hook
 
         with hooked(head, take("head")), hooked(tail, take("tail")):
@@ -81,10 +103,10 @@ def _first_block_only(transformer):
     head = object.__new__(type(transformer))
     head.__dict__.update(transformer.__dict__)
     head._modules = dict(transformer._modules)
-    for name in BLOCK_LISTS:
-        if name in head._modules:
-            head._modules[name] = torch.nn.ModuleList()
-    head._modules["transformer_blocks"] = torch.nn.ModuleList([blocks(transformer)[0]])
+    lists = _block_lists(transformer)
+    for name in lists:
+        head._modules[name] = torch.nn.ModuleList()
+    head._modules[lists[0]] = torch.nn.ModuleList([blocks(transformer)[0]])
     return head
 
 
@@ -99,12 +121,14 @@ class FirstBlock(torch.nn.Module):
 
     def forward(self, *inputs):
         *inputs, tail_residual = inputs
-        head = self.wrapper.transformer.transformer_blocks[0]
+        head = blocks(self.wrapper.transformer)[0]
         taken = {}
 
         def add_tail(block, args, kwargs, output):
-            i = _hidden_index(block)
-            taken["residual"] = output[i] - kwargs["hidden_states"]
+            i = _hidden_index(block, output)
+            taken["residual"] = _hidden_output(block, output) - _hidden_input(args, kwargs)
+            if i is None:
+                return output + tail_residual
             return tuple(o + tail_residual if j == i else o for j, o in enumerate(output))
 
         with hooked(head, add_tail):
@@ -112,16 +136,17 @@ class FirstBlock(torch.nn.Module):
         return (*outputs, taken["residual"])
 
 
-HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stream
+HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stream (SD3, Flux: the image's)
 
 
-def transformer_specs(spec: SubmoduleSpec) -> tuple[SubmoduleSpec, SubmoduleSpec]:
-    """The family's transformer description, and its first-block graph's (see the module's docstring)."""
-    tail = T("tail_residual", "float32", HIDDEN)
+def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN) -> tuple[SubmoduleSpec, SubmoduleSpec]:
+    """The family's transformer description, and its first-block graph's (see the module's docstring);
+    `hidden`: the dims of the hidden stream the blocks pass on."""
+    tail = T("tail_residual", "float32", hidden)
     full = dataclasses.replace(spec, outputs=(*spec.outputs, tail),
                                wrap=lambda component: WithTailResidual(spec.wrap(component)))
     first = dataclasses.replace(spec, name=NAME, inputs=(*spec.inputs, tail),
-                                outputs=(*spec.outputs, T("first_block_residual", "float32", HIDDEN)),
+                                outputs=(*spec.outputs, T("first_block_residual", "float32", hidden)),
                                 wrap=lambda component: FirstBlock(spec.wrap, component))
     return full, first
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from export.families.first_block import transformer_specs
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.families.parts import VAE_DECODER, VAE_DIMS, VAE_ENCODER, vae_runtime_constants
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -79,7 +80,7 @@ class _PaddedForward(torch.nn.Module):
         super().__init__()
         from diffusers.models.attention_processor import Attention
 
-        self.model = model
+        self.transformer = model
         for module in model.modules():
             if isinstance(module, Attention):
                 module.processor = _RealRopeAttention()
@@ -93,7 +94,7 @@ class _PaddedForward(torch.nn.Module):
         return torch.stack([cos, sin], dim=-1)
 
     def forward(self, latent, timestep, caption, caption_lengths):
-        m = self.model
+        m = self.transformer
         batch, channels, height, width = latent.shape
         rows, cols = height // PATCH, width // PATCH
         n_image, length = rows * cols, caption.shape[1]
@@ -151,6 +152,13 @@ TRANSFORMER = SubmoduleSpec(
     quantization={"denoiser": True},
     latent_divisor=PATCH,
 )
+# The blocks' hidden stream (First-Block Cache's residuals): the image's tokens, then the caption's, each
+# padded to a multiple of 32
+HIDDEN = ("batch", "hidden_tokens", "inner_dim")
+
+
+def _hidden_tokens(dims: dict[str, int]) -> int:
+    return _ceil((dims["latent_height"] // PATCH) * (dims["latent_width"] // PATCH)) + _ceil(dims["text_length"])
 
 
 def _constants(src) -> dict[str, int]:
@@ -163,6 +171,7 @@ def _constants(src) -> dict[str, int]:
         "latent_multiple": PATCH,
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
         "caption_dim": tr["cap_feat_dim"],
+        "inner_dim": tr["dim"],
     }
 
 
@@ -171,7 +180,7 @@ def _runtime_constants(src) -> dict:
     # its scheduler's shift: the registry's entry says, or the folder's name
     variant = src.entry.extra.get("variant") or ("turbo" if "turbo" in str(src.folder).lower() else "base")
     return {**vae_runtime_constants(src.config("vae")), "denoiser": "transformer", "latent_multiple": PATCH,
-            "patch_size": PATCH, "variant": variant,
+            "patch_size": PATCH, "token_multiple": SEQ_MULTIPLE, "variant": variant,
             # ZImagePipeline's sigmas; it passes a mu its schedulers' configs ignore
             "schedule": {"sigmas": "linspace", "mu": "linear"}}
 
@@ -209,13 +218,13 @@ FAMILY = Family(
     pipeline_classes=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
-        TRANSFORMER,
+        *transformer_specs(TRANSFORMER, HIDDEN),
         VAE_DECODER,
         VAE_ENCODER,
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
-    derived_dims=dict(VAE_DIMS),
+    derived_dims={**VAE_DIMS, "hidden_tokens": _hidden_tokens},
     tokenizers=("tokenizer",),
     build_random=build_random,
     tiny_vae="taef1",

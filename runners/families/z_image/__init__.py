@@ -75,6 +75,13 @@ class ZImagePipeline(TextToImage):
         trimmed = encode_prompts(self, "text_encoder", "tokenizer", prompts, max_length, post="trimmed")
         return [e for e in trimmed for _ in range(per_prompt)]
 
+    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+        """The blocks' stream: the image's patches, then the batch's longest caption, each padded to a multiple
+        of 32 (the manifest's `token_multiple`: export/families/z_image.py)."""
+        multiple = self.constants["token_multiple"]
+        image, caption = super().hidden_tokens(h, w, conditions), conditions["caption"].shape[1]
+        return sum(-(-n // multiple) * multiple for n in (image, caption))
+
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """The transformer on the latents at timestep (1000 - t) / 1000, its prediction negated (as the
         pipeline feeds and reads it)."""
