@@ -86,22 +86,24 @@ def _group(item: pytest.Item) -> str:
     return f"{item.path.name}::{family}" if family else item.path.name
 
 
-# Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that
-# waits for a build another worker makes pays the wait), on an AVX-512 Xeon (2026-11-28). They only order
-# the groups, longest first (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by
-# test count), so that both workers end together; rough numbers do. A group not listed goes after these,
-# as short.
+# Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that waits for
+# a build another worker makes pays the wait), on a 2-core AMD EPYC without AVX-512 (2026-12-02: 6989 s of
+# test time, 63 minutes). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
+# keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
+# group not listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::flux": 360, "test_family_targets.py::sd15": 340, "test_family_targets.py::sdxl": 290,
-    "test_trt.py": 290, "test_controlnet.py": 170,  # with SD3's inpainting and SD3.5 Large cases, estimated
-    "test_controlnet.py::flux": 280, "test_bench_smoke.py": 130, "test_controlnet.py::sd15": 150,
-    "test_precision.py": 110, "test_lora_openvino.py": 90, "test_flux_conditioned.py::flux": 90,
-    "test_lazy_export.py": 90, "test_bench_smoke.py::sd15": 80, "test_passes.py": 80, "test_serving.py": 70,
-    "test_openvino.py": 60, "test_controlnet.py::sdxl": 50, "test_flux.py::flux": 40, "test_export.py": 20,
-    "test_tiny_vae.py::sd15": 20, "test_lora.py": 20, "test_tiny_vae.py::sdxl": 20, "test_bench_smoke.py::flux": 20,
-    "test_tiny_vae.py::flux": 20, "test_tiny_vae.py": 20, "test_engines.py": 20,
-    "test_trt.py::flux": 40, "test_serving.py::flux": 40,  # estimated
-    "test_z_image.py": 250,  # measured on a 2-core AMD EPYC without AVX-512 (2026-12-02): 252 s, its export included
+    "test_family_targets.py::sd15": 900, "test_family_targets.py::flux": 620, "test_family_targets.py::sdxl": 580,
+    "test_controlnet.py::flux": 530, "test_trt.py": 390, "test_bench_smoke.py": 390, "test_z_image.py": 290,
+    "test_controlnet.py": 270, "test_controlnet.py::sd15": 270, "test_precision.py": 250, "test_openvino.py": 240,
+    "test_lora_openvino.py": 190, "test_flux_conditioned.py::flux": 190, "test_bench_smoke.py::sd15": 160,
+    "test_lazy_export.py": 160, "test_image_to_image.py::sdxl": 150, "test_passes.py": 150,
+    "test_controlnet.py::sdxl": 140, "test_serving.py": 110, "test_flux.py::flux": 100, "test_tiny_vae.py": 100,
+    "test_streamed_parity.py::flux": 50, "test_lora_openvino.py::sd15": 50, "test_lora_openvino.py::sdxl": 50,
+    "test_bench_smoke.py::flux": 50, "test_tiny_vae.py::sd15": 50, "test_tiny_vae.py::sdxl": 40,
+    "test_export.py": 40, "test_lora.py": 30, "test_memory.py": 30, "test_runner_errors.py": 30,
+    "test_lora.py::flux": 30, "test_engines.py": 30, "test_tiny_vae.py::flux": 20, "test_docs_commands.py": 20,
+    "test_image_to_image.py": 20, "test_image_to_image.py::sd15": 20, "test_scale.py": 20,
+    "test_passes.py::sdxl": 20,
 }
 
 
