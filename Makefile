@@ -144,6 +144,7 @@ fullsize-caches: venv
 # again per stage's output): sd3-fullsize through export and the ORT and OpenVINO fp16 builds, each
 # stage's peak RSS measured from outside, and each command's disk, written to BENCHMARKS.md; fails over
 # SCALE_BUDGET_GIB. SCALE_MODEL=flux-fullsize checks FLUX.1-dev's 12 B transformer.
+# SCALE_MODEL=z-image-fullsize checks Z-Image-Turbo's 6.2 B transformer and the whole Qwen3-4B.
 SCALE_MODEL ?= sd3-fullsize
 SCALE_BUDGET_GIB ?= 16
 # The serving table alone (`make bench` measures it too): sd3-bench through Triton on 127.0.0.1.

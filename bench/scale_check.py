@@ -54,6 +54,10 @@ CHECKS = {
     # side by side.
     "flux-fullsize": Check(builds=(("ort", "fp16", ()), ("openvino", "bf16", ("--ov-weights", "int4"))),
                            stream_disk=True),
+    # Z-Image-Turbo's 6.2 B transformer and Qwen3-4B (20 GB in fp16 together): OpenVINO bf16 with int8 weights,
+    # as issue 55 asks (the compile's second copy of the weights is 6 GB here); outputs deleted as for Flux.
+    "z-image-fullsize": Check(builds=(("ort", "fp16", ()), ("openvino", "bf16", ("--ov-weights", "int8"))),
+                              stream_disk=True),
 }
 
 
