@@ -28,7 +28,9 @@ SEGMENT_BYTES = 1 << 30  # weights per ONNX Runtime segment
 def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
     """The outputs of `spec`'s wrapper of the component for each of `feeds`, computed in fp32 over its
     weights as an export in `dtype` holds them (an fp16 export's rounded to fp16, except those it
-    keeps in fp32), each module's read from the checkpoint as the module runs."""
+    keeps in fp32), each module's read from the checkpoint as the module runs. A module with children
+    whose own parameters its children's callers read without calling it (Z-Image's pad tokens, which
+    the wrapper reads off the transformer) has them read for the whole call: such parameters are small."""
     import torch
 
     from export.onnx_export import wrapped
@@ -42,7 +44,7 @@ def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> 
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
 
-    def holder(path: str, sub):
+    def holder(path: str, sub, during):
         names = {p: f"{path}.{p}" if path else p for p, v in sub._parameters.items() if v is not None}
         fakes = {p: sub._parameters[p] for p in names}
 
@@ -55,10 +57,10 @@ def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> 
         def drop(*_):
             sub._parameters.update(fakes)
 
-        return sub.register_forward_pre_hook(load), sub.register_forward_hook(drop)
+        return during.register_forward_pre_hook(load), during.register_forward_hook(drop)
 
     hooks = [h for path, sub in module.named_modules() if any(v is not None for v in sub._parameters.values())
-             for h in holder(path, sub)]
+             for h in holder(path, sub, module if sub._modules else sub)]
     try:
         with torch.no_grad():
             return [[r.numpy() for r in module(*[torch.from_numpy(a) for a in inputs])] for inputs in feeds]

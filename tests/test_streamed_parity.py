@@ -40,6 +40,19 @@ def test_the_streamed_check_measures_what_the_whole_check_measures(flux_tiny_bui
         assert s.max_abs_err <= 2 * w["max_abs_err"] + 1e-6, (s, w)
 
 
+def test_a_containers_own_parameters_are_read_for_the_call(z_image_tiny_build):
+    """Z-Image's wrapper reads the transformer's pad tokens without calling the transformer (it calls its
+    blocks): the streamed check holds them for the whole call, and measures what the whole check does."""
+    src, graph = z_image_tiny_build.source, z_image_tiny_build.folder / "onnx" / "transformer.onnx"
+    spec, constants, probes, _ = _setting(src)
+    streamed = check_parity(spec, src, "float32", constants, probes, graph, whole_max_bytes=0, segment_bytes=200_000)
+    whole = manifest(z_image_tiny_build.folder / "onnx")["submodules"]["transformer"]["export"]["parity"]
+    assert all(p.ok for p in streamed)
+    for s, w in zip(streamed, whole):
+        assert s.max_abs_ref == pytest.approx(w["max_abs_ref"], rel=1e-6)
+        assert s.max_abs_err <= 2 * w["max_abs_err"] + 1e-6, (s, w)
+
+
 def test_the_streamed_check_fails_on_a_wrong_weight(flux_tiny_build, tmp_path):
     """One weight in the middle of the graph (of the MatMuls' in order) negated in a copy of it."""
     src, graph = flux_tiny_build.source, flux_tiny_build.folder / "onnx" / "transformer.onnx"
