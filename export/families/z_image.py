@@ -149,7 +149,9 @@ TRANSFORMER = SubmoduleSpec(
             T("caption_lengths", "int64", ("batch",), high="text_length", low=1)),
     outputs=(T("noise_pred", "float32", _LATENT),),
     wrap=_PaddedForward,
-    quantization={"denoiser": True},
+    # An fp16 export takes the timestep in fp32: the embedding's sinusoids of 1000 t turn by up to a quarter
+    # radian at fp16's spacing (as FLUX.1's, export/families/flux.py)
+    quantization={"denoiser": True, "fp32_inputs": ("timestep",)},
     latent_divisor=PATCH,
 )
 # The blocks' hidden stream (First-Block Cache's residuals): the image's tokens, then the caption's, each
