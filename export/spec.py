@@ -108,12 +108,16 @@ class ControlNetKind:
     constants: Callable[[list[dict], Any], dict]
     # (base ModelSource, seed, folder) -> writes a random test ControlNet for the base model into folder
     build_random: Callable[[Any, int, Any], None]
-    # base ModelSource -> the base's descriptions that differ beside ControlNets, in place of those of the
-    # same names (SD3's and Flux's transformer takes their residuals only then). None: none differ.
-    controlled: Callable[[Any], tuple[SubmoduleSpec, ...]] | None = None
+    # (base ModelSource, ControlNet configs) -> the base's descriptions that differ beside ControlNets, in place
+    # of those of the same names (SD3's, Flux's and Z-Image's transformer takes their residuals only then: Z-Image's
+    # at the layers the ControlNets add to). None: none differ.
+    controlled: Callable[[Any, list[dict]], tuple[SubmoduleSpec, ...]] | None = None
     # ControlNet config -> the base component whose weights the ControlNet takes from its pipeline, which its
     # folder lacks (SD3.5 Large's take their transformer's patch embedding), or None
     borrows: Callable[[dict], str | None] = lambda config: None
     # (config, ControlNet folder, base ModelSource, out folder) -> writes into `out` the ControlNet with those
     # weights, as its pipeline runs it (its own weights linked, not copied)
     complete: Callable[[dict, Any, Any, Any], None] | None = None
+    # (module, class) that loads the staged ControlNet where its diffusers class cannot (Z-Image's, which holds
+    # the modules its pipeline lends it from the transformer); None: the diffusers class
+    loader: tuple[str, str] | None = None

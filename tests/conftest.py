@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def _group(item: pytest.Item) -> str:
 # group not listed goes after these, as short.
 GROUP_SECONDS = {
     "test_family_targets.py::sd15": 900, "test_family_targets.py::flux": 620, "test_family_targets.py::sdxl": 580,
-    "test_controlnet.py::flux": 530, "test_trt.py": 390, "test_bench_smoke.py": 390, "test_z_image.py": 290,
+    "test_controlnet.py::flux": 530, "test_trt.py": 390, "test_bench_smoke.py": 390, "test_z_image.py": 450,
     "test_controlnet.py": 270, "test_controlnet.py::sd15": 270, "test_precision.py": 250, "test_openvino.py": 240,
     "test_lora_openvino.py": 190, "test_flux_conditioned.py::flux": 190, "test_bench_smoke.py::sd15": 160,
     "test_lazy_export.py": 160, "test_image_to_image.py::sdxl": 150, "test_passes.py": 150,
@@ -275,6 +276,32 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux-kontext-tiny": "flux-tiny", "z-image-tiny": "flux-tiny"}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
+
+
+def with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str, start=None):
+    """`build`'s export with `controlnets` (its other graphs, and those of `start`'s export when given, taken
+    as they are), built for ort-fp32."""
+    from engines.api import build_artifact
+    from export.api import export_model
+
+    folder = tmp_path_factory.mktemp(name)
+    shutil.copytree((start or build.folder) / "onnx", folder / "onnx", copy_function=os.link)
+    export_model(build.source, folder, controlnets=[str(controlnet_folder(n)) for n in controlnets])
+    build_artifact(folder, "ort", "fp32")
+    return folder
+
+
+_FOLDERS = {}
+
+
+def controlnet_folder(name: str):
+    """A random test ControlNet's folder, resolved once: the export and the reference read the same one
+    even when another change to the family code rebuilds the random models meanwhile."""
+    from export.families.controlnet import folder_of
+
+    if name not in _FOLDERS:
+        _FOLDERS[name] = folder_of(name)
+    return _FOLDERS[name]
 
 
 def ours_and_diffusers(build: TinyBuild, pipeline_class: str):

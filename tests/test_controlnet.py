@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -14,8 +13,8 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_calls_keep_apart, assert_real_image, compare_controlled, edge_image, int8_bounds, library_deep_cache,
-    manifest, rtx_options, smooth_image, soft_mask,
+    assert_calls_keep_apart, assert_real_image, compare_controlled, controlnet_folder, edge_image, int8_bounds,
+    library_deep_cache, manifest, rtx_options, smooth_image, soft_mask, with_controlnets,
 )
 from runners import DeepCacheConfig, Pipeline
 from runners.conditioning.controlnet import residual_inputs
@@ -24,80 +23,54 @@ ONE_LEVEL = 1 / 255
 STEPS = 5
 
 
-def _with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str, start=None):
-    """`build`'s export with `controlnets` (its other graphs, and those of `start`'s export when given, taken
-    as they are), built for ort-fp32."""
-    from engines.api import build_artifact
-    from export.api import export_model
-
-    folder = tmp_path_factory.mktemp(name)
-    shutil.copytree((start or build.folder) / "onnx", folder / "onnx", copy_function=os.link)
-    export_model(build.source, folder, controlnets=[str(_controlnet_folder(n)) for n in controlnets])
-    build_artifact(folder, "ort", "fp32")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def sd15_one(tmp_path_factory, sd15_tiny_build):
-    return _with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny"], "sd15-cn")
+    return with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny"], "sd15-cn")
 
 
 @pytest.fixture(scope="module")
 def sd15_two(tmp_path_factory, sd15_tiny_build, sd15_one):
-    return _with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
+    return with_controlnets(tmp_path_factory, sd15_tiny_build, ["sd15-controlnet-tiny", "sd15-controlnet-tiny-2"],
                              "sd15-cn2", start=sd15_one)
 
 
 @pytest.fixture(scope="module")
 def sd3_one(tmp_path_factory, sd3_tiny_build):
-    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-tiny"], "sd3-cn")
+    return with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-tiny"], "sd3-cn")
 
 
 @pytest.fixture(scope="module")
 def sd3_inpaint(tmp_path_factory, sd3_tiny_build, sd3_one):
-    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-inpaint-tiny"], "sd3-cn-inpaint",
+    return with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-inpaint-tiny"], "sd3-cn-inpaint",
                              start=sd3_one)
 
 
 @pytest.fixture(scope="module")
 def sd3_large(tmp_path_factory, sd3_tiny_build, sd3_one):
-    return _with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-large-tiny"], "sd3-cn-large",
+    return with_controlnets(tmp_path_factory, sd3_tiny_build, ["sd3-controlnet-large-tiny"], "sd3-cn-large",
                              start=sd3_one)
 
 
 @pytest.fixture(scope="module")
 def flux_one(tmp_path_factory, flux_tiny_build):
-    return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-tiny"], "flux-cn")
+    return with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-tiny"], "flux-cn")
 
 
 @pytest.fixture(scope="module")
 def flux_union(tmp_path_factory, flux_tiny_build, flux_one):
-    return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-union-tiny"], "flux-cn-union",
+    return with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-union-tiny"], "flux-cn-union",
                              start=flux_one)
 
 
 @pytest.fixture(scope="module")
 def flux_xlabs(tmp_path_factory, flux_tiny_build, flux_one):
-    return _with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-xlabs-tiny"], "flux-cn-xlabs",
+    return with_controlnets(tmp_path_factory, flux_tiny_build, ["flux-controlnet-xlabs-tiny"], "flux-cn-xlabs",
                              start=flux_one)
 
 
 @pytest.fixture(scope="module")
 def sdxl_one(tmp_path_factory, sdxl_tiny_build):
-    return _with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
-
-
-_FOLDERS = {}
-
-
-def _controlnet_folder(name: str):
-    """A random test ControlNet's folder, resolved once: the export and the reference read the same one
-    even when another change to the family code rebuilds the random models meanwhile."""
-    from export.families.controlnet import folder_of
-
-    if name not in _FOLDERS:
-        _FOLDERS[name] = folder_of(name)
-    return _FOLDERS[name]
+    return with_controlnets(tmp_path_factory, sdxl_tiny_build, ["sdxl-controlnet-tiny"], "sdxl-cn")
 
 
 def _reference(pipeline_class: str, build, controlnets: list[str]):
@@ -106,7 +79,7 @@ def _reference(pipeline_class: str, build, controlnets: list[str]):
 
     import diffusers
 
-    folders = [_controlnet_folder(n) for n in controlnets]
+    folders = [controlnet_folder(n) for n in controlnets]
     nets = [getattr(diffusers, json.loads((f / "config.json").read_text())["_class_name"]).from_pretrained(f)
             for f in folders]
     base = diffusers.DiffusionPipeline.from_pretrained(build.source.folder)
@@ -447,7 +420,7 @@ def test_transformer_controlnets_check_their_base(sd3_tiny_build):
     sd3 = sd3_tiny_build.source
     with pytest.raises(SourceError, match="holds no SD3ControlNetModel .*'ControlNetModel'.*sd3 takes a diffusers "
                                           "SD3ControlNetModel"):
-        controlnet_source(_controlnet_folder("sd15-controlnet-tiny"), "sd15-controlnet-tiny", sd3)
+        controlnet_source(controlnet_folder("sd15-controlnet-tiny"), "sd15-controlnet-tiny", sd3)
     with pytest.raises(SourceError, match="has inner_dim=16; sd3-tiny's transformer has 32: pass a ControlNet "
                                           "trained for this base model"):
         controlnet_sd3._check({**sd3.config("transformer"), "num_attention_heads": 2}, sd3, "x")
@@ -531,7 +504,7 @@ def test_controlnets_are_added_without_exporting_the_rest(sd15_tiny_build, sd15_
     base, one, two = (json.loads((f / "onnx" / "manifest.json").read_text())
                       for f in (sd15_tiny_build.folder, sd15_one, sd15_two))
     assert list(two["submodules"]) == [*base["submodules"], "controlnet", "controlnet_1"]
-    assert two["submodules"]["controlnet_1"]["source"] == str(_controlnet_folder("sd15-controlnet-tiny-2"))
+    assert two["submodules"]["controlnet_1"]["source"] == str(controlnet_folder("sd15-controlnet-tiny-2"))
     for name in base["submodules"]:
         assert two["submodules"][name]["export"] == base["submodules"][name]["export"]
         assert os.stat(sd15_tiny_build.folder / "onnx" / f"{name}.onnx").st_ino == \

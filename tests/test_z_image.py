@@ -349,3 +349,90 @@ def test_the_vae_graphs_are_flux_tinys(z_image_tiny_build, flux_tiny_build):
     for name in ("vae_decoder", "vae_encoder"):
         ours, flux = ((b.folder / "onnx" / f"{name}.onnx").stat().st_ino for b in (z_image_tiny_build, flux_tiny_build))
         assert ours == flux, name
+
+
+@pytest.fixture(scope="module")
+def controlnet_one(tmp_path_factory, z_image_tiny_build):
+    """z-image-tiny with a 1.0 ControlNet (its transformer exported again, with residual inputs)."""
+    from conftest import with_controlnets
+
+    return with_controlnets(tmp_path_factory, z_image_tiny_build, ["z-image-controlnet-tiny"], "z-cn")
+
+
+@pytest.fixture(scope="module")
+def controlnet_inpaint(tmp_path_factory, z_image_tiny_build, controlnet_one):
+    """... with a 2.1 one instead (33 channels, a control noise refiner; the same places: the transformer's graph
+    is taken)."""
+    from conftest import with_controlnets
+
+    return with_controlnets(tmp_path_factory, z_image_tiny_build, ["z-image-controlnet-inpaint-tiny"], "z-cn-inpaint",
+                            start=controlnet_one)
+
+
+CONTROLNET_CASES = {  # name: (artifact fixture, ControlNet, diffusers pipeline, arguments)
+    "1.0": ("controlnet_one", "z-image-controlnet-tiny", "ZImageControlNetPipeline", dict(guidance_scale=0.0)),
+    # 3 steps, guidance off at the last two: the ControlNet reads the prompt's half of its input there
+    "1.0, cfg truncated, scale 0.5": ("controlnet_one", "z-image-controlnet-tiny", "ZImageControlNetPipeline",
+                                      dict(controlnet_conditioning_scale=0.5, cfg_truncation=0.1, **CFG)),
+    "2.1, text to image": ("controlnet_inpaint", "z-image-controlnet-inpaint-tiny", "ZImageControlNetPipeline",
+                           dict(**CFG)),
+    "2.1, inpainting": ("controlnet_inpaint", "z-image-controlnet-inpaint-tiny", "ZImageControlNetInpaintPipeline",
+                        dict(guidance_scale=0.0, inpaint=True)),
+}
+
+
+@pytest.mark.parametrize("case", CONTROLNET_CASES)
+def test_controlnet_equal_to_diffusers(request, pair, case):
+    """Z-Image's ControlNet pipelines on the same weights and latents (the control images' VAE latents are the
+    posterior's mode: nothing drawn). Measured: at most 3.3e-6; the ControlNet changes the image by 0.6 to 0.8."""
+    import diffusers
+
+    from conftest import compare_controlled, controlnet_folder, smooth_image, soft_mask
+    from runners import Pipeline
+
+    fixture, controlnet, pipeline_class, arguments = CONTROLNET_CASES[case]
+    arguments = dict(arguments)
+    if arguments.pop("inpaint", False):
+        arguments.update(image=smooth_image(64, 64, seed=1), mask_image=soft_mask(64, 64))
+    ours = Pipeline.load(request.getfixturevalue(fixture) / "ort-fp32")
+    net = diffusers.ZImageControlNetModel.from_pretrained(controlnet_folder(controlnet))
+    reference = getattr(diffusers, pipeline_class)(**pair[1].components, controlnet=net)
+    reference.set_progress_bar_config(disable=True)
+    latents = np.random.default_rng(0).standard_normal((1, 16, 8, 8), dtype=np.float32)
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, output_type="np",
+                control_image=smooth_image(64, 64, seed=5), **arguments)
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), **call).images
+        unused = reference(latents=torch.from_numpy(latents), **{**call, "controlnet_conditioning_scale": 0.0}).images
+    got = ours(latents=latents, **call)
+    assert compare_controlled(got, theirs, unused) <= IMAGE_ATOL
+
+
+def test_controlnet_graphs_plain_run_and_refusals(controlnet_one, controlnet_inpaint, z_image_tiny_build):
+    """The transformer takes a residual at each place of the ControlNet (named by its layer), its first-block
+    graph stays the base's; without control_image the artifact gives the base's image; what diffusers has no
+    pipeline for is refused."""
+    from conftest import manifest, smooth_image, soft_mask
+    from runners import Pipeline
+
+    entries = manifest(controlnet_one / "ort-fp32")["submodules"]
+    assert [i["name"] for i in entries["transformer"]["inputs"]][4:] == ["block_residual_0", "block_residual_1"]
+    assert [o["name"] for o in entries["controlnet"]["outputs"]] == ["controlnet_block_0", "controlnet_block_1"]
+    first_block = controlnet_one / "onnx" / "transformer_first_block.onnx"
+    assert first_block.stat().st_ino == (z_image_tiny_build.folder / "onnx" / first_block.name).stat().st_ino
+    pipe = Pipeline.load(controlnet_one / "ort-fp32")
+    call = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, output_type="np",
+                latents=np.random.default_rng(9).standard_normal((1, 16, 8, 8), dtype=np.float32))
+    plain = Pipeline.load(z_image_tiny_build.folder / "ort-fp32")
+    np.testing.assert_allclose(pipe(**call), plain(**call), rtol=0, atol=5e-6)
+    control = smooth_image(64, 64, seed=5)
+    with pytest.raises(ValueError, match="control_image= with image= or mask_image= alone: Z-Image's ControlNets "
+                                         "inpaint with both"):
+        pipe("a cat", image=smooth_image(64, 64), control_image=control, num_inference_steps=2)
+    with pytest.raises(ValueError, match=r"controlnet: a 1.0 ControlNet \(16 input channels\) cannot inpaint"):
+        pipe("a cat", image=smooth_image(64, 64), mask_image=soft_mask(64, 64), control_image=control,
+             num_inference_steps=2)
+    with pytest.raises(ValueError, match="control_image= with cache=first-block: z_image's ControlNet residuals"):
+        pipe("a cat", control_image=control, height=64, width=64, num_inference_steps=2, cache="first-block")
+    [image] = pipe("a cat", height=64, width=64, num_inference_steps=2, cache="first-block")  # zero residuals
+    assert image.size == (64, 64)

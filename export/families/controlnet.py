@@ -4,7 +4,7 @@ with `python -m export MODEL --controlnet FOLDER_OR_HUB_ID` (a folder or hub id 
 random test one of `RANDOM_CONTROLNETS`).
 
 What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py), SD3's
-(controlnet_sd3.py) and Flux's (controlnet_flux.py). A family without one in `KINDS` takes no ControlNet."""
+(controlnet_sd3.py), Flux's (controlnet_flux.py) and Z-Image's (controlnet_z_image.py). A family without one in `KINDS` takes no ControlNet."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from export.families import controlnet_flux, controlnet_sd3, controlnet_unet
+from export.families import controlnet_flux, controlnet_sd3, controlnet_unet, controlnet_z_image
 from export.registry import ModelEntry
 from export.spec import ControlNetKind, SubmoduleSpec
 from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
-KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS}
+KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS,
+                                    **controlnet_z_image.KINDS}
 
 
 class RandomControlNet(NamedTuple):
@@ -40,6 +41,8 @@ RANDOM_CONTROLNETS = {
     "flux-controlnet-tiny": RandomControlNet("flux-tiny", 0),
     "flux-controlnet-union-tiny": RandomControlNet("flux-tiny", 0, (("num_mode", 4),)),
     "flux-controlnet-xlabs-tiny": RandomControlNet("flux-tiny", 0, (("conditioning_embedding_channels", 16),)),
+    "z-image-controlnet-tiny": RandomControlNet("z-image-tiny", 0),
+    "z-image-controlnet-inpaint-tiny": RandomControlNet("z-image-tiny", 0, (("inpainting", True),)),
     "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
     "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1),
     "sd3-bench-controlnet": RandomControlNet("sd3-bench", 0),
@@ -124,7 +127,7 @@ def controlnet_source(folder: Path, given: str, base):
         else:
             (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
         (tmp / "model_index.json").write_text(json.dumps({"_class_name": kind.class_name,
-                                                          COMPONENT: ["diffusers", kind.class_name]}))
+                                                          COMPONENT: list(kind.loader or ("diffusers", kind.class_name))}))
 
     write_once(staged, "model_index.json", stage)
     entry = ModelEntry(name=str(given), family=COMPONENT, description=f"ControlNet {given}")
@@ -146,5 +149,5 @@ def with_controlnets(specs: list[SubmoduleSpec], base, sources: list) -> tuple[l
     kind = KINDS[base.family.name]
     configs = [s.config(COMPONENT) for s in sources]
     controls = [dataclasses.replace(kind.spec(config), name=engine_name(i)) for i, config in enumerate(configs)]
-    replaced = {s.name: s for s in kind.controlled(base)} if kind.controlled else {}
+    replaced = {s.name: s for s in kind.controlled(base, configs)} if kind.controlled else {}
     return [replaced.get(s.name, s) for s in specs], controls, kind.constants(configs, base)

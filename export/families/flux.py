@@ -125,14 +125,14 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
     )
 
 
-def controlled_transformer(src) -> tuple[SubmoduleSpec, SubmoduleSpec]:
-    """The transformer's descriptions (its graph's and its first block's) with a ControlNet residual input
-    per block, double-stream then single-stream (export/families/controlnet_flux.py)."""
+def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
+    """The transformer's description with a ControlNet residual input per block, double-stream then
+    single-stream (export/families/controlnet_flux.py); its first-block graph stays the base's (as SD3's)."""
     config = src.config("transformer")
     residuals = tuple(T(f"{kind}_residual_{i}", "float32", HIDDEN) for kind, count in
                       (("double", config["num_layers"]), ("single", config["num_single_layers"])) for i in range(count))
     spec = _transformer(_has_guidance(src))
-    return transformer_specs(dataclasses.replace(spec, inputs=spec.inputs + residuals))
+    return transformer_specs(dataclasses.replace(spec, inputs=spec.inputs + residuals))[:1]
 
 
 def _image_tokens(dims: dict[str, int]) -> int:

@@ -63,8 +63,7 @@ class _TransformerForSD3(torch.nn.Module):
 
 def _per_block(blocks, residuals) -> list | None:
     """diffusers' block_controlnet_hidden_states with one entry per block, so that block i adds entry i
-    (its interval is 1); a block that adds none (context_pre_only) gets None, which it never reads. The
-    first-block graph's transformer holds block 0 only, and takes its residual (the first)."""
+    (its interval is 1); a block that adds none (context_pre_only) gets None, which it never reads."""
     if not residuals:
         return None
     given = iter(residuals)
@@ -90,12 +89,13 @@ TRANSFORMER = SubmoduleSpec(
 )
 
 
-def controlled_transformer(src) -> tuple[SubmoduleSpec, SubmoduleSpec]:
-    """The transformer's descriptions (its graph's and its first block's) with a ControlNet residual input
-    per block that adds one: all but the last, whose image stream ends there (context_pre_only)."""
+def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
+    """The transformer's description with a ControlNet residual input per block that adds one: all but the
+    last, whose image stream ends there (context_pre_only). Its first-block graph stays the base's: a cached
+    step would skip the residuals, so First-Block Cache never runs with ControlNets."""
     residuals = tuple(T(f"block_residual_{i}", "float32", HIDDEN)
                       for i in range(src.config("transformer")["num_layers"] - 1))
-    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))
+    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))[:1]
 
 
 PATCH = 2  # SD3 and 3.5 transformers read the latents in 2x2 patches

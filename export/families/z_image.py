@@ -12,6 +12,10 @@ and a batch of captions of different lengths (the prompt and the negative prompt
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import NamedTuple
+
 import torch
 
 from export.families.first_block import transformer_specs
@@ -71,20 +75,37 @@ def _ceil(n, multiple=SEQ_MULTIPLE):
     return n + (-n) % multiple
 
 
-class _PaddedForward(torch.nn.Module):
-    """(latent (B, C, H, W), timestep (B,) as the pipeline passes it, caption (B, L, width) right-padded,
-    caption_lengths (B,)) -> the transformer's output (B, C, H, W): diffusers' forward on
-    [latent[i][:, None]] and [caption[i, :caption_lengths[i]]], stacked."""
+class Streams(NamedTuple):
+    """What the transformer's (and its ControlNets') blocks read, in padded tensors: the embedded image
+    tokens and captions with their rotary tables (B, S, D / 2, 2), the captions' key mask, the timestep's
+    embedding; `n_image` real image tokens of `image_slots`."""
 
-    def __init__(self, model):
+    x: torch.Tensor
+    x_freqs: torch.Tensor
+    cap: torch.Tensor
+    cap_mask: torch.Tensor
+    cap_freqs: torch.Tensor
+    adaln: torch.Tensor
+    n_image: int
+    image_slots: int
+
+
+class PaddedStreams(torch.nn.Module):
+    """diffusers' Z-Image embedding of a batch, in padded tensors and real arithmetic, for a wrapper whose
+    attribute `module_name` holds a module with the transformer's embedders and refiners (the transformer,
+    or a ControlNet that borrows them: diffusers' `from_transformer`)."""
+
+    def __init__(self, module_name: str, model):
         super().__init__()
         from diffusers.models.attention_processor import Attention
 
-        self.transformer = model
+        setattr(self, module_name, model)
+        self.module_name = module_name
         for module in model.modules():
             if isinstance(module, Attention):
                 module.processor = _RealRopeAttention()
-        for i, (cos, sin) in enumerate(_real_rope_tables(model.axes_dims, model.axes_lens, model.rope_theta)):
+        rope = model.rope_embedder
+        for i, (cos, sin) in enumerate(_real_rope_tables(rope.axes_dims, rope.axes_lens, rope.theta)):
             self.register_buffer(f"cos{i}", cos, persistent=False)
             self.register_buffer(f"sin{i}", sin, persistent=False)
 
@@ -93,8 +114,8 @@ class _PaddedForward(torch.nn.Module):
         sin = torch.cat([getattr(self, f"sin{i}")[p] for i, p in enumerate(positions)], dim=-1)
         return torch.stack([cos, sin], dim=-1)
 
-    def forward(self, latent, timestep, caption, caption_lengths):
-        m = self.transformer
+    def streams(self, latent, timestep, caption, caption_lengths) -> Streams:
+        m = getattr(self, self.module_name)
         batch, channels, height, width = latent.shape
         rows, cols = height // PATCH, width // PATCH
         n_image, length = rows * cols, caption.shape[1]
@@ -114,8 +135,7 @@ class _PaddedForward(torch.nn.Module):
 
         # The image: 2x2 patches in diffusers' order (row, column, channel), padded to a multiple of 32 with
         # the learned pad token at position (0, 0, 0); real patches at (caption's padded length + 1, row, col).
-        x = latent.reshape(batch, channels, rows, PATCH, cols, PATCH).permute(0, 2, 4, 3, 5, 1)
-        x = m.all_x_embedder[f"{PATCH}-1"](x.reshape(batch, n_image, PATCH * PATCH * channels))
+        x = m.all_x_embedder[f"{PATCH}-1"](patches(latent))
         x = torch.cat([x, m.x_pad_token.expand(batch, image_slots - n_image, -1).to(x.dtype)], dim=1)
         pad = torch.zeros(image_slots - n_image, dtype=torch.int64, device=latent.device)
         # (no `j % cols`: onnxscript cannot translate a remainder by a symbolic size)
@@ -124,19 +144,53 @@ class _PaddedForward(torch.nn.Module):
         real = torch.arange(image_slots, device=latent.device) < n_image
         first = torch.where(real[None], padded_lengths[:, None] + 1, 0)
         x_freqs = self._freqs(first, row.expand(batch, -1), col.expand(batch, -1))
+        return Streams(x, x_freqs, cap, cap_mask, cap_freqs, adaln, n_image, image_slots)
 
+    def refined_caption(self, s: Streams) -> torch.Tensor:
+        cap = s.cap
+        for layer in getattr(self, self.module_name).context_refiner:
+            cap = layer(cap, _additive(s.cap_mask, cap.dtype), s.cap_freqs)
+        return cap
+
+    @staticmethod
+    def joint_mask(s: Streams) -> torch.Tensor:
+        """The additive key mask of the blocks' stream (the image's tokens, then the caption's)."""
+        image = torch.ones(s.cap_mask.shape[0], s.image_slots, dtype=torch.bool, device=s.cap_mask.device)
+        return _additive(torch.cat([image, s.cap_mask], 1), s.x.dtype)
+
+
+def patches(latent):
+    """(B, C, H, W) -> (B, H/2 * W/2, 2 * 2 * C): 2x2 patches in diffusers' order (row, column, channel)."""
+    batch, channels, height, width = latent.shape
+    x = latent.reshape(batch, channels, height // PATCH, PATCH, width // PATCH, PATCH).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(batch, (height // PATCH) * (width // PATCH), PATCH * PATCH * channels)
+
+
+class _PaddedForward(PaddedStreams):
+    """(latent (B, C, H, W), timestep (B,) as the pipeline passes it, caption (B, L, width) right-padded,
+    caption_lengths (B,), then a ControlNet residual per layer of `places`) -> the transformer's output
+    (B, C, H, W): diffusers' forward on [latent[i][:, None]] and [caption[i, :caption_lengths[i]]], stacked,
+    its `controlnet_block_samples` {place: residual} added after those layers."""
+
+    def __init__(self, model, places: tuple[int, ...] = ()):
+        super().__init__("transformer", model)
+        self.places = places
+
+    def forward(self, latent, timestep, caption, caption_lengths, *residuals):
+        m, s = self.transformer, self.streams(latent, timestep, caption, caption_lengths)
+        x = s.x
         for layer in m.noise_refiner:
-            x = layer(x, None, x_freqs, adaln)
-        for layer in m.context_refiner:
-            cap = layer(cap, _additive(cap_mask, cap.dtype), cap_freqs)
-        joint = torch.cat([x, cap], dim=1)
-        joint_freqs = torch.cat([x_freqs, cap_freqs], dim=1)
-        joint_mask = torch.cat([torch.ones(batch, image_slots, dtype=torch.bool, device=latent.device), cap_mask], 1)
-        joint_mask = _additive(joint_mask, joint.dtype)
-        for layer in m.layers:
-            joint = layer(joint, joint_mask, joint_freqs, adaln)
-        joint = m.all_final_layer[f"{PATCH}-1"](joint, c=adaln)
-        out = joint[:, :n_image].reshape(batch, rows, cols, PATCH, PATCH, channels)
+            x = layer(x, None, s.x_freqs, s.adaln)
+        joint = torch.cat([x, self.refined_caption(s)], dim=1)
+        joint_freqs, joint_mask = torch.cat([s.x_freqs, s.cap_freqs], dim=1), self.joint_mask(s)
+        added = dict(zip(self.places, residuals))
+        for i, layer in enumerate(m.layers):
+            joint = layer(joint, joint_mask, joint_freqs, s.adaln)
+            if i in added:
+                joint = joint + added[i]
+        joint = m.all_final_layer[f"{PATCH}-1"](joint, c=s.adaln)
+        batch, channels, height, width = latent.shape
+        out = joint[:, :s.n_image].reshape(batch, height // PATCH, width // PATCH, PATCH, PATCH, channels)
         return (out.permute(0, 5, 1, 3, 2, 4).reshape(batch, channels, height, width),)
 
 
@@ -157,6 +211,17 @@ TRANSFORMER = SubmoduleSpec(
 # The blocks' hidden stream (First-Block Cache's residuals): the image's tokens, then the caption's, each
 # padded to a multiple of 32
 HIDDEN = ("batch", "hidden_tokens", "inner_dim")
+
+
+def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
+    """The transformer's description with a ControlNet residual input per layer after which the ControlNets
+    `configs` add one (`block_residual_<layer>`: their control_layers_places), the union where several differ
+    (export/families/controlnet_z_image.py); its first-block graph stays the base's (as SD3's)."""
+    places = tuple(sorted({p for config in configs for p in config["control_layers_places"]}))
+    residuals = tuple(T(f"block_residual_{p}", "float32", HIDDEN) for p in places)
+    spec = dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals,
+                               wrap=functools.partial(_PaddedForward, places=places))
+    return transformer_specs(spec, HIDDEN)[:1]
 
 
 def _hidden_tokens(dims: dict[str, int]) -> int:

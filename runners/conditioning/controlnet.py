@@ -84,7 +84,8 @@ class ControlRequest:
     noise: np.ndarray | None = None
     seed: int | None = None
     vae_tiling: bool | None = None
-    mask: object = None  # the mask of inpainting ControlNets (SD3's): white repaints the control image
+    mask: object = None  # the mask of inpainting ControlNets (SD3's, Z-Image's): white is repainted
+    repainted: object = None  # the image they repaint where it is not the control image (Z-Image's `image=`)
     modes: list | None = None  # per ControlNet, a ControlNet-Union's control mode (Flux's), else None
 
     @classmethod
@@ -179,11 +180,11 @@ class ControlNets:
         """`_text_to_image` with ControlNets: the size a request leaves None is the control image's (where
         `control_sets_size`), and the steps, guidance, strength and conditioning scale left None are
         diffusers' ControlNet pipeline's for the task."""
-        mask_image, control_mask = self._control_mask(control_image, image, mask_image)
+        image, mask_image, inpainting = self._control_inpainting(control_image, image, mask_image)
         task = task_of(image, mask_image)
         control = self._control_request(task, control_image, controlnet_conditioning_scale, control_guidance_start,
                                         control_guidance_end, guess_mode, noise=control_noise, seed=seed,
-                                        vae_tiling=vae_tiling, mask=control_mask)
+                                        vae_tiling=vae_tiling, **inpainting)
         height, width = self._control_size(control, height, width, image)
         defaults = self.control_defaults.get(task) if control is not None else None
         if defaults is not None:
@@ -194,10 +195,11 @@ class ControlNets:
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling, image=image,
                                    mask_image=mask_image, strength=strength, control=control, **kwargs)
 
-    def _control_mask(self, control_image, image, mask_image) -> tuple:
-        """(the request's mask_image, the ControlNets' mask): the U-Nets' inpainting ControlNet pipelines mask
-        the image, which their ControlNets do not see."""
-        return mask_image, None
+    def _control_inpainting(self, control_image, image, mask_image) -> tuple:
+        """(the request's image and mask_image, the ControlRequest fields of inpainting ControlNets: their `mask`
+        and the image they repaint): the U-Nets' inpainting ControlNet pipelines mask the image, which their
+        ControlNets do not see."""
+        return image, mask_image, {}
 
     def controlnets(self) -> list[str]:
         """The artifact's ControlNet engines in order: controlnet, controlnet_1, ..."""
@@ -332,8 +334,11 @@ class ControlNets:
                 if scale == 0:
                     continue
                 entry = self.manifest["submodules"][name]
+                # A step the guidance rule runs on the prompt's half alone (Z-Image's cfg_truncation) takes half
+                # of the doubled control input (whose halves are alike)
+                image = control.images[k][:len(latents)]
                 feeds = {**conditions, **unbatched, entry["inputs"][0]["name"]: latents, "timestep": timestep,
-                         "controlnet_cond": control.images[k],
+                         "controlnet_cond": image,
                          "conditioning_scale": control.factors(scale, len(entry["outputs"]))}
                 if control.request.modes and control.request.modes[k] is not None:
                     feeds["controlnet_mode"] = np.full((len(latents), 1), control.request.modes[k], dtype=np.int64)
@@ -342,16 +347,16 @@ class ControlNets:
                 total = [r.copy() for r in residuals] if total is None else [a + r for a, r in zip(total, residuals)]
             if total is not None and control.half:
                 total = [np.concatenate([np.zeros_like(r) if control.zero_uncond else r, r]) for r in total]
-        found = self._zeros(specs, whole) if total is None else {s["name"]: r for s, r in zip(specs, total)}
+        found = self._zeros(specs, whole, conditions) if total is None else {s["name"]: r for s, r in zip(specs, total)}
         return {name: r for name, r in found.items() if name in accepted}
 
     def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:
         """ControlNet `name`'s outputs as the denoiser's residual inputs `specs`: the UNet's are named alike."""
         return [out[s["name"]] for s in specs]
 
-    def _residual_dims(self, x: np.ndarray) -> dict:
-        """The sizes of the residual inputs' dims for the latents `x` (besides the constants): the UNet's
-        latent sides at 1/S (latent_height_S)."""
+    def _residual_dims(self, x: np.ndarray, conditions: dict) -> dict:
+        """The sizes of the residual inputs' dims for the latents `x` and the step's `conditions` (besides the
+        constants): the UNet's latent sides at 1/S (latent_height_S)."""
         dims = {"batch": x.shape[0], "latent_height": x.shape[2], "latent_width": x.shape[3]}
         for d in {d for s in self._residual_inputs() for d in s["shape"] if isinstance(d, str) and d not in dims}:
             if d.startswith("latent_"):  # latent_height_4: the latent side over 4
@@ -359,14 +364,15 @@ class ControlNets:
                 dims[d] = dims[axis] // int(over)
         return dims
 
-    def _zeros(self, specs: list[dict], x: np.ndarray) -> dict[str, np.ndarray]:
-        """Zero residuals for the latents `x` (made once per latent shape)."""
+    def _zeros(self, specs: list[dict], x: np.ndarray, conditions: dict) -> dict[str, np.ndarray]:
+        """Zero residuals for the latents `x` and the step's `conditions` (made once per shape)."""
         cache = self.__dict__.setdefault("_zero_residuals", {})
-        zeros = cache.get(x.shape)
+        dims = {**self.manifest["constants"], **self._residual_dims(x, conditions)}
+        shapes = {s["name"]: tuple(dims[d] if isinstance(d, str) else d for d in s["shape"]) for s in specs}
+        key = tuple(shapes.items())
+        zeros = cache.get(key)
         if zeros is None:  # (two calls at once of other shapes: each keeps the zeros it made)
-            dims = {**self.manifest["constants"], **self._residual_dims(x)}
-            zeros = {s["name"]: np.zeros([dims[d] if isinstance(d, str) else d for d in s["shape"]], dtype=np.float32)
-                     for s in specs}
+            zeros = {name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}
             cache.clear()  # one shape at a time: a request's
-            cache[x.shape] = zeros
+            cache[key] = zeros
         return zeros

@@ -52,5 +52,5 @@ class FluxControlNets(ControlNets):
             feeds.append(out[output] if output in out else np.zeros_like(out["controlnet_block_0"]))
         return feeds
 
-    def _residual_dims(self, x: np.ndarray) -> dict:
+    def _residual_dims(self, x: np.ndarray, conditions: dict) -> dict:
         return {"batch": x.shape[0], "image_tokens": x.shape[1]}  # x: packed tokens

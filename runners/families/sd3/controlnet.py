@@ -26,14 +26,14 @@ class SD3ControlNets(ControlNets):
     control_sets_size = False
     runs_with_step_caches = False
 
-    def _control_mask(self, control_image, image, mask_image) -> tuple:
+    def _control_inpainting(self, control_image, image, mask_image) -> tuple:
         if not self.manifest["constants"].get("control_masks") or control_image is None:
-            return mask_image, None
+            return image, mask_image, {}
         if mask_image is None or image is not None:
             raise ValueError("this artifact's ControlNets inpaint (StableDiffusion3ControlNetInpaintingPipeline's): "
                              "pass the image to repaint as control_image= and its mask as mask_image= (white: "
                              "repainted), without image=")
-        return None, mask_image
+        return None, None, {"mask": mask_image}
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         scale, masked = self.constants["vae_scale_factor"], request.mask is not None
@@ -65,5 +65,5 @@ class SD3ControlNets(ControlNets):
         interval = self.manifest["constants"]["transformer_layers"] / k
         return [out[f"controlnet_block_{int(int(s['name'].rsplit('_', 1)[1]) / interval)}"] for s in specs]
 
-    def _residual_dims(self, x: np.ndarray) -> dict:
+    def _residual_dims(self, x: np.ndarray, conditions: dict) -> dict:
         return {"batch": x.shape[0], "image_tokens": self.hidden_tokens(*x.shape[2:], {})}
