@@ -132,6 +132,8 @@ bench: venv optimum-venv optimum-intel-venv
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model z-image-bench --tables z-image \
+	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
 # The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32

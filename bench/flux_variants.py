@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from bench.variants import Ours, time_calls_of, timed_result
+from bench.variants import Ours, pipeline_from, time_calls_of, timed_result
 from bench.workload import PROMPT
 
 
@@ -25,9 +25,12 @@ class FluxOurs(Ours):
 
 
 class _FluxDiffusersCall:
-    """A diffusers-style FluxPipeline (`self.pipe`, its transformer and VAE timed)."""
+    """A diffusers-style FluxPipeline (`source`: bench.variants.pipeline_from's), its transformer and VAE timed."""
 
-    def _time_parts(self) -> None:
+    source: tuple[str, str]
+
+    def __init__(self, folder: str):
+        self.pipe = pipeline_from(self.source, folder)
         self.step_seconds, self.vae_seconds = [], []
         time_calls_of(self.pipe.transformer, "forward", self.step_seconds)
         time_calls_of(self.pipe.vae, "decode", self.vae_seconds)
@@ -46,27 +49,12 @@ class _FluxDiffusersCall:
 
 class FluxDiffusers(_FluxDiffusersCall):
     """diffusers' FluxPipeline in fp32, eager."""
-
-    def __init__(self, folder: str):
-        import torch
-        from diffusers import FluxPipeline
-
-        torch.set_grad_enabled(False)
-        self.pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-        self.pipe.set_progress_bar_config(disable=True)
-        self._time_parts()
+    source = ("diffusers", "FluxPipeline")
 
 
 class FluxOptimumIntel(_FluxDiffusersCall):
-    """optimum-intel's OVFluxPipeline on its own export (in .venv-optimum-intel), at its defaults: CPU,
-    dynamic shapes, every model compiled at load."""
-
-    def __init__(self, folder: str):
-        from optimum.intel import OVFluxPipeline
-
-        self.pipe = OVFluxPipeline.from_pretrained(folder)
-        self.pipe.set_progress_bar_config(disable=True)
-        self._time_parts()
+    """optimum-intel's OVFluxPipeline on its own export (in .venv-optimum-intel), at its defaults."""
+    source = ("optimum.intel", "OVFluxPipeline")
 
 
 def make_flux_variant(kind: str, path: str, **options):

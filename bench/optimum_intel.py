@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.harness import Variant, log
 from bench.optimum import export_once, timed_cli
 
 
@@ -21,3 +22,19 @@ def optimum_intel_export(python: str, src: Path, build: Path, log) -> tuple[Path
         return tmp / "openvino", timed_cli(argv, log)
 
     return export_once(build, "optimum-intel", log, export)
+
+
+def openvino_peers(run, pipeline: str, kind: str, genai_rows: list[tuple[str, dict]]) -> tuple[list[Variant], list[str]]:
+    """A family table's OpenVINO peers and notes on them: optimum-intel's `pipeline` (a variant of `kind`) on its
+    own export of the run's model, then openvino.genai's Text2ImagePipeline on that export, a row per (label,
+    options) of `genai_rows`; none, with a note saying why, without --optimum-intel-python."""
+    python = run.args.optimum_intel_python
+    if not python:
+        return [], ["The optimum-intel and openvino.genai rows are not run: they need --optimum-intel-python "
+                    "(`make optimum-intel-venv`)."]
+    folder, seconds = optimum_intel_export(python, run.src.folder, run.build, log)
+    variants = [Variant(f"optimum-intel {pipeline}, its defaults", kind, str(folder), python)]
+    variants += [Variant(f"openvino.genai Text2ImagePipeline, {label}", "genai", str(folder), python, options)
+                 for label, options in genai_rows]
+    return variants, [f"optimum-intel's export (`optimum-cli export openvino --task text-to-image`, its defaults) "
+                      f"took {seconds:.0f} s; openvino.genai runs the same export."]

@@ -41,6 +41,20 @@ def time_calls_of(owner, attr: str, seconds: list) -> None:
     setattr(owner, attr, timed)
 
 
+def pipeline_from(source: tuple[str, str], folder: str):
+    """A diffusers-style pipeline, (module, class) `source` (diffusers' own in fp32, eager, or optimum-intel's
+    OpenVINO one at its defaults: CPU, dynamic shapes, every model compiled at load), from `folder`, without
+    gradients or a progress bar."""
+    import importlib
+
+    import torch
+
+    torch.set_grad_enabled(False)
+    pipe = getattr(importlib.import_module(source[0]), source[1]).from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def control_options(count: int, of: int, size: int) -> dict:
     """The ControlNet arguments of a run with the first `count` of an artifact's `of` ControlNets: one seeded
     edge-like control image each (engines.calibration's), the others at scale 0 (not run). {} for none."""
@@ -264,12 +278,13 @@ class OptimumIntel(_DiffusersCall):
 class GenAI:
     """openvino.genai's Text2ImagePipeline on optimum-intel's export (in .venv-optimum-intel), on the
     CPU, at its defaults; `cache=False` turns its default step cache (TaylorSeer) off. `generate`: what
-    the workload sets beyond the prompt (SD3's: `workload`; Flux's table runs the model's defaults)."""
+    the workload sets beyond the prompt (SD3's: `workload`; Flux's table runs the model's defaults, Z-Image's
+    Turbo's guidance and a prompt of its own)."""
 
-    def __init__(self, folder: str, cache: bool = True, **generate):
+    def __init__(self, folder: str, cache: bool = True, prompt: str = PROMPT, **generate):
         import openvino_genai
 
-        self.genai, self.generate = openvino_genai, generate
+        self.genai, self.generate, self.prompt = openvino_genai, generate, prompt
         self.pipe = openvino_genai.Text2ImagePipeline(folder, "CPU")
         if not cache:
             config = self.pipe.get_generation_config()
@@ -294,15 +309,16 @@ class GenAI:
                 return openvino.Tensor(latents)
 
         t0 = time.perf_counter()
-        images = self.pipe.generate(PROMPT, height=height, width=width, num_inference_steps=steps, generator=Given(),
+        images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps, generator=Given(),
                                     **self.generate)
         seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
         image = images.data[0].astype(np.float32) / 255  # uint8 HWC
         calls = metrics.raw_metrics.transformer_inference_durations  # microseconds, one per full evaluation
         # As Pipeline.cache_stats counts them (the time of its cached steps is not among its metrics).
         evaluations = {"full": len(calls), "cached": steps - len(calls), "full_seconds": sum(calls) / 1e6}
+        text = sum(metrics.get_text_encoder_infer_duration().values()) / 1e3  # milliseconds per encoder
         return timed_result(seconds, steps, sum(calls) / 1e6, metrics.get_vae_decoder_infer_duration() / 1e3, image,
-                            out, cache=evaluations)
+                            out, cache=evaluations, text=text)
 
 
 class Graph:

@@ -30,10 +30,14 @@ def main() -> None:
     from bench.flux_variants import make_flux_variant
     from bench.variants import make_variant
     from bench.workload import make_inputs, start_latents
+    from bench.z_image_variants import make_z_image_variant
 
     kind, path, constants, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     t0 = time.perf_counter()
-    variant = (make_flux_variant if kind.startswith("flux-") else make_variant)(kind, path, **options)
+    # a family table's variants are its own module's, named by their kind's prefix
+    by_prefix = {"flux-": make_flux_variant, "z-image-": make_z_image_variant}
+    make = next((f for prefix, f in by_prefix.items() if kind.startswith(prefix)), make_variant)
+    variant = make(kind, path, **options)
     loaded = time.perf_counter() - t0
     _reply({"loaded_seconds": loaded})
     for line in sys.stdin:

@@ -30,6 +30,11 @@ SHARED_ARTIFACTS = {"sd3": ["tiny_memory_artifact"]}
 SHARED_BUILDS = {"sd3": ["sd3_tiny_vae_build"]}
 
 
+def _tiny(family: str) -> str:
+    """The family's tiny registry model (z_image: z-image-tiny)."""
+    return f"{family.replace('_', '-')}-tiny"
+
+
 def _smoke_options(names: list[str]) -> list[str]:
     """The tables' tiny options, each once (the precision and openvino tables share some)."""
     options = {}
@@ -43,7 +48,7 @@ def test_every_table_applies_to_a_family_with_a_tiny_model():
     from export.registry import MODELS
 
     assert {"sd3", "sd15", "sdxl", "flux"} <= set(FAMILIES)
-    missing = [f for f in FAMILIES if f"{f}-tiny" not in MODELS or MODELS[f"{f}-tiny"].family != f]
+    missing = [f for f in FAMILIES if _tiny(f) not in MODELS or MODELS[_tiny(f)].family != f]
     assert not missing, f"no <family>-tiny model in export/registry.py for {missing}"
 
 
@@ -59,7 +64,7 @@ def _linked_build(root, model: str, tiny_build) -> None:
 
 @pytest.mark.parametrize("family", sorted(SMOKED))
 def test_every_table_runs(family, tmp_path, request):
-    model = f"{family}-tiny"
+    model = _tiny(family)
     names = [name for name in for_family(family) if TABLES[name].families[0] == family]
     for fixture in SHARED_ARTIFACTS.get(family, []):
         request.getfixturevalue(fixture)

@@ -16,6 +16,7 @@ import numpy as np
 
 from bench import accuracy
 from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.optimum_intel import openvino_peers
 from bench.tables import Table
 from bench.tables.openvino import build_openvino
 
@@ -35,20 +36,9 @@ def _variants(run, built: dict[str, str]) -> tuple[list[Variant], list[str]]:
     variants += [Variant(f"ours {label}", "flux-ours", path) for label, path in ours.items()]
     variants.append(Variant(_cached_label(a), "flux-ours", ours[a.flux_cached_artifact],
                             options={"cache": a.flux_cache}))
-    if not a.optimum_intel_python:
-        return variants, ["The optimum-intel and openvino.genai rows are not run: they need --optimum-intel-python "
-                          "(`make optimum-intel-venv`)."]
-    from bench.optimum_intel import optimum_intel_export
-
-    folder, seconds = optimum_intel_export(a.optimum_intel_python, run.src.folder, run.build, log)
-    python = a.optimum_intel_python
-    variants += [Variant("optimum-intel OVFluxPipeline, its defaults", "flux-optimum-intel", str(folder), python),
-                 Variant("openvino.genai Text2ImagePipeline, its defaults (step cache on)", "genai",
-                         str(folder), python),
-                 Variant("openvino.genai Text2ImagePipeline, step cache off", "genai", str(folder), python,
-                         {"cache": False})]
-    return variants, [f"optimum-intel's export (`optimum-cli export openvino --task text-to-image`, its defaults) "
-                      f"took {seconds:.0f} s; openvino.genai runs the same export."]
+    peers, notes = openvino_peers(run, "OVFluxPipeline", "flux-optimum-intel",
+                                  [("its defaults (step cache on)", {}), ("step cache off", {"cache": False})])
+    return variants + peers, notes
 
 
 def _goals(rows: dict[str, dict], variants: list[Variant], cached: str) -> str:

@@ -56,6 +56,8 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
               # What a full-size model's run fits in (sd3-fullsize: its T5's bf16 weights take 14 GiB compiled)
               "openvino-bf16-int8-weights": lambda: build_artifact(build, "openvino", "bf16",
                                                                    options=OpenVinoOptions(weights="int8")),
+              "openvino-bf16-int4-weights": lambda: build_artifact(build, "openvino", "bf16",
+                                                                   options=OpenVinoOptions(weights="int4")),
               "openvino-int8, dynamic shapes": lambda: build_artifact(build, "openvino", "int8", calibration=settings,
                                                                       options=dynamic),
               "openvino-int8": lambda: build_artifact(build, "openvino", "int8", calibration=settings),
