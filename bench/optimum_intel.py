@@ -24,7 +24,8 @@ def optimum_intel_export(python: str, src: Path, build: Path, log) -> tuple[Path
     return export_once(build, "optimum-intel", log, export)
 
 
-def openvino_peers(run, pipeline: str, kind: str, genai_rows: list[tuple[str, dict]]) -> tuple[list[Variant], list[str]]:
+def openvino_peers(run, pipeline: str, kind: str,
+                   genai_rows: list[tuple[str, dict]]) -> tuple[list[Variant], list[str]]:
     """A family table's OpenVINO peers and notes on them: optimum-intel's `pipeline` (a variant of `kind`) on its
     own export of the run's model, then openvino.genai's Text2ImagePipeline on that export, a row per (label,
     options) of `genai_rows`; none, with a note saying why, without --optimum-intel-python."""

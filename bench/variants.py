@@ -309,8 +309,8 @@ class GenAI:
                 return openvino.Tensor(latents)
 
         t0 = time.perf_counter()
-        images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps, generator=Given(),
-                                    **self.generate)
+        images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps,
+                                    generator=Given(), **self.generate)
         seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
         image = images.data[0].astype(np.float32) / 255  # uint8 HWC
         calls = metrics.raw_metrics.transformer_inference_durations  # microseconds, one per full evaluation

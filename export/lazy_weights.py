@@ -86,6 +86,35 @@ def checkpoint_index(folder: Path) -> dict[str, dict]:
     return index
 
 
+def link_checkpoint(folder: Path, out: Path) -> dict[str, str]:
+    """Link the safetensors files of `folder` into `out` (by names ending in .safetensors: a hub cache's real
+    files are blobs named by their hash); returns {tensor name: the linked file's name}."""
+    files = {name: t["file"] for name, t in checkpoint_index(folder).items()}
+    linked = {file: file.with_suffix(".safetensors").name for file in set(files.values())}
+    for file, name in linked.items():
+        (out / name).symlink_to(file)
+    return {name: linked[file] for name, file in files.items()}
+
+
+def copy_tensors(folder: Path, prefixes: tuple[str, ...], out_file: Path) -> list[str]:
+    """Copy the tensors of `folder`'s checkpoint whose names start with one of `prefixes` into the safetensors
+    file `out_file` (each checkpoint file opened once); returns their names. For a few modules: they are held
+    in memory together."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    by_file = {}
+    for name, t in checkpoint_index(folder).items():
+        if name.startswith(prefixes):
+            by_file.setdefault(t["file"], []).append(name)
+    copied = {}
+    for file, names in by_file.items():
+        with safe_open(file, "pt") as f:
+            copied.update({name: f.get_tensor(name) for name in names})
+    save_file(copied, out_file)
+    return list(copied)
+
+
 def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: str,
                    table: WeightTable) -> dict[str, int]:
     """Give the graph traced from `wrapper` its weights: each initializer named after a parameter

@@ -42,7 +42,8 @@ def _goals(size: int, rows: dict[str, dict], variants: list[Variant]) -> str:
     said.append(f"its text encoder {rows[genai]['text'] / rows[ours]['text']:.1f}x as fast as openvino.genai's "
                  f"({rows[ours]['text']:.3f} s against {rows[genai]['text']:.3f} s; goal 3x)")
     first = max(r["first"] for label, r in rows.items() if label.startswith("ours"))
-    return f"Goals at {size}x{size}: {'; '.join(said)}; our slowest load + first call is {first:.1f} s (goal under 10 s)."
+    return (f"Goals at {size}x{size}: {'; '.join(said)}; our slowest load + first call is {first:.1f} s "
+            "(goal under 10 s).")
 
 
 def _measure_size(run, variants: list[Variant], size: int, rows: list, notes: list) -> None:

@@ -4,7 +4,8 @@ with `python -m export MODEL --controlnet FOLDER_OR_HUB_ID` (a folder or hub id 
 random test one of `RANDOM_CONTROLNETS`).
 
 What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py), SD3's
-(controlnet_sd3.py), Flux's (controlnet_flux.py) and Z-Image's (controlnet_z_image.py). A family without one in `KINDS` takes no ControlNet."""
+(controlnet_sd3.py), Flux's (controlnet_flux.py) and Z-Image's (controlnet_z_image.py). A family without one in
+`KINDS` takes no ControlNet."""
 from __future__ import annotations
 
 import dataclasses
@@ -126,8 +127,8 @@ def controlnet_source(folder: Path, given: str, base):
             kind.complete(config, folder, base, tmp / COMPONENT)
         else:
             (tmp / COMPONENT).symlink_to(folder, target_is_directory=True)  # no copy of its weights
-        (tmp / "model_index.json").write_text(json.dumps({"_class_name": kind.class_name,
-                                                          COMPONENT: list(kind.loader or ("diffusers", kind.class_name))}))
+        loader = kind.loader or ("diffusers", kind.class_name)
+        (tmp / "model_index.json").write_text(json.dumps({"_class_name": kind.class_name, COMPONENT: list(loader)}))
 
     write_once(staged, "model_index.json", stage)
     entry = ModelEntry(name=str(given), family=COMPONENT, description=f"ControlNet {given}")

@@ -128,22 +128,11 @@ def _complete(config: dict, folder: Path, base, out: Path) -> None:
     Its config says use_pos_embed, with the transformer's patch embedding settings; an index adds the
     embedding's weights (a file of their own) to the ControlNet's, whose files are linked (by names
     ending in .safetensors: a hub cache's real files are blobs named by their hash)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from export.lazy_weights import copy_tensors, link_checkpoint
 
-    from export.lazy_weights import checkpoint_index
-
-    own = {name: t["file"] for name, t in checkpoint_index(folder).items()}
-    link = {file: file.with_suffix(".safetensors").name for file in set(own.values())}
-    for file, name in link.items():
-        (out / name).symlink_to(file)
-    borrowed = {}
-    for name, t in checkpoint_index(base.folder / "transformer").items():
-        if name.startswith("pos_embed."):
-            with safe_open(t["file"], "pt") as f:
-                borrowed[name] = f.get_tensor(name)
-    save_file(borrowed, out / "pos_embed.safetensors")
-    weight_map = {name: link[file] for name, file in own.items()} | dict.fromkeys(borrowed, "pos_embed.safetensors")
+    own = link_checkpoint(folder, out)
+    borrowed = copy_tensors(base.folder / "transformer", ("pos_embed.",), out / "pos_embed.safetensors")
+    weight_map = own | dict.fromkeys(borrowed, "pos_embed.safetensors")
     index = {"metadata": {}, "weight_map": weight_map}
     (out / f"{WEIGHTS}.index.json").write_text(json.dumps(index))
     transformer = base.config("transformer")

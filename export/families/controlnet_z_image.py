@@ -131,29 +131,20 @@ def _check(config: dict, base, given: str) -> None:
             raise SourceError(f"controlnet {given}: {key} {outside} are not layers of {base.entry.name}'s transformer "
                               f"(it has {count}): pass a ControlNet trained for this base model")
     channels = transformer["in_channels"]
-    if config["control_in_dim"] not in (channels, 2 * channels + 1) or PATCH not in config["all_patch_size"]:
+    patch_sizes = config.get("all_patch_size", [PATCH])  # ZImageControlNetModel's default: (2,)
+    if config["control_in_dim"] not in (channels, 2 * channels + 1) or PATCH not in patch_sizes:
         raise SourceError(f"controlnet {given}: control_in_dim={config['control_in_dim']} and all_patch_size="
-                          f"{config['all_patch_size']}; Z-Image's pipelines give {channels} or {2 * channels + 1} "
-                          f"channels in patches of {PATCH}")
+                          f"{patch_sizes}; Z-Image's pipelines give {channels} or {2 * channels + 1} channels in "
+                          f"patches of {PATCH}")
 
 
 def _complete(config: dict, folder: Path, base, out: Path) -> None:
-    """The ControlNet with the transformer's lent modules: its files linked (by names ending in .safetensors: a
-    hub cache's real files are blobs named by their hash), the lent weights copied into a file of their own
-    (they are a few blocks), the transformer's config beside its own."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    """The ControlNet with the transformer's lent modules: its files linked, the lent weights copied into a file
+    of their own (they are a few blocks), the transformer's config beside its own."""
+    from export.lazy_weights import copy_tensors, link_checkpoint
 
-    from export.lazy_weights import checkpoint_index
-
-    for file in {t["file"] for t in checkpoint_index(folder).values()}:
-        (out / file.with_suffix(".safetensors").name).symlink_to(file)
-    lent = {}
-    for name, t in checkpoint_index(base.folder / "transformer").items():
-        if name.startswith(LENT):
-            with safe_open(t["file"], "pt") as f:
-                lent[name] = f.get_tensor(name)
-    save_file(lent, out / LENT_WEIGHTS)
+    link_checkpoint(folder, out)
+    copy_tensors(base.folder / "transformer", LENT, out / LENT_WEIGHTS)
     (out / "config.json").write_text(json.dumps(config))
     (out / TRANSFORMER_CONFIG).write_text(json.dumps(base.config("transformer")))
 

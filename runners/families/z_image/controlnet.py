@@ -38,7 +38,8 @@ class ZImageControlNets(ControlNets):
         return None, None, {"mask": mask_image, "repainted": image}
 
     def _control_channels(self, name: str) -> int:
-        return next(i["shape"][1] for i in self.manifest["submodules"][name]["inputs"] if i["name"] == "controlnet_cond")
+        inputs = self.manifest["submodules"][name]["inputs"]
+        return next(i["shape"][1] for i in inputs if i["name"] == "controlnet_cond")
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
         scale = self.constants["vae_scale_factor"]
