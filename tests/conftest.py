@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -278,15 +277,16 @@ for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 
 
-def with_controlnets(tmp_path_factory, build, controlnets: list[str], name: str, start=None):
-    """`build`'s export with `controlnets` (its other graphs, and those of `start`'s export when given, taken
-    as they are), built for ort-fp32."""
+def with_controlnets(shared_root: Path, build, controlnets: list[str], name: str) -> Path:
+    """`build`'s export with `controlnets`, built for ort-fp32, in the shared root's folder `name`. Its other
+    graphs are taken from the shared root's exports, as is any graph of the ControlNets another such folder
+    holds (the ControlNet pipeline folder tests and the bench smoke then export nothing again)."""
     from engines.api import build_artifact
     from export.api import export_model
 
-    folder = tmp_path_factory.mktemp(name)
-    shutil.copytree((start or build.folder) / "onnx", folder / "onnx", copy_function=os.link)
-    export_model(build.source, folder, controlnets=[str(controlnet_folder(n)) for n in controlnets])
+    folder = shared_root / name
+    export_model(build.source, folder, controlnets=[str(controlnet_folder(n)) for n in controlnets],
+                 reuse_from=shared_root)
     build_artifact(folder, "ort", "fp32")
     return folder
 

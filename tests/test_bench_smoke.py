@@ -24,10 +24,9 @@ from bench.tables import TABLES, for_family
 FAMILIES = sorted({family for table in TABLES.values() for family in table.families})
 SMOKED = {table.families[0] for table in TABLES.values()}  # the family each table is run on
 COMMON = ["--reps", "1", "--size", "128", "--steps", "2", "--gemm-size", "256"]
-# Session fixtures holding an artifact a family's tables would build again (the build folder links them),
-# and builds beside the model's that its tables would make again (the bench's build root links them).
-SHARED_ARTIFACTS = {"sd3": ["tiny_memory_artifact"]}
-SHARED_BUILDS = {"sd3": ["sd3_tiny_vae_build"]}
+# Session fixtures holding an artifact, or a build beside the model's, that a family's tables would make again
+# (the build folders link them).
+SHARED = {"sd3": ["tiny_memory_artifact", "sd3_tiny_vae_build"]}
 
 
 def _tiny(family: str) -> str:
@@ -54,24 +53,25 @@ def test_every_table_applies_to_a_family_with_a_tiny_model():
 
 def _linked_build(root, model: str, tiny_build) -> None:
     """root/<model> holding links to the session's export and artifacts of that model (a bench run that
-    builds one of them again replaces the link, never the session's folder)."""
+    builds one of them again replaces the link, never the session's folder); and beside it, linked, the
+    session's other builds, whose graphs the bench's exports then take (test_controlnet's ControlNets)."""
     build = root / model
     build.mkdir(parents=True)
     for shared in tiny_build.folder.iterdir():
         if shared.is_dir() and ((shared / "manifest.json").exists() or shared.name == "calibration"):
             os.symlink(shared, build / shared.name)
+    for other in tiny_build.folder.parent.iterdir():
+        if (other / "onnx" / "manifest.json").exists() and not (root / other.name).exists():
+            os.symlink(other, root / other.name)
 
 
 @pytest.mark.parametrize("family", sorted(SMOKED))
 def test_every_table_runs(family, tmp_path, request):
     model = _tiny(family)
     names = [name for name in for_family(family) if TABLES[name].families[0] == family]
-    for fixture in SHARED_ARTIFACTS.get(family, []):
+    for fixture in SHARED.get(family, []):  # made before the links
         request.getfixturevalue(fixture)
     _linked_build(tmp_path / "build", model, request.getfixturevalue(f"{family}_tiny_build"))
-    for fixture in SHARED_BUILDS.get(family, []):
-        folder = request.getfixturevalue(fixture).folder
-        os.symlink(folder, tmp_path / "build" / folder.name)
     out = tmp_path / "BENCHMARKS.md"
     args = ["--model", model, *COMMON, *_smoke_options(names), "--tables", ",".join(names),
             "--out", str(out), "--build-dir", str(tmp_path / "build")]

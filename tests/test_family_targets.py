@@ -127,8 +127,9 @@ def test_memory_artifact_keeps_the_images(build, fp32_images, fp32_tasks):
         assert np.abs(ref - got[task]).max() <= 1e-5, task
 
 
-# The U-Nets as fp16; Flux as the precisions the SD3 tests build (fp32 is phase 1's).
-RTX_CASES = [("sd15", "fp16"), ("sdxl", "fp16"), ("flux", "fp16"), ("flux", "bf16"), ("flux", "fp8")]
+# Each family as fp16: its graphs and profiles are what differs. bf16's and fp8's builds are the same code for
+# every family: test_trt builds them on sd3-tiny (Flux's took 2 more minutes for the same code).
+RTX_CASES = [("sd15", "fp16"), ("sdxl", "fp16"), ("flux", "fp16")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
@@ -149,8 +150,6 @@ def test_tensorrt_rtx_builds_every_submodule(build, fp32_images, precision, monk
             wanted = [m["dims"][d][2] if d in m["dims"] else None for d in t["shape"]]
             assert [w for w in wanted if w] == [p for p, w in zip(sub["engine"]["profile"][t["name"]]["max"], wanted)
                                                 if w], (name, t["name"])
-    if precision == "fp8":
-        assert _denoiser_passes(folder)["quantize_fp8"]["counts"]["linear_fp8"] > 0
     double = SharedBuffers.install(monkeypatch, build.folder / "ort-fp32")
     assert np.array_equal(_images(folder, prompts=("a photo of a cat",))[0], fp32_images[0])
     assert double.opened and all(s.profile for s in double.opened)

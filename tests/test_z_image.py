@@ -352,21 +352,20 @@ def test_the_vae_graphs_are_flux_tinys(z_image_tiny_build, flux_tiny_build):
 
 
 @pytest.fixture(scope="module")
-def controlnet_one(tmp_path_factory, z_image_tiny_build):
+def controlnet_one(shared_root, z_image_tiny_build):
     """z-image-tiny with a 1.0 ControlNet (its transformer exported again, with residual inputs)."""
     from conftest import with_controlnets
 
-    return with_controlnets(tmp_path_factory, z_image_tiny_build, ["z-image-controlnet-tiny"], "z-cn")
+    return with_controlnets(shared_root, z_image_tiny_build, ["z-image-controlnet-tiny"], "z-cn")
 
 
 @pytest.fixture(scope="module")
-def controlnet_inpaint(tmp_path_factory, z_image_tiny_build, controlnet_one):
+def controlnet_inpaint(shared_root, z_image_tiny_build, controlnet_one):
     """... with a 2.1 one instead (33 channels, a control noise refiner; the same places: the transformer's graph
     is taken)."""
     from conftest import with_controlnets
 
-    return with_controlnets(tmp_path_factory, z_image_tiny_build, ["z-image-controlnet-inpaint-tiny"], "z-cn-inpaint",
-                            start=controlnet_one)
+    return with_controlnets(shared_root, z_image_tiny_build, ["z-image-controlnet-inpaint-tiny"], "z-cn-inpaint")
 
 
 CONTROLNET_CASES = {  # name: (artifact fixture, ControlNet, diffusers pipeline, arguments)
@@ -436,3 +435,20 @@ def test_controlnet_graphs_plain_run_and_refusals(controlnet_one, controlnet_inp
         pipe("a cat", control_image=control, height=64, width=64, num_inference_steps=2, cache="first-block")
     [image] = pipe("a cat", height=64, width=64, num_inference_steps=2, cache="first-block")  # zero residuals
     assert image.size == (64, 64)
+
+
+def test_controlnets_of_different_places_share_one_transformer():
+    """Several ControlNets: the transformer takes a residual at each place any of them adds to (their union, in
+    layer order, given to its wrapper), and a ControlNet without a place feeds zeros there."""
+    from export.api import _code_name
+    from export.families.z_image import controlled_transformer
+    from runners.families.z_image.controlnet import ZImageControlNets
+
+    [spec] = controlled_transformer(None, [{"control_layers_places": [0, 5]}, {"control_layers_places": [0, 2]}])
+    names = [t.name for t in spec.inputs][4:]
+    assert names == ["block_residual_0", "block_residual_2", "block_residual_5"]
+    assert "('places', (0, 2, 5))" in _code_name(spec.wrap)  # the wrapper adds them after those layers
+    out = {"controlnet_block_0": np.ones((1, 2, 3), np.float32), "controlnet_block_5": np.full((1, 2, 3), 2, np.float32)}
+    feeds = ZImageControlNets._residual_feeds(None, "controlnet", out, [{"name": n} for n in names])
+    assert feeds[0] is out["controlnet_block_0"] and feeds[2] is out["controlnet_block_5"]
+    assert feeds[1].shape == (1, 2, 3) and not feeds[1].any()
