@@ -41,7 +41,7 @@ class Option:
     cli: bool = True  # the CLI and the servers take it (arrays and pairs are the Python API's only)
     wide: bool = False  # an integer past 32 bits (a seed): a server's field is 64-bit
     # The step that reads it, where a server takes it only with that step: "image" (an artifact with a VAE
-    # encoder), "controlnet" (not served yet: a request cannot carry its per-ControlNet control images)
+    # encoder), "controlnet" (an artifact with ControlNets)
     group: str = ""
 
     def __post_init__(self):

@@ -632,6 +632,68 @@ def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
     assert Image.open(out).size == (128, 64)
 
 
+def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
+    """A request carries one control image per ControlNet and their scales: Triton's inputs (N x H x W x 3, and
+    N numbers; one number is every ControlNet's), the OpenAI API's JSON body (base64 files) and multipart body
+    (a file field each, a repeated scale field). Each gives the Pipeline's image, which the scales change."""
+    import base64
+    import io
+
+    import httpx
+    import openai
+    import tritonclient.http as http
+    from PIL import Image
+    from tritonclient.utils import np_to_triton_dtype
+
+    from runners.serving.repository import write_repository
+    from test_openai_api import openai_client, pixels, png
+    from test_serving import server_for
+
+    artifact = sd15_two / "ort-fp32"
+    controls = [edge_image(64, 64, seed=1), edge_image(64, 64, seed=5)]
+    common = dict(height=64, width=64, num_inference_steps=2, seed=3)
+    start = smooth_image(64, 64)
+    with Pipeline.load(artifact) as pipe:
+        expected = {scales: np.asarray(pipe("a cat", control_image=controls, controlnet_conditioning_scale=scales,
+                                            **common)[0]) for scales in ((1.0, 0.5), (0.7, 0.7))}
+        assert np.abs(expected[(1.0, 0.5)].astype(int) - expected[(0.7, 0.7)]).max() > 10
+        edited = np.asarray(pipe("a cat", image=start, strength=0.6, control_image=controls,
+                                 controlnet_conditioning_scale=[1.0, 0.5], **common)[0])
+        with openai_client(pipe, "sd15-cn2") as client:
+            encoded = [base64.b64encode(png(c)).decode() for c in controls]
+            for scales in expected:
+                got = client.images.generate(prompt="a cat", size="64x64", response_format="b64_json", extra_body={
+                    "control_image": encoded, "controlnet_conditioning_scale": list(scales), "seed": 3,
+                    "num_inference_steps": 2})
+                assert np.array_equal(pixels(got.data[0]), expected[scales]), scales
+            with pytest.raises(openai.BadRequestError) as error:
+                client.images.generate(prompt="a cat", size="64x64", extra_body={"control_image": ["not base64!"]})
+            assert error.value.body["param"] == "control_image", error.value.body
+            files = [("image", ("in.png", png(start), "image/png"))] + [
+                ("control_image", (f"c{k}.png", png(c), "image/png")) for k, c in enumerate(controls)]
+            fields = {"prompt": "a cat", "size": "64x64", "strength": "0.6", "seed": "3", "num_inference_steps": "2",
+                      "controlnet_conditioning_scale": ["1.0", "0.5"]}
+            answer = httpx.post(f"{client.base_url}images/edits", data=fields, files=files, timeout=120)
+            assert answer.status_code == 200, answer.text
+            got = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
+            assert np.array_equal(np.asarray(got), edited)
+    repository = tmp_path / "repository"
+    model = write_repository(artifact, repository)
+    with server_for(repository) as server:
+        client = http.InferenceServerClient(server.http_url)
+        for scales in expected:
+            fields = {"prompt": np.array([[b"a cat"]], object), "height": np.array([[64]], np.int32),
+                      "width": np.array([[64]], np.int32), "num_inference_steps": np.array([[2]], np.int32),
+                      "seed": np.array([[3]], np.int64),
+                      "control_image": np.stack([np.asarray(c) for c in controls])[None],
+                      "controlnet_conditioning_scale": np.array([list(dict.fromkeys(scales))], np.float32)}
+            inputs = [http.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype)) for name, a in fields.items()]
+            for tensor, array in zip(inputs, fields.values()):
+                tensor.set_data_from_numpy(array)
+            images = client.infer(model.name, inputs).as_numpy("images")
+            assert np.array_equal(images[0, 0], expected[scales]), scales
+
+
 def test_canny_edges(monkeypatch):
     """OpenCV's edge map as RGB (white on black), and one line saying how to install it when it is missing."""
     import sys

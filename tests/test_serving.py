@@ -344,6 +344,27 @@ def test_groups_share_settings_and_fit_the_denoiser():
     assert groups([dict(prompt="a", seed=1, num_images_per_prompt=2)] * 2, max_images=3, batched=True) == [[0], [1]]
 
 
+def test_controlnet_options_are_inputs_of_an_artifact_with_controlnets():
+    """Per-ControlNet options have one more dimension; a row's values become the call's list (one number: every
+    ControlNet's). An artifact without ControlNets has none of their inputs."""
+    from runners.serving.requests import calls, inputs_for
+
+    plain = {"model": {"family": "flux"}, "submodules": {"transformer": {}, "vae_encoder": {}}}
+    controlled = {**plain, "submodules": {**plain["submodules"], "controlnet": {}, "controlnet_1": {}}}
+    assert not {"control_image", "control_mode"} & {t.name for t in inputs_for(plain)}
+    inputs = {t.name: t for t in inputs_for(controlled)}
+    assert inputs["control_image"].dims == (-1, -1, -1, 3) and inputs["control_image"].data_type == "TYPE_UINT8"
+    assert inputs["controlnet_conditioning_scale"].dims == inputs["control_mode"].dims == (-1,)
+    assert inputs["control_guidance_start"].dims == (1,)
+    images = np.zeros((2, 2, 8, 16, 3), np.uint8)
+    rows = calls({"prompt": np.array([[b"a"], [b"b"]], object), "control_image": images,
+                  "controlnet_conditioning_scale": np.array([[0.5], [0.25]], np.float32),
+                  "control_mode": np.array([[1, 2], [3, 4]], np.int32)})
+    assert [len(r["control_image"]) for r in rows] == [2, 2] and rows[0]["control_image"][1].size == (16, 8)
+    assert [r["controlnet_conditioning_scale"] for r in rows] == [0.5, 0.25]
+    assert [r["control_mode"] for r in rows] == [[1, 2], [3, 4]]
+
+
 def test_batched_calls_equal_each_call_alone(pipe):
     """--batch-requests: one Pipeline call for several requests gives each the image it gets alone, up to
     the kernels' batch-dependent rounding."""

@@ -51,6 +51,12 @@ def residual_inputs(entry: dict) -> list[dict]:
     return [t for t in entry["inputs"] if t["name"].endswith("_residual") or "_residual_" in t["name"]]
 
 
+def controlnets(manifest: dict) -> list[str]:
+    """An artifact's ControlNet engines in order: controlnet, controlnet_1, ..."""
+    names = [n for n in manifest["submodules"] if n == "controlnet" or n.startswith("controlnet_")]
+    return sorted(names, key=lambda n: 0 if n == "controlnet" else int(n.rsplit("_", 1)[1]))
+
+
 def _per_net(name: str, value, count: int) -> list[float]:
     """A number for every ControlNet, or one per ControlNet."""
     values = list(value) if isinstance(value, (list, tuple)) else [value] * count
@@ -202,9 +208,7 @@ class ControlNets:
         return image, mask_image, {}
 
     def controlnets(self) -> list[str]:
-        """The artifact's ControlNet engines in order: controlnet, controlnet_1, ..."""
-        names = [n for n in self.manifest["submodules"] if n == "controlnet" or n.startswith("controlnet_")]
-        return sorted(names, key=lambda n: 0 if n == "controlnet" else int(n.rsplit("_", 1)[1]))
+        return controlnets(self.manifest)
 
     def control_images(self) -> int:
         return len(self.controlnets())

@@ -7,7 +7,9 @@ OpenAI's fields map onto the call: `prompt`, `n` (num_images_per_prompt), `size`
 `response_format` (b64_json only: the images go back in the response, nothing is stored), `model` (the
 served one's name, or left out). Every other field is one of the artifact's declared request options
 (runners/options.py: `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `strength`, ...),
-given as extra body fields, plus the servers' `cache` and `loras` (runners/serving/requests.py). A bad
+given as extra body fields, plus the servers' `cache` and `loras` (runners/serving/requests.py). An artifact
+with ControlNets takes `control_image` (JSON: base64 image files, one per ControlNet; multipart: one file
+field each) and their settings (`controlnet_conditioning_scale`: a number, or one per ControlNet). A bad
 field is HTTP 400 with OpenAI's error body, naming the field and what is allowed.
 
 One request runs at a time (the engines use every core); the others wait in FastAPI's thread pool.
@@ -15,6 +17,7 @@ Needs the serve extra (FastAPI, uvicorn); the rest of the runner imports without
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import threading
 import time
@@ -63,20 +66,30 @@ def create_app(pipe, model_name: str, adapter_sets=None):
             raise BadField(None, "the body is not JSON: send the fields as a JSON object") from None
         if not isinstance(body, dict):
             raise BadField(None, "the body must be a JSON object of fields")
-        images = [name for name, o in options.items() if o.kind in ("image", "mask") and name in body]
+        images = [name for name, o in options.items() if o.kind in ("image", "mask") and not o.repeat and name in body]
         if images:
             raise BadField(images[0], f"{images[0]}: an image goes to /v1/images/edits as a multipart file")
+        for name in [name for name, o in options.items() if o.kind == "image" and o.repeat and name in body]:
+            given = body[name] if isinstance(body[name], list) else [body[name]]
+            body[name] = [_image(name, _decoded(name, value), "RGB") for value in given]
         return run(body)
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
         form = await request.form()
-        fields, files = {}, {}
+        fields, files, repeated = {}, {}, {}
         for name, value in form.multi_items():
-            if hasattr(value, "read"):
+            option = options.get(name)
+            if option is not None and option.repeat:  # a per-ControlNet option: one field per ControlNet
+                repeated.setdefault(name, []).append(_image(name, await value.read(), "RGB") if hasattr(value, "read")
+                                                     else _typed(options, name, value))
+            elif hasattr(value, "read"):
                 files[name] = await value.read()
             else:
                 fields[name] = _typed(options, name, value)
+        # one number is every ControlNet's, as in a Python call
+        fields.update({name: values[0] if len(values) == 1 and options[name].kind != "image" else values
+                       for name, values in repeated.items()})
         for name, field in (("image", "image"), ("mask", "mask_image")):
             if name in files:
                 fields[field] = _image(name, files.pop(name), "RGB" if name == "image" else "L")
@@ -167,6 +180,15 @@ def _typed(options: dict, name: str, text: str):
         raise BadField(name, f"{name}={text!r} is not allowed: use {'true or false' if kind == 'bool' else 'a number'}") \
             from None
     return text
+
+
+def _decoded(field: str, value) -> bytes:
+    """A JSON field's image: the base64 text of its file."""
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise BadField(field, f"{field}: send each image as the base64 text of a PNG, JPEG or WebP file (a string, "
+                       "or a list of them: one per ControlNet)") from None
 
 
 def _image(field: str, data: bytes, mode: str):

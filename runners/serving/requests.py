@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from runners.conditioning.controlnet import controlnets
 from runners.options import Option
 from runners.pipeline import FAMILIES
 from runners.serving import adapters
@@ -38,19 +39,21 @@ _BEFORE_THE_RUN = ("loras",)  # what the model applies to its Pipeline before a 
 
 
 def served(pipeline, manifest: dict) -> list[Option]:
-    """The declared options of `pipeline` (a family's class) a server takes in a request: one value each
-    (not the per-ControlNet lists, nor arrays, nor ControlNet settings without their control images), the
-    image tasks' only where the artifact has a VAE encoder."""
-    left_out = {"controlnet"} | (set() if "vae_encoder" in manifest["submodules"] else {"image"})
-    return [o for o in pipeline.options if o.cli and not o.repeat and o.kind in TRITON_TYPES
-            and o.group not in left_out]
+    """The declared options of `pipeline` (a family's class) a server takes in a request (not arrays): the
+    image tasks' only where the artifact has a VAE encoder, the ControlNets' where it has ControlNets."""
+    left_out = {group for group, present in (("image", "vae_encoder" in manifest["submodules"]),
+                                             ("controlnet", bool(controlnets(manifest)))) if not present}
+    return [o for o in pipeline.options if o.cli and o.kind in TRITON_TYPES and o.group not in left_out]
 
 
 def inputs_for(manifest: dict) -> tuple[Tensor, ...]:
     """The Triton model's inputs for an artifact: its family's served options, then the server's own.
-    Each batch row of a request is one prompt; an omitted optional input takes the family's default."""
+    Each batch row of a request is one prompt; an omitted optional input takes the family's default. A
+    per-ControlNet option has one more dimension, first: its values in the order of the ControlNets (the
+    control images of a row share one size)."""
     options = served(FAMILIES[manifest["model"]["family"]], manifest)
-    return tuple(Tensor(o.name, "TYPE_INT64" if o.wide else TRITON_TYPES[o.kind], _DIMS.get(o.kind, (1,)),
+    return tuple(Tensor(o.name, "TYPE_INT64" if o.wide else TRITON_TYPES[o.kind],
+                        ((-1,) if o.repeat else ()) + _DIMS.get(o.kind, () if o.repeat else (1,)),
                         optional=o.name != "prompt") for o in options) + SERVER_INPUTS
 
 
@@ -65,9 +68,27 @@ _SCALARS = {"text": _text, "int": lambda name, row, v: int(v), "float": lambda n
             "bool": lambda name, row, v: bool(v)}
 
 
-def _kinds() -> dict[str, str]:
-    """{option name: its kind} over every family's declarations."""
-    return {o.name: o.kind for pipeline in FAMILIES.values() for o in pipeline.options}
+def _declared() -> dict[str, Option]:
+    """{option name: its declaration} over every family's."""
+    return {o.name: o for pipeline in FAMILIES.values() for o in pipeline.options}
+
+
+def _value(option: Option | None, name: str, row: int, value):
+    """One row's value of a field: an image, a scalar, or for a per-ControlNet option the list of them (a single
+    number stays one: it is every ControlNet's)."""
+    kind = option.kind if option else "text"
+    if option and option.repeat:
+        values = [_one(kind, name, row, v) for v in value]
+        return values[0] if len(values) == 1 and kind not in _DIMS else values
+    return _one(kind, name, row, value)
+
+
+def _one(kind: str, name: str, row: int, value):
+    if kind in _DIMS:
+        from PIL import Image
+
+        return Image.fromarray(np.ascontiguousarray(value), "RGB" if kind == "image" else "L")
+    return _SCALARS[kind](name, row, value.reshape(-1)[0])
 
 
 def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
@@ -76,21 +97,16 @@ def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
     gets a random one here, so that a batched run can draw each row's latents from its seed."""
     if "prompt" not in tensors:
         raise ValueError("prompt is missing: every request needs a prompt (TYPE_STRING, one per batch row)")
-    kinds = _kinds()
+    declared = _declared()
     rows = []
     for row in range(len(tensors["prompt"])):
         call = {}
         for name, array in tensors.items():
-            value, kind = array[row], kinds.get(name, "text")
             if name == "loras":  # none named is no field: such a call batches with those that leave it out
-                pairs = adapters.parse(_text(name, row, value.reshape(-1)[0]), row)
+                pairs = adapters.parse(_text(name, row, array[row].reshape(-1)[0]), row)
                 call.update({name: pairs} if pairs else {})
-            elif kind in _DIMS:
-                from PIL import Image
-
-                call[name] = Image.fromarray(np.ascontiguousarray(value), "RGB" if kind == "image" else "L")
             else:
-                call[name] = _SCALARS[kind](name, row, value.reshape(-1)[0])
+                call[name] = _value(declared.get(name), name, row, array[row])
         if "seed" not in call:
             call["seed"] = int(np.random.default_rng().integers(2**63))
         rows.append(call)
@@ -100,8 +116,8 @@ def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
 def batch_key(call: dict):
     """Calls with equal keys run as one Pipeline call (one denoiser batch): text to image with the same
     settings; their prompts, negative prompts and seeds may differ. None: the call runs alone."""
-    kinds = _kinds()
-    if any(kinds.get(name) in _DIMS for name in call):
+    declared = _declared()
+    if any(name in declared and declared[name].kind in _DIMS for name in call):
         return None
     return tuple(sorted((k, v) for k, v in call.items() if k not in ("prompt", "negative_prompt", "seed")))
 
