@@ -87,23 +87,23 @@ def _group(item: pytest.Item) -> str:
 
 
 # Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that waits for
-# a build another worker makes pays the wait), on a 2-core AMD EPYC without AVX-512 (2026-12-02: 6989 s of
-# test time, 63 minutes). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
+# a build another worker makes pays the wait), on a 2-core AMD EPYC without AVX-512 (2026-12-02: 7807 s of
+# test time, 68 minutes). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
 # keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
 # group not listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 900, "test_family_targets.py::flux": 620, "test_family_targets.py::sdxl": 580,
-    "test_controlnet.py::flux": 530, "test_trt.py": 390, "test_bench_smoke.py": 390, "test_z_image.py": 450,
-    "test_controlnet.py": 270, "test_controlnet.py::sd15": 270, "test_precision.py": 250, "test_openvino.py": 240,
-    "test_lora_openvino.py": 190, "test_flux_conditioned.py::flux": 190, "test_bench_smoke.py::sd15": 160,
-    "test_lazy_export.py": 160, "test_image_to_image.py::sdxl": 150, "test_passes.py": 150,
-    "test_controlnet.py::sdxl": 140, "test_serving.py": 110, "test_flux.py::flux": 100, "test_tiny_vae.py": 100,
-    "test_streamed_parity.py::flux": 50, "test_lora_openvino.py::sd15": 50, "test_lora_openvino.py::sdxl": 50,
-    "test_bench_smoke.py::flux": 50, "test_tiny_vae.py::sd15": 50, "test_tiny_vae.py::sdxl": 40,
-    "test_export.py": 40, "test_lora.py": 30, "test_memory.py": 30, "test_runner_errors.py": 30,
-    "test_lora.py::flux": 30, "test_engines.py": 30, "test_tiny_vae.py::flux": 20, "test_docs_commands.py": 20,
-    "test_image_to_image.py": 20, "test_image_to_image.py::sd15": 20, "test_scale.py": 20,
-    "test_passes.py::sdxl": 20,
+    "test_family_targets.py::sd15": 860, "test_z_image.py": 750, "test_family_targets.py::sdxl": 670,
+    "test_family_targets.py::flux": 590, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
+    "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
+    "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
+    "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,
+    "test_controlnet.py": 130, "test_serving.py": 120, "test_flux.py::flux": 100, "test_controlnet.py::sdxl": 100,
+    "test_lora_openvino.py::sd15": 80, "test_lora_openvino.py::sdxl": 80, "test_bench_smoke.py::sd15": 70,
+    "test_streamed_parity.py": 55, "test_lora.py": 45, "test_bench_smoke.py::flux": 45, "test_tiny_vae.py::sd15": 45,
+    "test_export.py": 40, "test_tiny_vae.py::flux": 35, "test_tiny_vae.py::sdxl": 35, "test_memory.py": 30,
+    "test_runner_errors.py": 25, "test_engines.py": 25, "test_docs_commands.py": 20, "test_lora.py::flux": 20,
+    "test_scale.py": 20, "test_image_to_image.py::sdxl": 15, "test_image_to_image.py::sd15": 15,
+    "test_passes.py::sdxl": 15,
 }
 
 

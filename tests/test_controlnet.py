@@ -639,8 +639,8 @@ def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
     import base64
     import io
 
-    import httpx
     import openai
+    import requests
     import tritonclient.http as http
     from PIL import Image
     from tritonclient.utils import np_to_triton_dtype
@@ -673,7 +673,7 @@ def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
                 ("control_image", (f"c{k}.png", png(c), "image/png")) for k, c in enumerate(controls)]
             fields = {"prompt": "a cat", "size": "64x64", "strength": "0.6", "seed": "3", "num_inference_steps": "2",
                       "controlnet_conditioning_scale": ["1.0", "0.5"]}
-            answer = httpx.post(f"{client.base_url}images/edits", data=fields, files=files, timeout=120)
+            answer = requests.post(f"{client.base_url}images/edits", data=fields, files=files, timeout=120)
             assert answer.status_code == 200, answer.text
             got = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
             assert np.array_equal(np.asarray(got), edited)
