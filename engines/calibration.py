@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,19 @@ def _log(msg: str) -> None:
     print(f"[calibration] {msg}", flush=True)
 
 
+def time_left(elapsed: float, done: int, total: int) -> str:
+    """What a progress line adds after `done` of `total` equal parts took `elapsed` seconds: the time the rest
+    will take at the mean pace so far ("" when none is left). At a real model's size a calibration runs for
+    hours: the user sees at the first prompt what waiting costs."""
+    if done >= total:
+        return ""
+    left = round(elapsed / done * (total - done))
+    if left < 60:
+        return f" (about {left} s left)"
+    hours, rest = divmod(left, 3600)
+    return f" (about {f'{hours} h ' if hours else ''}{rest // 60} min {rest % 60} s left)"
+
+
 def recordings_folder(artifact: Path, artifact_key: str, settings: CalibrationSettings) -> Path:
     """Where `collect` keeps the recordings of the artifact whose cache key is `artifact_key`: named by
     their own key, which a build plan knows before the artifact exists."""
@@ -116,12 +130,13 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
             pipe.run = _CompanionRecorder(pipe, store, graph)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
+        started = time.monotonic()
         for i, prompt in enumerate(prompts):
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
                          guidance_scale=settings.guidance_scale, output_type="np", **_call_inputs(pipe, size, seed=i))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
-            _log(f"prompt {i + 1}/{len(prompts)} recorded")
+            _log(f"prompt {i + 1}/{len(prompts)} recorded{time_left(time.monotonic() - started, i + 1, len(prompts))}")
         calls = store.finish()
         write_manifest(tmp, {"stage": "calibration", "cache_key": key,
                              "settings": {**dataclasses.asdict(settings), "size": size},

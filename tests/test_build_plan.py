@@ -4,6 +4,7 @@ calibration included (the fp32 artifact from its own plan, not from a second bui
 from __future__ import annotations
 
 import inspect
+import re
 import shutil
 
 import pytest
@@ -76,16 +77,27 @@ def test_dry_run_of_a_built_artifact_says_it_is_up_to_date(tiny_artifact, capsys
     assert plan(tiny_artifact.parent, force=True).up_to_date is False
 
 
-def test_execute_calibrates_on_the_fp32_artifact_its_plan_names(fresh_build):
+def test_execute_calibrates_on_the_fp32_artifact_its_plan_names(fresh_build, capsys):
     """fp8 from a bare export: the fp32 artifact is built from the plan's own plan of it, and the
-    recordings land where the plan said."""
-    p = plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1))
+    recordings land where the plan said; each recorded prompt says the time the rest will take."""
+    p = plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(2, 1))
     folder = execute(p)
     m = manifest(folder)
     assert m["cache_key"] == p.cache_key and m["precision"] == "fp8"
     assert manifest(fresh_build / "ort-fp32")["cache_key"] == p.calibration.artifact.cache_key
     assert sorted(p.name for p in (fresh_build / "calibration").iterdir()) == [p.calibration.folder.name]
-    assert plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1)).up_to_date
+    assert plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(2, 1)).up_to_date
+    out = capsys.readouterr().out
+    assert re.search(r"\[calibration\] prompt 1/2 recorded \(about \d+ s left\)\n", out), out
+    assert "[calibration] prompt 2/2 recorded\n" in out
+
+
+def test_calibration_progress_says_the_time_left():
+    from engines.calibration import time_left
+
+    assert time_left(10.0, 1, 32) == " (about 5 min 10 s left)"
+    assert time_left(400.0, 1, 32) == " (about 3 h 26 min 40 s left)"
+    assert time_left(1.0, 1, 32) == " (about 31 s left)" and time_left(5.0, 32, 32) == ""
 
 
 def test_the_entry_points_stay_short():
