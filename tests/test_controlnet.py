@@ -635,7 +635,8 @@ def test_cli_control_images_canny_and_scales(sd15_two, tmp_path):
 def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
     """A request carries one control image per ControlNet and their scales: Triton's inputs (N x H x W x 3, and
     N numbers; one number is every ControlNet's), the OpenAI API's JSON body (base64 files) and multipart body
-    (a file field each, a repeated scale field). Each gives the Pipeline's image, which the scales change."""
+    (a file or base64 field each, a repeated scale field). Each gives the Pipeline's image, which the scales
+    change."""
     import base64
     import io
 
@@ -677,6 +678,12 @@ def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
             assert answer.status_code == 200, answer.text
             got = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
             assert np.array_equal(np.asarray(got), edited)
+            # the openai client's edit sends extra_body's lists as repeated `name[]` fields: base64 control images
+            got = client.images.edit(image=("in.png", png(start), "image/png"), prompt="a cat", size="64x64",
+                                     response_format="b64_json", extra_body={
+                                         "control_image": encoded, "controlnet_conditioning_scale": [1.0, 0.5],
+                                         "strength": 0.6, "seed": 3, "num_inference_steps": 2})
+            assert np.array_equal(pixels(got.data[0]), edited)
     repository = tmp_path / "repository"
     model = write_repository(artifact, repository)
     with server_for(repository) as server:

@@ -9,7 +9,7 @@ served one's name, or left out). Every other field is one of the artifact's decl
 (runners/options.py: `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `strength`, ...),
 given as extra body fields, plus the servers' `cache` and `loras` (runners/serving/requests.py). An artifact
 with ControlNets takes `control_image` (JSON: base64 image files, one per ControlNet; multipart: one file
-field each) and their settings (`controlnet_conditioning_scale`: a number, or one per ControlNet). A bad
+or base64 field each) and their settings (`controlnet_conditioning_scale`: a number, or one per ControlNet). A bad
 field is HTTP 400 with OpenAI's error body, naming the field and what is allowed.
 
 One request runs at a time (the engines use every core); the others wait in FastAPI's thread pool.
@@ -79,10 +79,14 @@ def create_app(pipe, model_name: str, adapter_sets=None):
         form = await request.form()
         fields, files, repeated = {}, {}, {}
         for name, value in form.multi_items():
+            name = name.removesuffix("[]")  # the openai client sends a list as repeated `name[]` fields
             option = options.get(name)
             if option is not None and option.repeat:  # a per-ControlNet option: one field per ControlNet
-                repeated.setdefault(name, []).append(_image(name, await value.read(), "RGB") if hasattr(value, "read")
-                                                     else _typed(options, name, value))
+                if hasattr(value, "read"):
+                    value = _image(name, await value.read(), "RGB")
+                elif option.kind == "image":
+                    value = _image(name, _decoded(name, value), "RGB")
+                repeated.setdefault(name, []).append(value if option.kind == "image" else _typed(options, name, value))
             elif hasattr(value, "read"):
                 files[name] = await value.read()
             else:
