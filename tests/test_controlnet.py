@@ -678,6 +678,10 @@ def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
             assert answer.status_code == 200, answer.text
             got = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
             assert np.array_equal(np.asarray(got), edited)
+            scale_file = [("controlnet_conditioning_scale", ("s.txt", b"0.5", "text/plain"))]
+            refused = requests.post(f"{client.base_url}images/edits", data=fields, files=files + scale_file,
+                                    timeout=120)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "controlnet_conditioning_scale"
             # the openai client's edit sends extra_body's lists as repeated `name[]` fields: base64 control images
             got = client.images.edit(image=("in.png", png(start), "image/png"), prompt="a cat", size="64x64",
                                      response_format="b64_json", extra_body={

@@ -347,7 +347,7 @@ def test_groups_share_settings_and_fit_the_denoiser():
 def test_controlnet_options_are_inputs_of_an_artifact_with_controlnets():
     """Per-ControlNet options have one more dimension; a row's values become the call's list (one number: every
     ControlNet's). An artifact without ControlNets has none of their inputs."""
-    from runners.serving.requests import calls, inputs_for
+    from runners.serving.requests import batch_key, calls, inputs_for
 
     plain = {"model": {"family": "flux"}, "submodules": {"transformer": {}, "vae_encoder": {}}}
     controlled = {**plain, "submodules": {**plain["submodules"], "controlnet": {}, "controlnet_1": {}}}
@@ -363,6 +363,7 @@ def test_controlnet_options_are_inputs_of_an_artifact_with_controlnets():
     assert [len(r["control_image"]) for r in rows] == [2, 2] and rows[0]["control_image"][1].size == (16, 8)
     assert [r["controlnet_conditioning_scale"] for r in rows] == [0.5, 0.25]
     assert [r["control_mode"] for r in rows] == [[1, 2], [3, 4]]
+    assert batch_key(dict(prompt="a", seed=1, controlnet_conditioning_scale=[0.5, 1.0])) is None  # runs alone
 
 
 def test_batched_calls_equal_each_call_alone(pipe):

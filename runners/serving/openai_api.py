@@ -9,8 +9,8 @@ served one's name, or left out). Every other field is one of the artifact's decl
 (runners/options.py: `seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`, `strength`, ...),
 given as extra body fields, plus the servers' `cache` and `loras` (runners/serving/requests.py). An artifact
 with ControlNets takes `control_image` (JSON: base64 image files, one per ControlNet; multipart: one file
-or base64 field each) and their settings (`controlnet_conditioning_scale`: a number, or one per ControlNet). A bad
-field is HTTP 400 with OpenAI's error body, naming the field and what is allowed.
+or base64 field each) and their settings (`controlnet_conditioning_scale`: a number, or one per
+ControlNet). A bad field is HTTP 400 with OpenAI's error body, naming the field and what is allowed.
 
 One request runs at a time (the engines use every core); the others wait in FastAPI's thread pool.
 Needs the serve extra (FastAPI, uvicorn); the rest of the runner imports without it."""
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 
 from runners.options import check_call
 from runners.serving import adapters as adapter_fields
-from runners.serving.requests import served
+from runners.serving.requests import per_controlnet, served
 
 # OpenAI's own fields, read here; the rest of a request's fields are the artifact's options.
 OPENAI_FIELDS = ("prompt", "n", "size", "response_format", "model", "user")
@@ -82,18 +82,19 @@ def create_app(pipe, model_name: str, adapter_sets=None):
             name = name.removesuffix("[]")  # the openai client sends a list as repeated `name[]` fields
             option = options.get(name)
             if option is not None and option.repeat:  # a per-ControlNet option: one field per ControlNet
-                if hasattr(value, "read"):
-                    value = _image(name, await value.read(), "RGB")
-                elif option.kind == "image":
-                    value = _image(name, _decoded(name, value), "RGB")
-                repeated.setdefault(name, []).append(value if option.kind == "image" else _typed(options, name, value))
+                if option.kind == "image":  # a file, or its base64 text
+                    value = _image(name, await value.read() if hasattr(value, "read") else _decoded(name, value),
+                                   "RGB")
+                elif hasattr(value, "read"):
+                    raise BadField(name, f"{name}: send its values as fields, not files")
+                else:
+                    value = _typed(options, name, value)
+                repeated.setdefault(name, []).append(value)
             elif hasattr(value, "read"):
                 files[name] = await value.read()
             else:
                 fields[name] = _typed(options, name, value)
-        # one number is every ControlNet's, as in a Python call
-        fields.update({name: values[0] if len(values) == 1 and options[name].kind != "image" else values
-                       for name, values in repeated.items()})
+        fields.update({name: per_controlnet(options[name], values) for name, values in repeated.items()})
         for name, field in (("image", "image"), ("mask", "mask_image")):
             if name in files:
                 fields[field] = _image(name, files.pop(name), "RGB" if name == "image" else "L")

@@ -73,13 +73,17 @@ def _declared() -> dict[str, Option]:
     return {o.name: o for pipeline in FAMILIES.values() for o in pipeline.options}
 
 
+def per_controlnet(option: Option, values: list):
+    """A per-ControlNet option's values as the call takes them: the list, or one number alone (every ControlNet's,
+    as in a Python call); images stay a list."""
+    return values[0] if len(values) == 1 and option.kind not in _DIMS else values
+
+
 def _value(option: Option | None, name: str, row: int, value):
-    """One row's value of a field: an image, a scalar, or for a per-ControlNet option the list of them (a single
-    number stays one: it is every ControlNet's)."""
+    """One row's value of a field: an image, a scalar, or a per-ControlNet option's values."""
     kind = option.kind if option else "text"
     if option and option.repeat:
-        values = [_one(kind, name, row, v) for v in value]
-        return values[0] if len(values) == 1 and kind not in _DIMS else values
+        return per_controlnet(option, [_one(kind, name, row, v) for v in value])
     return _one(kind, name, row, value)
 
 
@@ -115,9 +119,10 @@ def calls(tensors: dict[str, np.ndarray]) -> list[dict]:
 
 def batch_key(call: dict):
     """Calls with equal keys run as one Pipeline call (one denoiser batch): text to image with the same
-    settings; their prompts, negative prompts and seeds may differ. None: the call runs alone."""
+    settings; their prompts, negative prompts and seeds may differ. None: the call runs alone (one with images
+    or per-ControlNet values)."""
     declared = _declared()
-    if any(name in declared and declared[name].kind in _DIMS for name in call):
+    if any(name in declared and (declared[name].kind in _DIMS or declared[name].repeat) for name in call):
         return None
     return tuple(sorted((k, v) for k, v in call.items() if k not in ("prompt", "negative_prompt", "seed")))
 
