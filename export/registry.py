@@ -310,6 +310,37 @@ Z_IMAGE_FULLSIZE = {
 }
 
 
+# FLUX.2 klein: Flux2Transformer2DModel (4 rotary axes T, H, W, L; no biases, no pooled projection, no guidance
+# embedding), FLUX.2's VAE (32 latent channels, patchified to 128, batch-norm statistics) and Qwen3 read at
+# layers 9, 18 and 27. The scheduler: FLUX.1-dev's config, which the pipeline's empirical mu shifts.
+def _flux2(heads: int, head_dim: int, double: int, single: int, joint: int, guidance: bool = False) -> dict:
+    """Flux2Transformer2DModel; its 4 rotary axes share the head dim equally."""
+    return {"patch_size": 1, "in_channels": 128, "num_layers": double, "num_single_layers": single,
+            "attention_head_dim": head_dim, "num_attention_heads": heads, "joint_attention_dim": joint,
+            "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": [head_dim // 4] * 4,
+            "rope_theta": 2000, "eps": 1e-06, "guidance_embeds": guidance}
+
+
+_FLUX2_VAE = {"latent_channels": 32, "patch_size": [2, 2], "batch_norm_eps": 0.0001, "batch_norm_momentum": 0.1,
+              "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+              "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True}
+_FLUX2_SCHEDULER = {**_FLUX_DEV_SCHEDULER, "time_shift_type": "exponential"}
+# klein at tiny widths: head dim 64 (TensorRT's attention kernels want it), two heads, one double-stream block
+# and two single-stream ones; Qwen3 at tiny widths with 4 layers, read at 1, 2 and 3 (its config's
+# `hidden_states_layers`: 28 layers to read klein's 9, 18 and 27 take 100 s to export), so the graph stops before
+# the last as klein's does.
+FLUX2_KLEIN_TINY = {
+    "transformer": _flux2(heads=2, head_dim=64, double=1, single=2, joint=3 * 32),
+    "vae": {**_FLUX2_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
+            "sample_size": 128},
+    "text_encoder": {**_qwen3(32, 4, 2, 1, 16, 64), "hidden_states_layers": [1, 2, 3]},
+    "vocab_pieces": 400,
+    "scheduler": _FLUX2_SCHEDULER,
+}
+# klein's base checkpoints (FLUX.2-klein-base-4B): the same layout, not distilled (50 steps, CFG)
+FLUX2_KLEIN_BASE_TINY = {**FLUX2_KLEIN_TINY, "is_distilled": False}
+
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -389,6 +420,19 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 128, 512), batch=(1, 2, 4), extra={"variant": "turbo"}, export_dtype="float16",
                    description="Z-Image-Turbo's transformer and Qwen3-4B at their true shapes, random fp16 weights "
                                "(make scale-check)"),
+        ModelEntry("flux2-klein-4b", "flux2", hub_id="black-forest-labs/FLUX.2-klein-4B", image_size=(256, 1024, 1536),
+                   description="FLUX.2 klein 4B (distilled: 4 steps, no guidance; Qwen3-4B encoder)"),
+        ModelEntry("flux2-klein-9b", "flux2", hub_id="black-forest-labs/FLUX.2-klein-9B", image_size=(256, 1024, 1536),
+                   description="FLUX.2 klein 9B (distilled: 4 steps, no guidance; Qwen3-8B encoder)"),
+        ModelEntry("flux2-klein-base-4b", "flux2", hub_id="black-forest-labs/FLUX.2-klein-base-4B",
+                   image_size=(256, 1024, 1536), description="FLUX.2 klein base 4B (50 steps, CFG)"),
+        ModelEntry("flux2-klein-tiny", "flux2", random_configs=FLUX2_KLEIN_TINY, image_size=(64, 128, 512),
+                   text_length=(1, 64, 512),
+                   description="FLUX.2 klein architecture (distilled; Qwen3 read at layers 9, 18, 27) at tiny widths, "
+                               "built offline"),
+        ModelEntry("flux2-klein-base-tiny", "flux2", random_configs=FLUX2_KLEIN_BASE_TINY, image_size=(64, 128, 512),
+                   text_length=(1, 64, 512),
+                   description="FLUX.2 klein base architecture (CFG) at tiny widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -55,7 +55,9 @@ def exact_timesteps(model, timestep, guidance):
     def substitute(_, args):
         return (*exact, *args[len(exact):])
 
-    handle = model.time_text_embed.register_forward_pre_hook(substitute)
+    # FLUX.1's time embedding module, or FLUX.2's
+    embed = model.time_text_embed if hasattr(model, "time_text_embed") else model.time_guidance_embed
+    handle = embed.register_forward_pre_hook(substitute)
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ every token. The export's report says what was cut (`graph`: layers kept, FLOPs 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -36,8 +37,9 @@ class _LLMHiddenStates(torch.nn.Module):
     """input_ids, attention_mask -> the hidden states of `layers` (indices into `hidden_states`,
     negative from the end), concatenated on the feature axis in that order."""
 
-    def __init__(self, model, layers: tuple[int, ...]):
+    def __init__(self, model, layers):
         super().__init__()
+        layers = layers(model) if callable(layers) else layers
         stack = decoder_stack(model)
         total = len(stack.layers)
         self.reads = [k % (total + 1) for k in layers]
@@ -64,10 +66,10 @@ class _LLMHiddenStates(torch.nn.Module):
         return (torch.cat([states[k] for k in self.reads], dim=-1),)
 
 
-def llm_encoder(name: str, layers: tuple[int, ...], width: str = "text_width", vocab: str = "text_vocab",
-                output: str = "hidden_states") -> SubmoduleSpec:
-    """The LLM text encoder `name`, reading `layers` of `hidden_states`; its output's width is the
-    constant `width` (the model's hidden size times the layers read)."""
+def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module], tuple[int, ...]],
+                width: str = "text_width", vocab: str = "text_vocab", output: str = "hidden_states") -> SubmoduleSpec:
+    """The LLM text encoder `name`, reading `layers` of `hidden_states` (or the model -> those layers, where
+    its config says); its output's width is the constant `width` (the hidden size times the layers read)."""
     return SubmoduleSpec(
         name=name,
         component=name,

@@ -1,0 +1,235 @@
+"""FLUX.2 klein (Flux2KleinPipeline, and its inpainting pipeline): a Qwen3 LLM's hidden states at
+layers 9, 18 and 27 side by side, the FLUX.2 transformer (shared modulation, 4-axis rotary ids) and
+FLUX.2's VAE, whose 32-channel latents the pipeline patchifies to 128 channels and normalises with the
+VAE's batch-norm running statistics, as data.
+
+The runner works on the pipeline's latents: patchified and normalised, (batch, 128, H/16, W/16). The
+decoder's graph takes them and does the rest (x * std + mean, unpatchify, decode); the encoder's gives
+its posterior in the same space, so that a reference image's latents (the posterior's mode) and an
+inpainted image's are the pipeline's without a step outside the graphs. The transformer reads the
+latents packed as tokens, the reference images' tokens after them (one token axis: 0 to N references
+in one graph), and the text and image position ids (T, H, W, L), from which it builds its rotary
+embedding in float32 (as FLUX.1's: export/families/flux.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from export.families.flux import exact_timesteps, export_rope
+from export.families.llm_encoder import llm_constants, llm_encoder
+from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
+
+TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
+
+
+def text_layers(config: dict) -> tuple[int, ...]:
+    """The text encoder's layers the export reads: its config's `hidden_states_layers` where it has one
+    (openvino.genai reads the same key; the registry's shallow test and bench encoders set it), else klein's."""
+    return tuple(config.get("hidden_states_layers") or TEXT_LAYERS)
+
+
+PATCH = 2  # the VAE's latents are patchified 2 x 2 into the transformer's channels
+# A reference image is kept at most 1024 x 1024 pixels (diffusers' and BFL's cap): this many tokens at most.
+REFERENCE_AREA = 1024 * 1024
+REFERENCES = 2  # the references an export's token range makes room for, by default
+
+
+class _Transformer(torch.nn.Module):
+    """The transformer with its inputs as Flux2KleinPipeline feeds them (the timestep divided by 1000, the
+    ids without a batch axis: diffusers reads the first row's only)."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+        export_rope(transformer.pos_embed)
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids):
+        with exact_timesteps(self.transformer, timestep, None):
+            out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                   timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+        return (out[0],)
+
+
+def _statistics(vae):
+    """The batch norm's mean and standard deviation, (1, 128, 1, 1): the pipeline's, with the config's eps."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    return mean, torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+
+
+def patchify(x):
+    """(B, C, H, W) -> (B, 4C, H/2, W/2), channel c * 4 + dy * 2 + dx (Flux2KleinPipeline._patchify_latents)."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // PATCH, PATCH, w // PATCH, PATCH).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c * PATCH * PATCH, h // PATCH, w // PATCH)
+
+
+def unpatchify(x):
+    b, c, h, w = x.shape
+    x = x.reshape(b, c // (PATCH * PATCH), PATCH, PATCH, h, w).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c // (PATCH * PATCH), h * PATCH, w * PATCH)
+
+
+class _Decoder(torch.nn.Module):
+    """The pipeline's latents -> image in [-1, 1]: denormalised, unpatchified, decoded."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent):
+        mean, std = _statistics(self.vae)
+        return (self.vae.decode(unpatchify(latent * std + mean), return_dict=False)[0],)
+
+
+class _Encoder(torch.nn.Module):
+    """Image in [-1, 1] -> the posterior (mean, log-variance) in the pipeline's latent space: patchified and
+    normalised (the mode is what the pipelines read; a sample with unit noise in this space is one there)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, image):
+        posterior = self.vae.encode(image, return_dict=False)[0]
+        mean, std = _statistics(self.vae)
+        return (patchify(posterior.mean) - mean) / std, patchify(posterior.logvar) - 2 * torch.log(std)
+
+
+_LATENT = ("batch", "latent_channels", "latent_height", "latent_width")
+TRANSFORMER = SubmoduleSpec(
+    name="transformer",
+    component="transformer",
+    inputs=(
+        T("hidden_states", "float32", ("batch", "image_tokens", "latent_channels")),
+        T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")),
+        T("timestep", "float32", ("batch",), high=1),
+        T("img_ids", "float32", ("image_tokens", 4), high=64),
+        T("txt_ids", "float32", ("text_length", 4), high=64),
+    ),
+    outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "latent_channels")),),
+    wrap=_Transformer,
+    latent_divisor=1,
+    quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_guidance_embed", "context_embedder",
+                                                    "norm_out", "transformer.proj_out"),
+                  "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep",)},
+)
+VAE_DECODER = SubmoduleSpec(
+    name="vae_decoder",
+    component="vae",
+    inputs=(T("latent", "float32", _LATENT),),
+    outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
+    wrap=_Decoder,
+    latent_divisor=1,
+    quantization={"activations": True},
+)
+VAE_ENCODER = SubmoduleSpec(
+    name="vae_encoder",
+    component="vae",
+    inputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
+    outputs=(T("latent_mean", "float32", _LATENT), T("latent_logvar", "float32", _LATENT)),
+    wrap=_Encoder,
+    latent_divisor=1,
+)
+
+
+def _image_tokens(dims: dict[str, int]) -> int:
+    """The transformer's token axis: the image's, then its references' (none at the range's min and opt)."""
+    return dims["latent_height"] * dims["latent_width"] + dims.get("reference_tokens", 0)
+
+
+def _scale(vae: dict) -> int:
+    """Pixels per side of a latent token: the VAE's down-sampling times the patch."""
+    return 2 ** (len(vae["block_out_channels"]) - 1) * PATCH
+
+
+def _constants(src) -> dict[str, int]:
+    tr, vae = src.config("transformer"), src.config("vae")
+    scale = _scale(vae)
+    references = src.entry.extra.get("references", REFERENCES)
+    largest = min(REFERENCE_AREA, src.entry.image_size[2] ** 2)  # a reference is at most the cap's area
+    return {
+        **llm_constants(src.config("text_encoder"), text_layers(src.config("text_encoder"))),
+        "latent_channels": vae["latent_channels"] * PATCH * PATCH,
+        "in_channels": tr["in_channels"],
+        "vae_scale_factor": scale,
+        "latent_multiple": 1,
+        "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
+        "inner_dim": tr["num_attention_heads"] * tr["attention_head_dim"],
+        "reference_tokens": references * largest // scale**2,
+    }
+
+
+def _runtime_constants(src) -> dict:
+    return {
+        "vae_scaling_factor": 1.0, "vae_shift_factor": 0.0,  # the graphs normalise (batch-norm statistics)
+        "vae_scale_factor": _scale(src.config("vae")),
+        "denoiser": "transformer",
+        "latent_multiple": 1,
+        "patch_size": 1,
+        # Flux2KleinPipeline's sigmas, shifted by its empirical mu of the image's tokens and the steps
+        "schedule": {"sigmas": "linspace", "mu": "empirical"},
+        "text_encoder_out_layers": list(text_layers(src.config("text_encoder"))),
+        # klein's distilled checkpoints run 4 steps without guidance; the base ones CFG (model_index.json)
+        "distilled": bool(src.model_index().get("is_distilled", False)),
+        "reference_area": REFERENCE_AREA,
+    }
+
+
+def build_random(configs: dict, out_dir, seed: int = 0) -> None:
+    """Write a Flux2KleinPipeline folder with random seeded weights from component configs (see the
+    registry): a Qwen2-kind tokenizer trained offline with Qwen3's chat template, Qwen3 at the configs'
+    widths, and the VAE's batch-norm statistics drawn too (a fresh module's are 0 and 1, which would leave
+    their use untested)."""
+    import tempfile
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from export.offline_tokenizers import write_qwen_tokenizer
+    from export.random_weights import build_modules, save_pipeline
+
+    def vae():
+        module = AutoencoderKLFlux2(**configs["vae"])
+        if dtype is None:
+            generator = torch.Generator().manual_seed(seed)
+            module.bn.running_mean.normal_(0, 0.5, generator=generator)
+            module.bn.running_var.uniform_(0.25, 4.0, generator=generator)
+        return module
+
+    template = (Path(__file__).parent.parent / "templates" / "qwen3_chat_template.jinja").read_text()
+    dtype = configs.get("weights_dtype")
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = write_qwen_tokenizer(Path(tmp, "tokenizer"), configs["vocab_pieces"], template, seed)
+        tokenizer = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer"))
+        qwen = Qwen3Config(**{"vocab_size": vocab, **configs["text_encoder"]})
+        modules = build_modules({
+            "transformer": lambda: Flux2Transformer2DModel(**configs["transformer"]),
+            "vae": vae,
+            "text_encoder": lambda: Qwen3ForCausalLM(qwen),
+        }, seed, streamed=dtype is not None)
+        save_pipeline(configs.get("pipeline_class", "Flux2KleinPipeline"), modules,
+                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), "tokenizer": tokenizer,
+                       "is_distilled": configs.get("is_distilled", True)},
+                      out_dir, dtype, seed, configs.get("weights_for"))
+
+
+FAMILY = Family(
+    name="flux2",
+    pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline"),
+    submodules=(
+        llm_encoder("text_encoder", lambda model: text_layers(model.config.to_dict())),
+        TRANSFORMER,
+        VAE_DECODER,
+        VAE_ENCODER,
+    ),
+    constants=_constants,
+    runtime_constants=_runtime_constants,
+    derived_dims={"image_height": ("latent_height", "vae_scale_factor", 0),
+                  "image_width": ("latent_width", "vae_scale_factor", 0), "image_tokens": _image_tokens},
+    tokenizers=("tokenizer",),
+    build_random=build_random,
+    # Flux2KleinPipeline: the chat template with thinking off, padded to max_sequence_length: the transformer
+    # attends to every token, the padding's too
+    prompt_formats={"tokenizer": PromptFormat(chat={"enable_thinking": False}, padding="max_length")},
+)
