@@ -47,6 +47,14 @@ def given_or_drawn(name: str, value, shape, rng) -> np.ndarray:
     return value
 
 
+def _sigmas(value) -> np.ndarray:
+    sigmas = np.asarray(value, dtype=np.float64)
+    if sigmas.ndim != 1 or not len(sigmas) or not np.all((sigmas > 0) & (sigmas <= 1)):
+        raise ValueError(f"sigmas={value!r:.60} is not allowed: pass a non-empty list of numbers in (0, 1], one a step "
+                         "(diffusers' default is from 1 to 1 / steps)")
+    return sigmas
+
+
 TEXT, IMAGE, INPAINT = "text to image", "image to image", "inpainting"
 
 
@@ -79,11 +87,12 @@ class TextToImage(Pipeline):
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
-                       strength=None, noise=None, encoder_noise=None, **options):
+                       strength=None, noise=None, encoder_noise=None, sigmas=None, **options):
         """The whole run: text to image; image to image when `image` is given (diffusers' Img2Img
         pipelines: the image's latents noised to the step `strength` selects, and fewer steps run);
         inpainting when `mask_image` is given too (diffusers' Inpaint pipelines: the mask's white part
-        is repainted). `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
+        is repainted). `sigmas`: the schedule's own, unshifted, one a step, where diffusers' pipeline takes them
+        (FLUX.2's). `options` go to the family's `_conditions` (text lengths, SDXL's sizes)."""
         c = self.constants
         task = task_of(image, mask_image)
         self._check_task(task, image)
@@ -133,7 +142,7 @@ class TextToImage(Pipeline):
         scale = c["vae_scale_factor"]
         shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
         rng = np.random.default_rng(seed)
-        schedule = self._schedule(num_inference_steps, shape)
+        schedule = self._schedule(num_inference_steps, shape, sigmas)
         inpainting = None
         if task == TEXT:
             latents = given_or_drawn("latents", latents, shape, rng) * np.float32(schedule.init_noise_sigma)
@@ -235,18 +244,21 @@ class TextToImage(Pipeline):
         image's latents: SD1.5's, the mask then the latents."""
         return np.concatenate([small_mask, masked], axis=1)
 
-    def _schedule(self, num_inference_steps: int, latent_shape):
+    def _schedule(self, num_inference_steps: int, latent_shape, sigmas=None):
         """The scheduler's run for a request, as the artifact's pipeline sets it (manifest data,
-        `pipeline.schedule`): its own sigmas (PIPELINE_SIGMAS), and its shift by the image's size (PIPELINE_MU)."""
+        `pipeline.schedule`): its own sigmas (PIPELINE_SIGMAS) or the request's, and its shift by the image's
+        size (PIPELINE_MU, which diffusers computes from `num_inference_steps` even where sigmas are given)."""
         rule = self.constants.get("schedule", {})
         extra = {}
-        if rule.get("sigmas"):
+        if sigmas is not None:
+            extra["sigmas"] = _sigmas(sigmas)
+        elif rule.get("sigmas"):
             extra["sigmas"] = PIPELINE_SIGMAS[rule["sigmas"]](num_inference_steps)
         mu = None
         if rule.get("mu"):
             mu = PIPELINE_MU[rule["mu"]](self.scheduler, latent_shape[2], latent_shape[3], self.constants["patch_size"],
                                          num_inference_steps)
-        return self.scheduler.start(num_inference_steps, mu, **extra)
+        return self.scheduler.start(len(extra["sigmas"]) if "sigmas" in extra else num_inference_steps, mu, **extra)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """One denoiser call on latents `x` (N, C, h, w) at timestep `t`: the engine's outputs, its prediction

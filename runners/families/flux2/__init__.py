@@ -1,0 +1,111 @@
+"""FLUX.2 klein, with the semantics of diffusers' Flux2KleinPipeline: each prompt through Qwen3's chat template
+(thinking off) padded to `max_sequence_length`, the encoder's states at the layers the export read side by
+side, the transformer on the latents packed as tokens (the reference images' after them: editing,
+runners/families/flux2/references.py), the flow-matching sigmas from 1 to 1/steps shifted by FLUX.2's
+empirical mu, and classifier-free guidance (the empty prompt as the negative) for the base checkpoints only:
+the distilled ones (`is_distilled`) ignore the scale, as diffusers does.
+
+The loop's latents are the pipeline's: patchified and normalised, (N, 128, H/16, W/16), which is what
+`latents=` takes (diffusers draws them so) and `output_type="latent"` returns; the VAE's graphs hold the
+batch-norm statistics and the patchify (export/families/flux2.py)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from runners.families.flux2.references import reference_tokens
+from runners.families.flux2.tokens import pack, positions, text_positions, unpack
+from runners.guidance import ClassifierFree
+from runners.options import MAX_SEQUENCE_LENGTH, REQUEST, Option, options
+from runners.prompts import encode_prompts
+from runners.text_to_image import TEXT, Defaults, TextToImage
+
+log = logging.getLogger("runners")
+
+REFERENCE = "reference_tokens"  # the conditions' entry that is not a feed: the references' tokens and ids
+BASE = {TEXT: Defaults(50, 4.0)}  # Flux2KleinPipeline's signature defaults: klein's base checkpoints run them
+DISTILLED = {TEXT: Defaults(4, 1.0)}  # klein 4B and 9B's model cards: 4 steps, no guidance
+
+
+class Flux2KleinPipeline(TextToImage):
+    family = "flux2"
+    # diffusers calls the transformer for the prompt, then for "" ("cond", "uncond"); the runner batches both
+    guidance = ClassifierFree(contexts="uncond,cond", help="classifier-free guidance scale of klein's base "
+                              "checkpoints (default 4; <= 1 turns it off); the distilled ones ignore it")
+    image_sets_size = ()
+    options = options(REQUEST, guidance.options, (
+        replace(MAX_SEQUENCE_LENGTH, default=512, help="Qwen3 tokens of a prompt, its chat template's included: "
+                "every one is read, the padding's too"),
+        Option("image", "image", "reference images to edit from: one, or a list (the CLI's --image repeated); the "
+               "first sets the size left unset", repeat=True, group="image"),
+        Option("sigmas", "array", "the schedule's sigmas, one a step (default: 1 to 1 / steps)", cli=False),
+        Option("text_encoder_out_layers", "array", "the text encoder's layers read: the export's only", cli=False),
+    ))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.distilled = bool(self.constants.get("distilled"))
+        self.defaults = DISTILLED if self.distilled else BASE
+
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None, sigmas=None,
+                 guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
+                 max_sequence_length=512, text_encoder_out_layers=None, vae_tiling=None, image=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`); with `image` (one PIL image or a list), edit
+        from those references, the first setting the size left unset. Steps and guidance left None take the
+        checkpoint's defaults (distilled: 4 steps, no guidance; base: 50 steps, guidance 4, the negative prompt
+        "" unless `negative_prompt` is given). `latents` as Flux2KleinPipeline takes them: (N, 128, H/16, W/16)."""
+        layers = tuple(self.constants["text_encoder_out_layers"])
+        if text_encoder_out_layers is not None and tuple(text_encoder_out_layers) != layers:
+            raise ValueError(f"text_encoder_out_layers={tuple(text_encoder_out_layers)}: this artifact's text encoder "
+                             f"reads layers {layers} only (export another choice to read others)")
+        lo, _, hi = self.dims["text_length"]
+        if not lo <= max_sequence_length <= hi:
+            raise ValueError(f"max_sequence_length={max_sequence_length} is outside this artifact's range {lo}..{hi}")
+        if self.distilled and guidance_scale is not None and guidance_scale > 1:
+            log.warning("guidance_scale=%s is ignored: this FLUX.2 klein checkpoint is distilled (no guidance)",
+                        guidance_scale)
+            guidance_scale = 1.0
+        reference = None
+        if image is not None:
+            tokens, ids, (h, w) = reference_tokens(self, image, vae_tiling)
+            height, width, reference = height or h, width or w, (tokens, ids)
+        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                   num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
+                                   max_length=max_sequence_length, reference=reference)
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, reference):
+        embeds = self._encode(prompts, per_prompt, max_length)
+        if cfg:
+            negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
+            embeds = self.guidance.batch(embeds, negatives)
+        conditions = {"encoder_hidden_states": embeds, "txt_ids": text_positions(embeds.shape[1])}
+        if reference is not None:
+            scale = self.constants["vae_scale_factor"]
+            tokens, most = (height // scale) * (width // scale) + reference[0].shape[1], self.dims["image_tokens"][2]
+            if tokens > most:
+                raise ValueError(f"the image and its references take {tokens} tokens, more than this artifact's {most}: "
+                                 "pass fewer or smaller reference images, or export for more (--image-size)")
+            conditions[REFERENCE] = reference
+        return conditions
+
+    def _encode(self, prompts: list[str], per_prompt: int, max_length: int) -> np.ndarray:
+        """Each prompt's states at the layers read, padding included, repeated for its images (diffusers' order)."""
+        embeds = encode_prompts(self, "text_encoder", "tokenizer", prompts, max_length).embeds
+        return np.repeat(embeds, per_prompt, axis=0)
+
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        """The transformer on the packed latents (the references' tokens after them), its timestep divided by
+        1000 as the pipeline feeds it: its outputs, `noise_pred` the latents' tokens' unpacked."""
+        n, _, h, w = x.shape
+        tokens, ids = pack(x), positions(h, w)
+        if REFERENCE in conditions:
+            reference, reference_ids = conditions[REFERENCE]
+            tokens = np.concatenate([tokens, np.repeat(reference, n, axis=0)], axis=1)
+            ids = np.concatenate([ids, reference_ids])
+        feeds = {k: v for k, v in conditions.items() if k != REFERENCE}
+        timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
+        out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, img_ids=ids,
+                       **feeds, **extra)
+        return {**out, "noise_pred": unpack(out["noise_pred"][:, :h * w], h, w)}
