@@ -54,11 +54,16 @@ def _numbered(path: Path, count: int) -> list[Path]:
 
 
 def all_options() -> list:
-    """Every family's declared request options that a command line takes, each name once."""
+    """Every family's declared request options that a command line takes, each name once: repeatable where
+    any family repeats it (FLUX.2's reference images; one value still passes as itself)."""
+    import dataclasses
+
     from runners.options import options
     from runners.pipeline import FAMILIES
 
-    return [o for o in options(*(cls.options for cls in FAMILIES.values())) if o.cli]
+    declarations = [o for cls in FAMILIES.values() for o in cls.options]
+    repeated = {o.name for o in declarations if o.repeat}
+    return [dataclasses.replace(o, repeat=o.name in repeated) for o in options(declarations) if o.cli]
 
 
 def _cli_kind(option) -> dict:

@@ -1,0 +1,165 @@
+"""FLUX.2 klein (export/families/flux2.py, runners/families/flux2/) against diffusers' Flux2KleinPipeline on
+flux2-klein-tiny (distilled) and flux2-klein-base-tiny (CFG; the same graphs, linked). One export."""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+# Measured: at most 3e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
+IMAGE_ATOL = 2e-5
+# The tiny model's random weights move the image little with a reference: measured 3e-3 to 6e-3, a thousand
+# times the parity error. A feature that did nothing would differ by 0.
+CHANGED = 1e-3
+LAYERS = (1, 2, 3)  # flux2-klein-tiny's encoder is read at these (its config's hidden_states_layers)
+
+
+def _images(seed=1):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return (Image.fromarray(rng.integers(0, 255, (96, 80, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 255, (64, 128, 3), dtype=np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def pairs(flux2_klein_tiny_build, flux2_klein_base_tiny_build):
+    from conftest import ours_and_diffusers
+
+    return {"distilled": ours_and_diffusers(flux2_klein_tiny_build, "Flux2KleinPipeline"),
+            "base": ours_and_diffusers(flux2_klein_base_tiny_build, "Flux2KleinPipeline")}
+
+
+@pytest.fixture(scope="module")
+def run_both(pairs):
+    cache = {}
+
+    def run(prompt, height=64, width=64, steps=3, per_prompt=1, model="distilled", **options):
+        key = repr((prompt, height, width, steps, per_prompt, model, sorted(options.items())))
+        if key not in cache:
+            ours, reference = pairs[model]
+            n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
+            latents = np.random.default_rng(0).standard_normal((n, 128, height // 16, width // 16), dtype=np.float32)
+            common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
+                          num_images_per_prompt=per_prompt, max_sequence_length=64)
+            with torch.no_grad():
+                theirs = reference(prompt=prompt, latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS,
+                                   **common, **options).images
+            cache[key] = (ours(prompt, latents=latents, **common, **options), theirs)
+        return cache[key]
+    return run
+
+
+ONE, TWO = _images()
+CASES = {  # name: (arguments, the case whose image it must change)
+    "distilled": (dict(prompt="a red cat"), None),
+    "non-square": (dict(prompt="a red cat", width=128), None),
+    "two per prompt": (dict(prompt=["a cat", "a very long dog in a garden"], per_prompt=2), None),
+    "sigmas": (dict(prompt="a red cat", sigmas=[1.0, 0.6, 0.2]), "distilled"),
+    "one reference": (dict(prompt="a red cat", image=ONE), "distilled"),
+    "two references of different sizes": (dict(prompt="a red cat", image=[ONE, TWO]), "one reference"),
+    "base": (dict(prompt="a red cat", model="base", guidance_scale=1.0), None),
+    "base with cfg": (dict(prompt="a red cat", model="base", guidance_scale=4.0), "base"),
+    "base with cfg and a reference": (dict(prompt="a red cat", model="base", guidance_scale=4.0, image=ONE),
+                                      "base with cfg"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equal_to_diffusers(run_both, case):
+    from conftest import assert_real_image
+
+    arguments, changes = CASES[case]
+    ours, theirs = run_both(**arguments)
+    assert_real_image(theirs)
+    assert ours.shape == theirs.shape
+    assert np.abs(ours - theirs).max() <= IMAGE_ATOL
+    if changes:  # the feature did something
+        assert np.abs(ours - run_both(**CASES[changes][0])[0]).max() > CHANGED
+
+
+def test_references_set_the_size_and_distilled_defaults(pairs):
+    ours, _ = pairs["distilled"]
+    assert ours.defaults["text to image"] == (4, 1.0, None) and pairs["base"][0].defaults["text to image"][:2] == (50, 4)
+    image = ours("a red cat", image=[TWO, ONE], output_type="np", seed=0)  # the first reference's size, cropped to 16s
+    assert image.shape == (1, 64, 128, 3)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("runners").addHandler(handler)
+    try:
+        ignored = ours("a red cat", image=[TWO, ONE], output_type="np", seed=0, guidance_scale=5.0)
+    finally:
+        logging.getLogger("runners").removeHandler(handler)
+    assert any("distilled" in w for w in warned)
+    np.testing.assert_array_equal(ignored, image)
+
+
+def test_bad_requests_refused_in_one_line(pairs):
+    from PIL import Image
+
+    ours, _ = pairs["distilled"]
+    for options, message in (
+        (dict(text_encoder_out_layers=(9, 18, 27)), r"reads layers \(1, 2, 3\) only"),
+        (dict(image=Image.new("RGB", (40, 200))), "at least 64 pixels"),
+        (dict(image=np.zeros((64, 64, 3))), "PIL image"),
+        (dict(image=[Image.new("RGB", (512, 512))] * 3, height=512, width=512), "more than this artifact's"),
+        (dict(sigmas=[1.0, 0.0]), "sigmas="),
+        (dict(max_sequence_length=600), "outside this artifact's range"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ours("a red cat", num_inference_steps=1, **options)
+
+
+def test_text_encoder_stops_at_the_layer_read(flux2_klein_tiny_build):
+    """Layers 1, 2 and 3 of 4: the graph holds layers 0 to 2, no final norm, no language-model head."""
+    from conftest import manifest
+
+    folder = flux2_klein_tiny_build.folder / "onnx"
+    table = json.loads((folder / "text_encoder.weights.json").read_text())
+    read = {part["key"] for entry in table["weights"].values() for part in entry["parts"]}
+    assert {int(k.split(".")[2]) for k in read if k.startswith("model.layers.")} == {0, 1, 2}
+    assert not any(k.startswith("model.layers.3.") or k == "model.norm.weight" for k in read)
+    report = manifest(folder)["submodules"]["text_encoder"]["export"]["graph"]
+    assert report["layers_kept"] == 3 and report["layers_total"] == 4 and report["lm_head_dropped"]
+
+
+def test_transformer_graph_with_references_equals_torch(flux2_klein_tiny_build):
+    """The transformer's graph on the image's tokens and two references' (ids T = 10, 20) against diffusers'
+    transformer: one graph for 0 to N references."""
+    import onnxruntime as ort
+    from diffusers import Flux2Transformer2DModel
+
+    from runners.families.flux2.tokens import positions, text_positions
+
+    model = Flux2Transformer2DModel.from_pretrained(flux2_klein_tiny_build.source.folder / "transformer").eval()
+    session = ort.InferenceSession(str(flux2_klein_tiny_build.folder / "onnx" / "transformer.onnx"))
+    rng = np.random.default_rng(0)
+    for references in ((), ((4, 4),), ((4, 4), (2, 6))):
+        ids = np.concatenate([positions(4, 8)] + [positions(h, w, t=10 * (i + 1)) for i, (h, w) in
+                                                  enumerate(references)])
+        feeds = {"hidden_states": rng.standard_normal((2, len(ids), 128), dtype=np.float32),
+                 "encoder_hidden_states": rng.standard_normal((2, 7, 96), dtype=np.float32),
+                 "timestep": np.array([0.9, 0.3], dtype=np.float32), "img_ids": ids, "txt_ids": text_positions(7)}
+        with torch.no_grad():
+            want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, return_dict=False)[0].numpy()
+        got = session.run(None, feeds)[0]
+        assert np.abs(got - want).max() < 1e-4
+
+
+def test_cli_takes_several_references(flux2_klein_tiny_build, pairs, tmp_path):
+    """--image repeated: the references in order (the first sets the size), the image the Python call makes."""
+    from PIL import Image
+
+    from runners.__main__ import main
+
+    for name, image in (("one.png", ONE), ("two.png", TWO)):
+        image.save(tmp_path / name)
+    out = tmp_path / "edit.png"
+    assert main([str(flux2_klein_tiny_build.folder / "ort-fp32"), "--prompt", "make it blue", "--image",
+                 str(tmp_path / "one.png"), "--image", str(tmp_path / "two.png"), "--out", str(out)]) == 0
+    want = pairs["distilled"][0]("make it blue", image=[ONE, TWO], seed=0)[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(want))
