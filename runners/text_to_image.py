@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from runners.conditioning.images import check_mask_size, to_model_input, to_output
+from runners.conditioning.images import check_mask_size, nearest, to_model_input, to_output
 from runners.conditioning.inpainting import Inpainting, latent_mask
 from runners.guidance import BATCHED_CFG, ClassifierFree
 from runners.pipeline import VAE_ENGINES, Pipeline
@@ -84,6 +84,8 @@ class TextToImage(Pipeline):
     # family has none (previews then need the artifact's tiny decoder)
     latent_rgb: tuple | None = None
     reads_reference_image = False  # image= is a reference to edit, not image to image's (FLUX.1 Kontext)
+    # How the pixel mask comes to latent size (runners/conditioning/images.py): torch's default, nearest
+    mask_resize = staticmethod(nearest)
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
@@ -231,7 +233,7 @@ class TextToImage(Pipeline):
             start = noise * np.float32(schedule.init_noise_sigma)
         else:
             start = schedule.noised(image_latents, noise)
-        small_mask = latent_mask(mask, noise.shape[2:], n_images)
+        small_mask = latent_mask(mask, noise.shape[2:], n_images, self.mask_resize)
         if blends:
             return start, Inpainting(small_mask, noise, image_latents, channels=None)
         # diffusers encodes the masked image whatever the denoiser; only an inpainting one reads it

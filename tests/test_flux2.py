@@ -163,3 +163,37 @@ def test_cli_takes_several_references(flux2_klein_tiny_build, pairs, tmp_path):
                  str(tmp_path / "one.png"), "--image", str(tmp_path / "two.png"), "--out", str(out)]) == 0
     want = pairs["distilled"][0]("make it blue", image=[ONE, TWO], seed=0)[0]
     np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(want))
+
+
+INPAINT_CASES = {"distilled": dict(model="distilled"), "with a reference": dict(model="distilled", image_reference=TWO),
+                 "base with cfg, strength 1": dict(model="base", guidance_scale=4.0, strength=1.0)}
+
+
+@pytest.mark.parametrize("case", INPAINT_CASES)
+def test_inpainting_equal_to_diffusers(pairs, monkeypatch, case):
+    """Flux2KleinInpaintPipeline at the image's size, its noise ours (randn_tensor patched); the image is its
+    first reference, `image_reference` another."""
+    import diffusers
+    import diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint as inpaint
+
+    from conftest import assert_real_image, smooth_image, soft_mask
+
+    options = dict(INPAINT_CASES[case])
+    ours, text_to_image = pairs[options.pop("model")]
+    reference = diffusers.Flux2KleinInpaintPipeline(**text_to_image.components,
+                                                    is_distilled=text_to_image.config.is_distilled)
+    reference.set_progress_bar_config(disable=True)
+    noise = np.random.default_rng(3).standard_normal((1, 128, 4, 8), dtype=np.float32)
+    monkeypatch.setattr(inpaint, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    images = dict(image=smooth_image(64, 128, seed=1), mask_image=soft_mask(64, 128))
+    request = dict(dict(prompt="a red cat", num_inference_steps=4, output_type="np", max_sequence_length=64,
+                        strength=0.6), **options)
+    with torch.no_grad():
+        theirs = reference(**images, **request, text_encoder_out_layers=LAYERS).images
+    got = ours(noise=noise, **images, **request)
+    assert got.shape == theirs.shape == (1, 64, 128, 3)
+    assert_real_image(theirs)
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    plain = ours(request["prompt"], height=64, width=128, num_inference_steps=4, output_type="np", latents=noise,
+                 max_sequence_length=64)
+    assert np.abs(got - plain).max() > 0.01  # the image changed the result

@@ -21,6 +21,21 @@ def nearest(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return array[:, :, rows][:, :, :, cols]
 
 
+def bilinear(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    """torch.nn.functional.interpolate's mode "bilinear" on NCHW (align_corners False, no antialias): each
+    output pixel's centre mapped back, clamped at the first pixel, between its two nearest rows and columns."""
+    def weights(n_out: int, n_in: int):
+        source = np.maximum((np.arange(n_out, dtype=np.float32) + np.float32(0.5)) * np.float32(n_in / n_out)
+                            - np.float32(0.5), 0)
+        low = np.minimum(source.astype(np.int64), n_in - 1)
+        return low, np.minimum(low + 1, n_in - 1), (source - low).astype(np.float32)
+
+    r0, r1, fr = weights(height, array.shape[2])
+    c0, c1, fc = weights(width, array.shape[3])
+    rows = array[:, :, r0] * (1 - fr)[:, None] + array[:, :, r1] * fr[:, None]
+    return (rows[..., c0] * (1 - fc) + rows[..., c1] * fc).astype(np.float32)
+
+
 def _as_list(name: str, value) -> list:
     from PIL import Image
 

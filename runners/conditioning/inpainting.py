@@ -11,10 +11,10 @@ import numpy as np
 from runners.conditioning.images import nearest
 
 
-def latent_mask(mask: np.ndarray, size: tuple[int, int], n_images: int) -> np.ndarray:
-    """The pixel mask (N, 1, H, W) at latent size (torch's nearest interpolate), repeated for the
-    images to generate as diffusers repeats it (the whole batch)."""
-    small = nearest(mask, *size)
+def latent_mask(mask: np.ndarray, size: tuple[int, int], n_images: int, resize=nearest) -> np.ndarray:
+    """The pixel mask (N, 1, H, W) at latent size (by `resize`: torch's nearest interpolate, or a family's
+    pipeline's), repeated for the images to generate as diffusers repeats it (the whole batch)."""
+    small = resize(mask, *size)
     return np.concatenate([small] * (n_images // len(small)))
 
 

@@ -15,18 +15,20 @@ from dataclasses import replace
 
 import numpy as np
 
-from runners.families.flux2.references import reference_tokens
+from runners.families.flux2.references import capped, reference_tokens
 from runners.families.flux2.tokens import pack, positions, text_positions, unpack
 from runners.guidance import ClassifierFree
-from runners.options import MAX_SEQUENCE_LENGTH, REQUEST, Option, options
+from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import encode_prompts
-from runners.text_to_image import TEXT, Defaults, TextToImage
+from runners.conditioning.images import bilinear, to_model_input
+from runners.text_to_image import INPAINT, TEXT, Defaults, TextToImage
 
 log = logging.getLogger("runners")
 
 REFERENCE = "reference_tokens"  # the conditions' entry that is not a feed: the references' tokens and ids
-BASE = {TEXT: Defaults(50, 4.0)}  # Flux2KleinPipeline's signature defaults: klein's base checkpoints run them
-DISTILLED = {TEXT: Defaults(4, 1.0)}  # klein 4B and 9B's model cards: 4 steps, no guidance
+# Flux2KleinPipeline's and Flux2KleinInpaintPipeline's signature defaults: klein's base checkpoints run them
+BASE = {TEXT: Defaults(50, 4.0), INPAINT: Defaults(50, 8.0, 0.8)}
+DISTILLED = {TEXT: Defaults(4, 1.0), INPAINT: Defaults(4, 1.0, 0.8)}  # klein 4B and 9B's model cards: 4 steps
 
 
 class Flux2KleinPipeline(TextToImage):
@@ -34,12 +36,18 @@ class Flux2KleinPipeline(TextToImage):
     # diffusers calls the transformer for the prompt, then for "" ("cond", "uncond"); the runner batches both
     guidance = ClassifierFree(contexts="uncond,cond", help="classifier-free guidance scale of klein's base "
                               "checkpoints (default 4; <= 1 turns it off); the distilled ones ignore it")
-    image_sets_size = ()
+    image_sets_size = (INPAINT,)  # Flux2KleinInpaintPipeline paints at the image's size
+    mask_resize = staticmethod(bilinear)  # Flux2KleinInpaintPipeline's mask at latent size
+    strength_whole_steps = False
+    _mask, _strength, _noise = (o for o in IMAGE_TASKS if o.name in ("mask_image", "strength", "noise"))
     options = options(REQUEST, guidance.options, (
         replace(MAX_SEQUENCE_LENGTH, default=512, help="Qwen3 tokens of a prompt, its chat template's included: "
                 "every one is read, the padding's too"),
         Option("image", "image", "reference images to edit from: one, or a list (the CLI's --image repeated); the "
-               "first sets the size left unset", repeat=True, group="image"),
+               "first sets the size left unset. With mask_image: the image to repaint", repeat=True, group="image"),
+        _mask, _strength, _noise,
+        Option("image_reference", "image", "with mask_image: reference images for the repainted part",
+               repeat=True, group="image"),
         Option("sigmas", "array", "the schedule's sigmas, one a step (default: 1 to 1 / steps)", cli=False),
         Option("text_encoder_out_layers", "array", "the text encoder's layers read: the export's only", cli=False),
     ))
@@ -51,11 +59,16 @@ class Flux2KleinPipeline(TextToImage):
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None, sigmas=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
-                 max_sequence_length=512, text_encoder_out_layers=None, vae_tiling=None, image=None):
+                 max_sequence_length=512, text_encoder_out_layers=None, vae_tiling=None, image=None, mask_image=None,
+                 strength=None, noise=None, image_reference=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`); with `image` (one PIL image or a list), edit
         from those references, the first setting the size left unset. Steps and guidance left None take the
         checkpoint's defaults (distilled: 4 steps, no guidance; base: 50 steps, guidance 4, the negative prompt
-        "" unless `negative_prompt` is given). `latents` as Flux2KleinPipeline takes them: (N, 128, H/16, W/16)."""
+        "" unless `negative_prompt` is given). `latents` as Flux2KleinPipeline takes them: (N, 128, H/16, W/16).
+        With `mask_image`, Flux2KleinInpaintPipeline's inpainting: `image` (one PIL image) is repainted where the
+        mask is white, at its own size (at most 1024 x 1024 pixels, rounded down to 16), from `strength`
+        (default 0.8) with `noise` (N, 128, H/16, W/16) or drawn; the image is its first reference, and
+        `image_reference` adds others."""
         layers = tuple(self.constants["text_encoder_out_layers"])
         if text_encoder_out_layers is not None and tuple(text_encoder_out_layers) != layers:
             raise ValueError(f"text_encoder_out_layers={tuple(text_encoder_out_layers)}: this artifact's text encoder "
@@ -67,6 +80,14 @@ class Flux2KleinPipeline(TextToImage):
             log.warning("guidance_scale=%s is ignored: this FLUX.2 klein checkpoint is distilled (no guidance)",
                         guidance_scale)
             guidance_scale = 1.0
+        if mask_image is not None:
+            return self._inpaint(prompt, negative_prompt, height, width, num_inference_steps, sigmas, guidance_scale,
+                                 num_images_per_prompt, seed, output_type, max_sequence_length, vae_tiling, image,
+                                 mask_image, strength, noise, image_reference)
+        given = [n for n, v in (("strength", strength), ("noise", noise), ("image_reference", image_reference))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: inpainting's (Flux2KleinInpaintPipeline); pass mask_image= too")
         reference = None
         if image is not None:
             tokens, ids, (h, w) = reference_tokens(self, image, vae_tiling)
@@ -74,6 +95,36 @@ class Flux2KleinPipeline(TextToImage):
         return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                    num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
                                    max_length=max_sequence_length, reference=reference)
+
+    def _inpaint(self, prompt, negative_prompt, height, width, num_inference_steps, sigmas, guidance_scale,
+                 num_images_per_prompt, seed, output_type, max_sequence_length, vae_tiling, image, mask_image,
+                 strength, noise, image_reference):
+        """Flux2KleinInpaintPipeline: the image (capped at 1024 x 1024 pixels) is the first reference (T = 10) and
+        the starting latents' source; `image_reference` follows it (T = 20, ...)."""
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise ValueError("image= for inpainting must be one PIL image, as Flux2KleinInpaintPipeline takes it")
+        if height is not None or width is not None:
+            raise ValueError("FLUX.2 klein's inpainting paints at the image's size (rounded down to 16): resize the "
+                             "image instead of passing height= and width=")
+        image = capped(image.convert("RGB"), self.constants["reference_area"])
+        multiple = self.constants["vae_scale_factor"]
+        pixels = to_model_input(image, image.height // multiple * multiple, image.width // multiple * multiple, multiple)
+        latent = self.vae_encode(pixels, tiling=vae_tiling)[0]
+        tokens, ids = pack(latent), positions(*latent.shape[2:], t=10)
+        if image_reference is not None:
+            more, more_ids, _ = reference_tokens(self, image_reference, vae_tiling, first=2)
+            tokens, ids = np.concatenate([tokens, more], axis=1), np.concatenate([ids, more_ids])
+        return self._text_to_image(prompt, negative_prompt, None, None, num_inference_steps, guidance_scale,
+                                   num_images_per_prompt, seed, None, output_type, vae_tiling, image=image,
+                                   mask_image=mask_image, strength=strength, noise=noise, sigmas=sigmas,
+                                   max_length=max_sequence_length, reference=(tokens, ids))
+
+    def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
+        """The image's latents as Flux2KleinInpaintPipeline reads them: the posterior's mode, no sample."""
+        z = self.vae_encode(pixels, tiling=vae_tiling)[0]
+        return np.concatenate([z] * (n_images // len(z)))
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, reference):
         embeds = self._encode(prompts, per_prompt, max_length)

@@ -30,22 +30,28 @@ def _checked(images) -> list:
 
 def prepared(image, max_area: int, multiple: int):
     """A reference as the pipeline prepares it: (1, 3, h, w) in [-1, 1]."""
-    from PIL import Image
-
-    image = image.convert("RGB")
+    image = capped(image.convert("RGB"), max_area)
     w, h = image.size
-    if w * h > max_area:
-        scale = math.sqrt(max_area / (w * h))
-        image = image.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
-        w, h = image.size
     width, height = w // multiple * multiple, h // multiple * multiple
     left, top = (w - width) // 2, (h - height) // 2
     image = image.crop((left, top, left + width, top + height))
     return (np.asarray(image, dtype=np.float32) / 255 * 2 - 1).transpose(2, 0, 1)[None]
 
 
-def reference_tokens(pipe, images, vae_tiling=None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-    """(tokens (1, n, channels), their ids (n, 4), the first reference's (height, width) in pixels)."""
+def capped(image, max_area: int):
+    """A PIL image resized (LANCZOS) to `max_area` pixels where it has more, as the pipelines do first."""
+    from PIL import Image
+
+    w, h = image.size
+    if w * h <= max_area:
+        return image
+    scale = math.sqrt(max_area / (w * h))
+    return image.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
+
+
+def reference_tokens(pipe, images, vae_tiling=None, first: int = 1) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """(tokens (1, n, channels), their ids (n, 4), the first reference's (height, width) in pixels); the
+    references' T offsets counted from the `first`th (Flux2KleinInpaintPipeline's image to repaint is the first)."""
     c = pipe.constants
     tokens, ids, size = [], [], None
     for i, image in enumerate(_checked(images)):
@@ -53,5 +59,5 @@ def reference_tokens(pipe, images, vae_tiling=None) -> tuple[np.ndarray, np.ndar
         size = size or pixels.shape[2:]
         latent = pipe.vae_encode(pixels, tiling=vae_tiling)[0]  # the posterior's mode, as the pipeline reads it
         tokens.append(pack(latent))
-        ids.append(positions(*latent.shape[2:], t=TIME_OFFSET * (i + 1)))
+        ids.append(positions(*latent.shape[2:], t=TIME_OFFSET * (i + first)))
     return np.concatenate(tokens, axis=1), np.concatenate(ids), tuple(int(s) for s in size)
