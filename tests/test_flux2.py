@@ -254,3 +254,42 @@ def test_tensorrt_rtx_builds_every_submodule(flux2_klein_tiny_build, monkeypatch
     double = SharedBuffers.install(monkeypatch, flux2_klein_tiny_build.folder / "ort-fp32")
     assert all(np.array_equal(a, b) for a, b in zip(_target_images(folder), reference))
     assert double.opened and all(s.profile for s in double.opened)
+
+
+TAYLORSEER_CASES = {"interval 2, order 1": (dict(cache_interval=2, disable_cache_before_step=2, max_order=1), 1.0),
+                    "interval 3, order 2, with guidance": (dict(cache_interval=3, disable_cache_before_step=2,
+                                                                max_order=2), 4.0)}
+
+
+@pytest.mark.parametrize("case", TAYLORSEER_CASES)
+def test_taylorseer_equal_to_diffusers_lite_mode(pairs, case):
+    """TaylorSeer lite on klein base's transformer against diffusers' own lite mode
+    (`transformer.enable_cache`): guidance's "cond" and "uncond" contexts, which diffusers runs apart and the
+    runner batches (measured: 2.5e-6, 2.6e-6), the same steps cached, and the cache changed the image."""
+    from diffusers import Flux2KleinPipeline
+    from diffusers.hooks import TaylorSeerCacheConfig as Reference
+
+    from conftest import assert_real_image, diffusers_schedule
+    from runners import TaylorSeerCacheConfig
+
+    ours, base = pairs["base"]
+    settings, guidance = TAYLORSEER_CASES[case]
+    reference = Flux2KleinPipeline(**base.components, is_distilled=False)
+    reference.set_progress_bar_config(disable=True)
+    reference.transformer.enable_cache(Reference(**settings, taylor_factors_dtype=torch.float32, use_lite_mode=True))
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=9, output_type="np",
+                max_sequence_length=64, guidance_scale=guidance)
+    latents = np.random.default_rng(1).standard_normal((1, 128, 4, 4), dtype=np.float32)
+    try:
+        with torch.no_grad():
+            theirs = reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+    finally:
+        reference.transformer.disable_cache()
+    config = TaylorSeerCacheConfig(**settings)
+    cached = ours(latents=latents, cache=config, **call)
+    schedule = diffusers_schedule(config, 9)
+    assert (ours.cache_stats["full"], ours.cache_stats["cached"]) == (sum(schedule), schedule.count(False))
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
+    print(f"flux2 {case}: |ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
+    assert error <= IMAGE_ATOL and changed > 3 / 255
+    assert_real_image(theirs)
