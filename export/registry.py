@@ -339,6 +339,26 @@ FLUX2_KLEIN_TINY = {
 }
 # klein's base checkpoints (FLUX.2-klein-base-4B): the same layout, not distilled (50 steps, CFG)
 FLUX2_KLEIN_BASE_TINY = {**FLUX2_KLEIN_TINY, "is_distilled": False}
+_FLUX2_REAL_VAE = {**_FLUX2_VAE, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+                   "norm_num_groups": 32, "sample_size": 1024}
+# klein 4B's real widths (3072 = 24 heads of 128, text 3 x 2560) with 2 double-stream and 4 single-stream blocks;
+# Qwen3-4B's widths at 4 layers read at 1, 2 and 3 (as klein's three layers side by side); the real VAE (benchmarks).
+FLUX2_KLEIN_BENCH = {
+    "transformer": _flux2(heads=24, head_dim=128, double=2, single=4, joint=3 * 2560),
+    "vae": _FLUX2_REAL_VAE,
+    "text_encoder": {**_qwen3(2560, 4, 32, 8, 128, 9728), "hidden_states_layers": [1, 2, 3]},
+    "vocab_pieces": 1000,
+    "scheduler": _FLUX2_SCHEDULER,
+}
+# klein 9B at its true shapes (4096 = 32 heads of 128, 8 double + 24 single blocks, text 3 x 4096) and the whole
+# Qwen3-8B (36 layers, read at 9, 18, 27; its 151936-token embedding), streamed in fp16 (make scale-check).
+FLUX2_KLEIN_FULLSIZE = {
+    **FLUX2_KLEIN_BENCH,
+    "transformer": _flux2(heads=32, head_dim=128, double=8, single=24, joint=3 * 4096),
+    "text_encoder": {**_qwen3(4096, 36, 32, 8, 128, 12288), "vocab_size": 151936, "tie_word_embeddings": False},
+    "weights_dtype": "float16",
+    "weights_for": ["transformer", "text_encoder"],
+}
 
 
 MODELS: dict[str, ModelEntry] = {
@@ -433,6 +453,14 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("flux2-klein-base-tiny", "flux2", random_configs=FLUX2_KLEIN_BASE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512),
                    description="FLUX.2 klein base architecture (CFG) at tiny widths, built offline"),
+        ModelEntry("flux2-klein-bench", "flux2", random_configs=FLUX2_KLEIN_BENCH, image_size=(256, 1024, 1024),
+                   text_length=(1, 512, 512), batch=(1, 2, 4),
+                   description="FLUX.2 klein 4B widths, 2 double + 4 single blocks, Qwen3-4B's widths at 4 layers, "
+                               "the real VAE, random weights (benchmarks)"),
+        ModelEntry("flux2-klein-fullsize", "flux2", random_configs=FLUX2_KLEIN_FULLSIZE, image_size=(256, 1024, 1024),
+                   text_length=(1, 512, 512), batch=(1, 2, 4), export_dtype="float16",
+                   description="FLUX.2 klein 9B's transformer and Qwen3-8B at their true shapes, random fp16 weights "
+                               "(make scale-check)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -293,3 +293,79 @@ def test_taylorseer_equal_to_diffusers_lite_mode(pairs, case):
     print(f"flux2 {case}: |ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
     assert error <= IMAGE_ATOL and changed > 3 / 255
     assert_real_image(theirs)
+
+
+# FLUX.2 modules in the original names: {original: the diffusers modules it holds, in row order}
+ORIGINAL = {"double_blocks.0.img_attn.qkv": [f"transformer_blocks.0.attn.to_{x}" for x in "qkv"],
+            "double_blocks.0.txt_attn.qkv": [f"transformer_blocks.0.attn.add_{x}_proj" for x in "qkv"],
+            "double_blocks.0.img_mlp.0": ["transformer_blocks.0.ff.linear_in"],
+            "single_blocks.1.linear1": ["single_transformer_blocks.1.attn.to_qkv_mlp_proj"],
+            "single_blocks.0.linear2": ["single_transformer_blocks.0.attn.to_out"],
+            "double_stream_modulation_img.lin": ["double_stream_modulation_img.linear"]}
+
+
+def _original_adapter(folder, out, kohya: bool, seed=3, rank=4):
+    """A random adapter of ORIGINAL in ai-toolkit's names (`diffusion_model.<module>.lora_A.weight`, no alpha:
+    diffusers' converter takes none) or kohya's (`lora_unet_<module>.lora_down.weight` with alpha 2; without the
+    shared modulation, which diffusers' kohya converter drops with a warning and the runner would apply)."""
+    from safetensors.numpy import load_file
+
+    from lora_adapters import write_raw
+
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for original, targets in ORIGINAL.items():
+        if kohya and "modulation" in original:
+            continue
+        rows = sum(weights[f"{t}.weight"].shape[0] for t in targets)
+        down = 0.3 * rng.standard_normal((rank, weights[f"{targets[0]}.weight"].shape[1]))
+        up = 0.3 * rng.standard_normal((rows, rank))
+        if kohya:
+            name = "lora_unet_" + original.replace(".", "_")
+            tensors.update({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+                            f"{name}.alpha": np.array(2.0)})
+        else:
+            tensors.update({f"diffusion_model.{original}.lora_A.weight": down,
+                            f"diffusion_model.{original}.lora_B.weight": up})
+    return write_raw(out, tensors)
+
+
+@pytest.mark.parametrize("spelling", ["diffusers", "ai-toolkit", "kohya"])
+def test_lora_equal_to_diffusers_fuse_lora(pairs, flux2_klein_tiny_build, tmp_path, spelling):
+    """A FLUX.2 adapter in diffusers' format (peft on both kinds of block's attention, the fused single-block
+    projection and the feed-forward) and in the original names diffusers' FLUX.2 loader converts (a double
+    block's fused qkv split in three, the shared modulation), at load and switched at run time, against
+    diffusers' load_lora_weights + fuse_lora of the same file; switched off, the plain image exactly."""
+    from diffusers import Flux2KleinPipeline
+
+    from lora_adapters import ATTENTION, make_adapter
+    from runners import Pipeline
+
+    folder = flux2_klein_tiny_build.source.folder
+    if spelling == "diffusers":
+        adapter = make_adapter(Flux2KleinPipeline, folder, tmp_path / "a", {
+            "transformer": ATTENTION + ["add_q_proj", "to_qkv_mlp_proj", "linear_in"]}, seed=5, rank=2, alpha=4.0)
+    else:
+        adapter = _original_adapter(folder, tmp_path / "original.safetensors", kohya=spelling == "kohya")
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, output_type="np",
+                max_sequence_length=64)
+    latents = np.random.default_rng(5).standard_normal((1, 128, 4, 4), dtype=np.float32)
+    ours, base = pairs["distilled"]
+    reference = Flux2KleinPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+    plain = ours(latents=latents, **call)
+    assert np.abs(theirs - plain).max() > 0.02  # the adapter changes the image
+    loaded = Pipeline.load(flux2_klein_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
+    got = loaded(latents=latents, **call)
+    print(f"flux2 LoRA ({spelling}): max abs error {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    loaded.set_loras({})
+    assert np.array_equal(loaded(latents=latents, **call), plain)
+    loaded.set_loras({adapter: 0.8})
+    assert np.array_equal(loaded(latents=latents, **call), got)

@@ -18,13 +18,13 @@ from runners.adapters.lora import LoraError, in_merge_order, read_adapter, submo
 KEY = "openvino"  # the weight records' entry that lists a weight's layers in the IR
 
 
-def adapter_pairs(loras: dict, parameters: set, unread: set = frozenset(),
-                  ignore_unmatched: bool = False) -> dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]:
+def adapter_pairs(loras: dict, parameters: set, unread: set = frozenset(), ignore_unmatched: bool = False,
+                  family: str | None = None) -> dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]]:
     """{(component, checkpoint key): [(up * scale * alpha / rank, down)]} of every adapter, each pair
     in the checkpoint's layout: the weight's change is up @ down."""
     pairs: dict[tuple[str, str], list] = {}
     for path, scale in in_merge_order(loras):
-        for layer in read_adapter(path, parameters, unread, ignore_unmatched):
+        for layer in read_adapter(path, parameters, unread, ignore_unmatched, family):
             if layer.down.ndim != 2:
                 raise LoraError(f"{path}: {layer.component}.{layer.module} is a convolution; adapters reach an "
                                 f"OpenVINO artifact's linear layers only (apply it to the ONNX Runtime artifact)")
@@ -79,7 +79,7 @@ def branch_factors(folder: Path, manifest: dict, loras: dict,
     tables = submodule_tables(folder, manifest)
     parameters = set().union(*(t.parameters() for t in tables.values())) if tables else set()
     unread = (set().union(*(t.unread for t in tables.values())) - parameters) if tables else set()
-    pairs = adapter_pairs(loras, parameters, unread, ignore_unmatched)
+    pairs = adapter_pairs(loras, parameters, unread, ignore_unmatched, manifest["model"]["family"])
     out: dict[str, dict] = {}
     unreached = []
     for submodule, table in tables.items():

@@ -7,8 +7,9 @@ An adapter file holds, per adapted layer, a low-rank pair: `down` (rank, in[, kh
   (diffusers' save functions write it) or per-module `.alpha` tensors; alpha = rank without either;
 - kohya: `lora_unet_<module_with_underscores>.lora_down.weight` / `lora_up.weight` / `alpha`
   (`lora_te_`, `lora_te1_`, `lora_te2_` for the text encoders);
-- a family's own spellings, which its package turns into diffusers' (`register_key_spelling`): FLUX.1's
-  original module names (kohya's Flux format, ComfyUI's `diffusion_model.`), runners/families/flux/lora_keys.py.
+- a family's own spellings, which its package turns into diffusers' for its artifacts (`register_key_spelling`):
+  FLUX.1's and FLUX.2's original module names (kohya's, ComfyUI's and ai-toolkit's `diffusion_model.`:
+  runners/adapters/original_names.py), Z-Image's.
 
 The changed weight of every initializer an adapter touches is computed from the artifact's own
 (an fp16 one in float32, rounded once; an int8 or fp8 one dequantized, then quantized again with its
@@ -35,13 +36,15 @@ KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_transformer_": "transformer", "lor
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 # {adapter tensors} -> the same with a family's own key spellings as diffusers' PEFT keys (others as they
 # are): registered by the families (runners/families/<name>/), applied to every adapter read.
-KEY_SPELLINGS: list = []
+KEY_SPELLINGS: dict[str, list] = {}  # {family: its converters}
 
 
-def register_key_spelling(convert) -> None:
-    """Have every adapter read turn a family's own key spellings into diffusers' with `convert`."""
-    if convert not in KEY_SPELLINGS:
-        KEY_SPELLINGS.append(convert)
+def register_key_spelling(family: str, convert) -> None:
+    """Have every adapter read for an artifact of `family` turn the family's own key spellings into diffusers'
+    with `convert` (FLUX.1's and FLUX.2's original names are alike, their diffusers modules are not)."""
+    converters = KEY_SPELLINGS.setdefault(family, [])
+    if convert not in converters:
+        converters.append(convert)
 
 
 class LoraError(ValueError):
@@ -95,16 +98,17 @@ def read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
 
 
 def read_adapter(path: Path, parameters: set[tuple[str, str]], unread: set[tuple[str, str]] = frozenset(),
-                 ignore_unmatched: bool = False) -> list[Layer]:
+                 ignore_unmatched: bool = False, family: str | None = None) -> list[Layer]:
     """The adapter's layers, each named by the (component, module) whose weight it changes.
     `parameters` are the (component, checkpoint key) pairs the artifact holds; a layer on one of
     `unread` (weights no engine reads) cannot change an image and is skipped with a warning. A key
-    that matches neither is an error listing them all, unless `ignore_unmatched`."""
+    that matches neither is an error listing them all, unless `ignore_unmatched`. `family`: the artifact's,
+    whose own key spellings are read too."""
     path = Path(path)
     if not path.is_file():
         raise LoraError(f"adapter {path} does not exist")
     tensors, metadata = read_safetensors(path)
-    for convert in KEY_SPELLINGS:  # a family's own spellings (FLUX.1's original names: kohya's, ComfyUI's)
+    for convert in KEY_SPELLINGS.get(family, ()):  # the family's own spellings (FLUX.1's original names...)
         tensors = convert(tensors)
     kohya = _kohya_names(parameters | unread)
     pairs: dict[tuple[str, str], dict] = {}
@@ -211,14 +215,14 @@ def parse_lora_spec(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
-def weight_deltas(loras: dict, parameters: set, unread: set = frozenset(),
-                  ignore_unmatched: bool = False) -> dict[tuple[str, str], np.ndarray]:
+def weight_deltas(loras: dict, parameters: set, unread: set = frozenset(), ignore_unmatched: bool = False,
+                  family: str | None = None) -> dict[tuple[str, str], np.ndarray]:
     """{(component, checkpoint key): the sum of the adapters' changes, each at its scale}, summed in one
     order whatever the order of `loras` (`in_merge_order`), so that a server and `Pipeline.load` that
     name the same set get the same weights bit for bit."""
     deltas: dict[tuple[str, str], np.ndarray] = {}
     for path, scale in in_merge_order(loras):
-        for layer in read_adapter(path, parameters, unread, ignore_unmatched):
+        for layer in read_adapter(path, parameters, unread, ignore_unmatched, family):
             key = (layer.component, layer.key)
             change = layer.delta(scale)
             deltas[key] = deltas[key] + change if key in deltas else change
@@ -310,7 +314,7 @@ def adapted_submodules(folder: Path, manifest: dict, loras: dict,
                         f"with `python -m engines`")
     parameters = set().union(*(t.parameters() for t in tables.values()))
     unread = set().union(*(t.unread for t in tables.values())) - parameters
-    deltas = weight_deltas(loras, parameters, unread, ignore_unmatched)
+    deltas = weight_deltas(loras, parameters, unread, ignore_unmatched, manifest["model"]["family"])
     base = artifact_weights(folder)
     changed = {name: adapted(table, deltas, base) for name, table in tables.items()}
     return {name: weights for name, weights in changed.items() if weights}

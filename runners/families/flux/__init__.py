@@ -275,4 +275,4 @@ class FluxPipeline(FluxControlNets, TextToImage):
         return super().hidden_tokens(h, w, conditions) + (0 if reference is None else reference[0].shape[1])
 
 
-register_key_spelling(lora_keys.to_diffusers_names)  # adapters in FLUX.1's original module names
+register_key_spelling("flux", lora_keys.to_diffusers_names)  # adapters in FLUX.1's original module names

@@ -1,19 +1,9 @@
-"""FLUX.1 adapters in the original (Black Forest Labs) module names, as kohya's scripts save them
-(`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`) and ComfyUI / ai-toolkit's BFL export
-does (`diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight`, or lora_A / lora_B), turned
-into the diffusers module names the artifact's weights record, as diffusers'
-`_convert_kohya_flux_lora_to_diffusers` does (diffusers/loaders/lora_conversion_utils.py).
-
-A fused original projection (a block's qkv, a single block's linear1 = q, k, v and the MLP input)
-is several diffusers modules: its `up` is split along its output rows, each part with the whole
-`down` (the change of each module is exactly its rows of the fused change). The final layer's
-adaLN modulation holds (shift, scale) where diffusers' norm_out holds (scale, shift): its halves swap.
-"""
+"""FLUX.1 adapters in the original (Black Forest Labs) module names (runners/adapters/original_names.py), as
+diffusers' `_convert_kohya_flux_lora_to_diffusers` reads them: a single block's linear1 is q, k, v and the MLP
+input; the final layer's adaLN modulation holds (shift, scale) where diffusers' norm_out holds (scale, shift)."""
 from __future__ import annotations
 
-import re
-
-import numpy as np
+from runners.adapters.original_names import OriginalNames
 
 # {original module, dots written as underscores: diffusers modules it holds, in its row order}.
 # "{}" is the block index.
@@ -45,44 +35,5 @@ MODULES = {
     "final_layer_adaLN_modulation_1": ("norm_out.linear",),
 }
 SWAPPED_HALVES = {"final_layer_adaLN_modulation_1"}  # (shift, scale) in FLUX.1, (scale, shift) in diffusers
-_KEY = re.compile(r"^(?:lora_unet_|diffusion_model\.)(?P<module>.+?)\.(?P<role>lora_down|lora_up|lora_A|lora_B|alpha)"
-                  r"(?:\.weight)?$")
-_ROLE = {"lora_down": "lora_A", "lora_A": "lora_A", "lora_up": "lora_B", "lora_B": "lora_B", "alpha": "alpha"}
 
-
-def _modules(original: str) -> tuple[str, tuple[str, ...]] | None:
-    """(table key, diffusers modules) of an original module name (dots or underscores), or None."""
-    flat = original.replace(".", "_")
-    for pattern, modules in MODULES.items():
-        match = re.fullmatch(pattern, flat)
-        if match:
-            return pattern, tuple(m.format(*match.groups()) for m in modules)
-    return None
-
-
-def to_diffusers_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The adapter with its FLUX.1-original keys as diffusers' PEFT keys of the transformer
-    (`transformer.<module>.lora_A.weight`, `lora_B.weight`, `alpha`); other keys as they are (an
-    original name this table does not hold stays too, so that the reader reports it as unmatched)."""
-    out, groups = {}, {}
-    for name, array in tensors.items():
-        match = _KEY.match(name)
-        found = match and _modules(match["module"])
-        if not found:
-            out[name] = array
-            continue
-        groups.setdefault(found, {})[_ROLE[match["role"]]] = array
-    for (pattern, modules), roles in groups.items():
-        up = roles.get("lora_B")
-        if up is not None and pattern in SWAPPED_HALVES:
-            up = np.concatenate(np.split(up, 2)[::-1])
-        if up is not None and len(modules) > 1:  # q, k, v of the input's width; a single block's MLP the rest
-            width = roles["lora_A"].shape[1] if "lora_A" in roles else up.shape[0] // len(modules)
-            ups = np.split(up, [width * i for i in range(1, len(modules))])
-        else:
-            ups = [up] * len(modules)
-        for module, part in zip(modules, ups):
-            named = {"lora_A": roles.get("lora_A"), "lora_B": part, "alpha": roles.get("alpha")}
-            out.update({f"transformer.{module}.{role}{'' if role == 'alpha' else '.weight'}": value
-                        for role, value in named.items() if value is not None})
-    return out
+to_diffusers_names = OriginalNames(MODULES, frozenset(SWAPPED_HALVES))

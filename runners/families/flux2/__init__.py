@@ -15,6 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from runners.adapters.lora import register_key_spelling
+from runners.families.flux2 import lora_keys
 from runners.families.flux2.references import capped, reference_tokens
 from runners.families.flux2.tokens import pack, positions, text_positions, unpack
 from runners.guidance import ClassifierFree
@@ -160,3 +162,6 @@ class Flux2KleinPipeline(TextToImage):
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, img_ids=ids,
                        **feeds, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"][:, :h * w], h, w)}
+
+
+register_key_spelling("flux2", lora_keys.to_diffusers_names)  # adapters in FLUX.2's original module names

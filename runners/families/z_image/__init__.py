@@ -105,4 +105,4 @@ class ZImagePipeline(ZImageControlNets, TextToImage):
         return {**out, "noise_pred": -out["noise_pred"]}
 
 
-register_key_spelling(lora_keys.to_diffusers_names)  # adapters in the original checkpoint's names
+register_key_spelling("z_image", lora_keys.to_diffusers_names)  # adapters in the original checkpoint's names
