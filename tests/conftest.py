@@ -93,7 +93,7 @@ def _group(item: pytest.Item) -> str:
 # group not listed goes after these, as short.
 GROUP_SECONDS = {
     "test_family_targets.py::sd15": 860, "test_z_image.py": 750, "test_family_targets.py::sdxl": 670,
-    "test_family_targets.py::flux": 590, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
+    "test_family_targets.py::flux": 590, "test_flux2.py": 420, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
     "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
     "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
     "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,

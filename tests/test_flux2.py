@@ -369,3 +369,35 @@ def test_lora_equal_to_diffusers_fuse_lora(pairs, flux2_klein_tiny_build, tmp_pa
     assert np.array_equal(loaded(latents=latents, **call), plain)
     loaded.set_loras({adapter: 0.8})
     assert np.array_equal(loaded(latents=latents, **call), got)
+
+
+def test_served_over_the_openai_api(pairs, tmp_path):
+    """The OpenAI images API on a FLUX.2 artifact, through the `openai` client: a generation; an edit with two
+    reference images (the client's list of files); an inpainting edit (an image and a mask). Each image is
+    the Python call's."""
+    from PIL import Image
+
+    from conftest import smooth_image, soft_mask
+    from test_openai_api import openai_client, pixels
+
+    ours, _ = pairs["distilled"]
+    files = {}
+    for name, image in (("one", ONE), ("two", TWO), ("smooth", smooth_image(64, 128, seed=1)),
+                        ("mask", soft_mask(64, 128))):
+        image.save(tmp_path / f"{name}.png")
+        files[name] = tmp_path / f"{name}.png"
+    extra = dict(seed=3, num_inference_steps=2, max_sequence_length=64)
+    with openai_client(ours, "flux2-klein-tiny") as client:
+        made = client.images.generate(prompt="a red cat", size="64x64", extra_body=extra)
+        edited = client.images.edit(prompt="make it blue", image=[open(files["one"], "rb"), open(files["two"], "rb")],
+                                    extra_body=extra)
+        inpainted = client.images.edit(prompt="a red cat", image=open(files["smooth"], "rb"),
+                                       mask=open(files["mask"], "rb"), extra_body=extra)
+    read = lambda response: pixels(response.data[0])  # noqa: E731
+    want = {"made": ours("a red cat", height=64, width=64, **extra)[0],
+            "edited": ours("make it blue", image=[Image.open(files["one"]), Image.open(files["two"])], **extra)[0],
+            "inpainted": ours("a red cat", image=Image.open(files["smooth"]), mask_image=Image.open(files["mask"]),
+                              **extra)[0]}
+    for name, response in (("made", made), ("edited", edited), ("inpainted", inpainted)):
+        np.testing.assert_array_equal(read(response), np.asarray(want[name]), err_msg=name)
+    assert read(edited).shape == (96, 80, 3)  # the first reference's size

@@ -105,6 +105,8 @@ class Flux2KleinPipeline(TextToImage):
         the starting latents' source; `image_reference` follows it (T = 20, ...)."""
         from PIL import Image
 
+        if isinstance(image, (list, tuple)) and len(image) == 1:  # image= repeats (references): one, in a list
+            image = image[0]
         if not isinstance(image, Image.Image):
             raise ValueError("image= for inpainting must be one PIL image, as Flux2KleinInpaintPipeline takes it")
         if height is not None or width is not None:
