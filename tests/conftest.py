@@ -378,6 +378,49 @@ def rtx_options(**kwargs):
     return TrtOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)
 
 
+def assert_targets_within(folder, images, bounds: dict, name: str) -> None:
+    """Every target and precision of `bounds` ({label: each image's least PSNR}; "fp16" is ort's, "openvino-bf16-
+    int4-weights" OpenVINO's with its weights option) built from the export in `folder`, calibrated on 4 prompts x 4
+    steps: `images(artifact)` within their bounds against ort-fp32's, and finite."""
+    import numpy as np
+
+    from bench.accuracy import psnr
+    from engines.api import build_artifact
+    from engines.calibration import CalibrationSettings
+    from engines.targets import target_options
+
+    reference = images(folder / "ort-fp32")
+    for label, least in bounds.items():
+        target, precision, *weights = label.split("-") if "-" in label else ("ort", label)
+        options = target_options(target, weights=weights[0]) if weights else None
+        artifact = build_artifact(folder, target, precision, options=options,
+                                  calibration=CalibrationSettings(prompts=4, steps=4))
+        for ref, image, bound in zip(reference, images(artifact), least):
+            print(f"{name} {label}: PSNR {psnr(ref, image):.1f} dB")
+            assert np.isfinite(image).all() and psnr(ref, image) >= bound, (label, psnr(ref, image))
+
+
+def assert_rtx_builds_every_submodule(folder, images, monkeypatch) -> None:
+    """Real TensorRT-RTX fp16 engines for every submodule of the export in `folder`, the export's ranges as their
+    profiles; `images(artifact)` on them through the GPU stand-in (tests/gpu_double.py) are ONNX Runtime's
+    exactly."""
+    import numpy as np
+
+    from engines.api import build_artifact
+    from gpu_double import SharedBuffers
+
+    built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options())
+    m = manifest(built)
+    assert sorted(m["submodules"]) == sorted(manifest(folder / "onnx")["submodules"])
+    for name, sub in m["submodules"].items():
+        assert (built / sub["file"]).stat().st_size > 100_000, name  # a serialized engine, not a stub
+        assert set(sub["engine"]["profile"]) == {t["name"] for t in sub["inputs"]}, name
+    reference = images(folder / "ort-fp32")
+    double = SharedBuffers.install(monkeypatch, folder / "ort-fp32")
+    assert all(np.array_equal(a, b) for a, b in zip(images(built), reference))
+    assert double.opened and all(s.profile for s in double.opened)
+
+
 def smooth_image(height: int, width: int, seed: int = 0):
     """A smooth RGB picture (a random image would be mostly noise to the VAE)."""
     from PIL import Image

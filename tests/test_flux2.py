@@ -220,40 +220,18 @@ def _target_images(artifact):
 
 
 def test_every_target_and_precision_within_its_bound(flux2_klein_tiny_build):
-    from bench.accuracy import psnr
-    from engines.api import build_artifact
-    from engines.calibration import CalibrationSettings
-    from engines.targets import target_options
+    from conftest import assert_targets_within
 
-    reference = _target_images(flux2_klein_tiny_build.folder / "ort-fp32")
-    for label, bounds in TARGET_MIN_PSNR.items():
-        target, precision, *weights = label.split("-") if "-" in label else ("ort", label)
-        options = target_options(target, weights=weights[0]) if weights else None
-        artifact = build_artifact(flux2_klein_tiny_build.folder, target, precision, options=options,
-                                  calibration=CalibrationSettings(prompts=4, steps=4))
-        for ref, image, bound in zip(reference, _target_images(artifact), bounds):
-            print(f"flux2 {label}: PSNR {psnr(ref, image):.1f} dB")
-            assert np.isfinite(image).all() and psnr(ref, image) >= bound, (label, psnr(ref, image))
+    assert_targets_within(flux2_klein_tiny_build.folder, _target_images, TARGET_MIN_PSNR, "flux2")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
 def test_tensorrt_rtx_builds_every_submodule(flux2_klein_tiny_build, monkeypatch):
-    """Real fp16 engines for every submodule, the export's ranges as their profiles; the pipeline on them
-    through the GPU stand-in (tests/gpu_double.py) gives ONNX Runtime's images exactly."""
-    from conftest import manifest, rtx_options
-    from engines.api import build_artifact
-    from gpu_double import SharedBuffers
+    """Real fp16 engines for every submodule; the pipeline on them through the GPU stand-in gives ONNX Runtime's
+    images exactly."""
+    from conftest import assert_rtx_builds_every_submodule
 
-    folder = build_artifact(flux2_klein_tiny_build.folder, "trt-rtx", "fp16", options=rtx_options())
-    m = manifest(folder)
-    assert sorted(m["submodules"]) == sorted(manifest(flux2_klein_tiny_build.folder / "onnx")["submodules"])
-    for name, sub in m["submodules"].items():
-        assert (folder / sub["file"]).stat().st_size > 100_000, name  # a serialized engine, not a stub
-        assert set(sub["engine"]["profile"]) == {t["name"] for t in sub["inputs"]}, name
-    reference = _target_images(flux2_klein_tiny_build.folder / "ort-fp32")
-    double = SharedBuffers.install(monkeypatch, flux2_klein_tiny_build.folder / "ort-fp32")
-    assert all(np.array_equal(a, b) for a, b in zip(_target_images(folder), reference))
-    assert double.opened and all(s.profile for s in double.opened)
+    assert_rtx_builds_every_submodule(flux2_klein_tiny_build.folder, _target_images, monkeypatch)
 
 
 TAYLORSEER_CASES = {"interval 2, order 1": (dict(cache_interval=2, disable_cache_before_step=2, max_order=1), 1.0),

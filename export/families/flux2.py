@@ -13,8 +13,11 @@ embedding in float32 (as FLUX.1's: export/families/flux.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from export.families import parts
 from export.families.flux import exact_timesteps, export_rope
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -95,7 +98,6 @@ class _Encoder(torch.nn.Module):
         return (patchify(posterior.mean) - mean) / std, patchify(posterior.logvar) - 2 * torch.log(std)
 
 
-_LATENT = ("batch", "latent_channels", "latent_height", "latent_width")
 TRANSFORMER = SubmoduleSpec(
     name="transformer",
     component="transformer",
@@ -113,23 +115,9 @@ TRANSFORMER = SubmoduleSpec(
                                                     "norm_out", "transformer.proj_out"),
                   "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep",)},
 )
-VAE_DECODER = SubmoduleSpec(
-    name="vae_decoder",
-    component="vae",
-    inputs=(T("latent", "float32", _LATENT),),
-    outputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
-    wrap=_Decoder,
-    latent_divisor=1,
-    quantization={"activations": True},
-)
-VAE_ENCODER = SubmoduleSpec(
-    name="vae_encoder",
-    component="vae",
-    inputs=(T("image", "float32", ("batch", 3, "image_height", "image_width")),),
-    outputs=(T("latent_mean", "float32", _LATENT), T("latent_logvar", "float32", _LATENT)),
-    wrap=_Encoder,
-    latent_divisor=1,
-)
+# The shared VAE graphs' tensors, around the pipeline's latent space
+VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder)
+VAE_ENCODER = dataclasses.replace(parts.VAE_ENCODER, wrap=_Encoder)
 
 
 def _image_tokens(dims: dict[str, int]) -> int:
