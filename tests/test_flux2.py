@@ -69,6 +69,19 @@ CASES = {  # name: (arguments, the case whose image it must change)
 }
 
 
+def test_latent_output_is_diffusers(pairs):
+    """output_type="latent" gives Flux2KleinPipeline's: denormalised, unpatchified (N, 32, H/8, W/8)."""
+    ours, reference = pairs["distilled"]
+    latents = np.random.default_rng(0).standard_normal((1, 128, 4, 8), dtype=np.float32)
+    call = dict(height=64, width=128, num_inference_steps=2, output_type="latent", max_sequence_length=64)
+    with torch.no_grad():
+        theirs = reference(prompt="a red cat", latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS,
+                           **call).images.numpy()
+    got = ours("a red cat", latents=latents, **call)
+    assert got.shape == theirs.shape == (1, 32, 8, 16)
+    assert np.abs(got - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_equal_to_diffusers(run_both, case):
     from conftest import assert_real_image

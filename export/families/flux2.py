@@ -147,8 +147,26 @@ def _constants(src) -> dict[str, int]:
     }
 
 
+def _latent_statistics(src) -> dict | None:
+    """The VAE's batch-norm mean and standard deviation (128 each), which `output_type="latent"` needs to give
+    diffusers' latents (unpatchified, denormalised); None where the folder holds no VAE weights (a scale check's)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    path = src.folder / "vae" / "diffusion_pytorch_model.safetensors"
+    if not path.exists():
+        return None
+    with safe_open(str(path), "np") as f:
+        if "bn.running_mean" not in f.keys():
+            return None
+        mean, var = (f.get_tensor(f"bn.running_{k}").astype(np.float32) for k in ("mean", "var"))
+    std = np.sqrt(var + np.float32(src.config("vae")["batch_norm_eps"]))
+    return {"mean": mean.tolist(), "std": std.tolist()}
+
+
 def _runtime_constants(src) -> dict:
     return {
+        "latent_statistics": _latent_statistics(src),
         "vae_scaling_factor": 1.0, "vae_shift_factor": 0.0,  # the graphs normalise (batch-norm statistics)
         "vae_scale_factor": _scale(src.config("vae")),
         "denoiser": "transformer",

@@ -6,8 +6,9 @@ empirical mu, and classifier-free guidance (the empty prompt as the negative) fo
 the distilled ones (`is_distilled`) ignore the scale, as diffusers does.
 
 The loop's latents are the pipeline's: patchified and normalised, (N, 128, H/16, W/16), which is what
-`latents=` takes (diffusers draws them so) and `output_type="latent"` returns; the VAE's graphs hold the
-batch-norm statistics and the patchify (export/families/flux2.py)."""
+`latents=` takes (diffusers draws them so); the VAE's graphs hold the batch-norm statistics and the patchify
+(export/families/flux2.py). `output_type="latent"` returns diffusers' latents (denormalised, unpatchified) with
+the statistics the manifest records."""
 from __future__ import annotations
 
 import logging
@@ -94,9 +95,22 @@ class Flux2KleinPipeline(TextToImage):
         if image is not None:
             tokens, ids, (h, w) = reference_tokens(self, image, vae_tiling)
             height, width, reference = height or h, width or w, (tokens, ids)
-        return self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
-                                   num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
-                                   max_length=max_sequence_length, reference=reference)
+        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
+                                     num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
+                                     max_length=max_sequence_length, reference=reference)
+        return self._as_diffusers_latents(result) if output_type == "latent" else result
+
+    def _as_diffusers_latents(self, latents: np.ndarray) -> np.ndarray:
+        """The loop's latents as diffusers returns them: denormalised, unpatchified (N, 32, H/8, W/8)."""
+        stats = self.constants.get("latent_statistics")
+        if stats is None:
+            raise ValueError("output_type=\"latent\" needs the VAE's batch-norm statistics, which this artifact's "
+                             "export did not find (no VAE weights): use \"np\" or \"pil\"")
+        mean, std = (np.asarray(stats[k], dtype=np.float32)[None, :, None, None] for k in ("mean", "std"))
+        x = latents * std + mean
+        n, c, h, w = x.shape
+        return np.ascontiguousarray(x.reshape(n, c // 4, 2, 2, h, w).transpose(0, 1, 4, 2, 5, 3)
+                                    .reshape(n, c // 4, h * 2, w * 2))
 
     def _inpaint(self, prompt, negative_prompt, height, width, num_inference_steps, sigmas, guidance_scale,
                  num_images_per_prompt, seed, output_type, max_sequence_length, vae_tiling, image, mask_image,
@@ -120,10 +134,11 @@ class Flux2KleinPipeline(TextToImage):
         if image_reference is not None:
             more, more_ids, _ = reference_tokens(self, image_reference, vae_tiling, first=2)
             tokens, ids = np.concatenate([tokens, more], axis=1), np.concatenate([ids, more_ids])
-        return self._text_to_image(prompt, negative_prompt, None, None, num_inference_steps, guidance_scale,
-                                   num_images_per_prompt, seed, None, output_type, vae_tiling, image=image,
-                                   mask_image=mask_image, strength=strength, noise=noise, sigmas=sigmas,
-                                   max_length=max_sequence_length, reference=(tokens, ids))
+        result = self._text_to_image(prompt, negative_prompt, None, None, num_inference_steps, guidance_scale,
+                                     num_images_per_prompt, seed, None, output_type, vae_tiling, image=image,
+                                     mask_image=mask_image, strength=strength, noise=noise, sigmas=sigmas,
+                                     max_length=max_sequence_length, reference=(tokens, ids))
+        return self._as_diffusers_latents(result) if output_type == "latent" else result
 
     def _image_latents(self, pixels, n_images, encoder_noise, vae_tiling):
         """The image's latents as Flux2KleinInpaintPipeline reads them: the posterior's mode, no sample."""
