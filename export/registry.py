@@ -448,8 +448,8 @@ MODELS: dict[str, ModelEntry] = {
                    image_size=(256, 1024, 1536), description="FLUX.2 klein base 4B (50 steps, CFG)"),
         ModelEntry("flux2-klein-tiny", "flux2", random_configs=FLUX2_KLEIN_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512),
-                   description="FLUX.2 klein architecture (distilled; Qwen3 read at layers 9, 18, 27) at tiny widths, "
-                               "built offline"),
+                   description="FLUX.2 klein architecture (distilled; Qwen3 of 4 layers read at 1, 2, 3) at tiny "
+                               "widths, built offline"),
         ModelEntry("flux2-klein-base-tiny", "flux2", random_configs=FLUX2_KLEIN_BASE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512),
                    description="FLUX.2 klein base architecture (CFG) at tiny widths, built offline"),

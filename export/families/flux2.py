@@ -231,8 +231,7 @@ FAMILY = Family(
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
-    derived_dims={"image_height": ("latent_height", "vae_scale_factor", 0),
-                  "image_width": ("latent_width", "vae_scale_factor", 0), "image_tokens": _image_tokens},
+    derived_dims={**parts.VAE_DIMS, "image_tokens": _image_tokens},
     tokenizers=("tokenizer",),
     build_random=build_random,
     # Flux2KleinPipeline: the chat template with thinking off, padded to max_sequence_length: the transformer

@@ -19,7 +19,7 @@ import numpy as np
 from runners.adapters.lora import register_key_spelling
 from runners.families.flux2 import lora_keys
 from runners.families.flux2.references import capped, reference_tokens
-from runners.families.flux2.tokens import pack, positions, text_positions, unpack
+from runners.families.flux2.tokens import pack, positions, text_positions, unpack, unpatchify
 from runners.guidance import ClassifierFree
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import encode_prompts
@@ -107,10 +107,7 @@ class Flux2KleinPipeline(TextToImage):
             raise ValueError("output_type=\"latent\" needs the VAE's batch-norm statistics, which this artifact's "
                              "export did not find (no VAE weights): use \"np\" or \"pil\"")
         mean, std = (np.asarray(stats[k], dtype=np.float32)[None, :, None, None] for k in ("mean", "std"))
-        x = latents * std + mean
-        n, c, h, w = x.shape
-        return np.ascontiguousarray(x.reshape(n, c // 4, 2, 2, h, w).transpose(0, 1, 4, 2, 5, 3)
-                                    .reshape(n, c // 4, h * 2, w * 2))
+        return unpatchify(latents * std + mean)
 
     def _inpaint(self, prompt, negative_prompt, height, width, num_inference_steps, sigmas, guidance_scale,
                  num_images_per_prompt, seed, output_type, max_sequence_length, vae_tiling, image, mask_image,
