@@ -60,9 +60,11 @@ def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, 
             "file": f"{component}/tokenizer.json",
             "max_length": tok.model_max_length,
             "pad_token_id": tok.pad_token_id,
+            "padding_side": tok.padding_side,  # Mistral's pads on the left
         }
-        if component in src.family.prompt_formats:
-            tokenizers[component].update(rendered(tok, src.family.prompt_formats[component], component))
+        fmt = src.family.prompt_formats.get(component)
+        if fmt is not None:
+            tokenizers[component].update(rendered(tok, fmt(src) if callable(fmt) else fmt, component))
     scheduler_dir = dest / src.family.scheduler
     scheduler_dir.mkdir()
     shutil.copy(src.folder / src.family.scheduler / "scheduler_config.json", scheduler_dir)

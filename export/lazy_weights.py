@@ -116,13 +116,14 @@ def copy_tensors(folder: Path, prefixes: tuple[str, ...], out_file: Path) -> lis
 
 
 def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: str,
-                   table: WeightTable) -> dict[str, int]:
+                   table: WeightTable, renamed: dict[str, str] | None = None) -> dict[str, int]:
     """Give the graph traced from `wrapper` its weights: each initializer named after a parameter
     of the wrapped component reads its checkpoint bytes in place, converted when it is written if
     the dtypes differ (T5's float32 `wo` from an fp16 checkpoint), and `table` records which
     checkpoint tensor of `component` it holds. A buffer the checkpoint holds (SD3's position
     embedding) is read from it too, as from_pretrained does; the others keep the value the
-    constructor gave them. Returns counts."""
+    constructor gave them. `renamed`: the checkpoint keys of the names transformers renames as it loads
+    (`loaded_names`). Returns counts."""
     params = {}  # every name of a parameter (tied ones have several) -> the names of that tensor
     for name, p in wrapper.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), []).append(name)
@@ -132,7 +133,7 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
     read = set()
     for name, value in model.graph.initializers.items():
         if name in aliases:
-            key, stored = _stored(name, aliases[name], index)
+            key, stored = _stored(name, aliases[name], index, renamed)
             read.add(key)
             table.source(name, component, key, dtype_name(value.const_value.dtype), stored.shape)
         elif name in buffers and _key(name) in index:
@@ -153,15 +154,31 @@ def attach_weights(model: ir.Model, wrapper, index: dict[str, dict], component: 
     return counts
 
 
+def loaded_names(component, index: dict[str, dict]) -> dict[str, str]:
+    """{the name from_pretrained gives a tensor of `component`: its checkpoint key}, where they differ: transformers
+    renames a checkpoint's keys as it loads them (a Mistral3 checkpoint's `language_model.model.*` is the module's
+    `model.language_model.*`), with the renamings it registers for the model's classes."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    if not isinstance(component, PreTrainedModel):
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(component) if isinstance(t, WeightRenaming)]
+    loaded = {apply_renamings(key, renamings): key for key in index} if renamings else {}
+    return {name: key for name, key in loaded.items() if name != key}
+
+
 def _key(name: str) -> str:
     # The wrapper adds one prefix (`t5.`, `vae.`): the checkpoint names the component's own tensors. A name
     # without one is the wrapper's own buffer (Z-Image's rotary tables), which no checkpoint holds.
     return name.split(".", 1)[-1]
 
 
-def _stored(name: str, aliases: list[str], index: dict[str, dict]) -> tuple[str, ir.ExternalTensor]:
+def _stored(name: str, aliases: list[str], index: dict[str, dict],
+            renamed: dict[str, str] | None = None) -> tuple[str, ir.ExternalTensor]:
     keys = [_key(alias) for alias in aliases]
-    key = next((k for k in keys if k in index), None)
+    key = next((k for k in keys if k in index), None) or next((renamed[k] for k in keys if k in (renamed or {})), None)
     if key is None:
         raise WeightsError(f"parameter {name} is not in the checkpoint (looked for {', '.join(keys)})")
     entry = index[key]

@@ -1,8 +1,8 @@
-"""Real tokenizers without a network: CLIP's BPE table from the open-clip-torch wheel, and a
-SentencePiece T5 vocabulary trained in a second on synthetic prompts.
+"""Real tokenizers without a network: CLIP's BPE table from the open-clip-torch wheel, byte-level BPEs of
+Qwen's and Mistral's kinds and a SentencePiece T5 vocabulary, trained in a second on synthetic prompts.
 
-Both are written as ordinary Hugging Face tokenizer folders, so the tiny pipelines load them
-through the same `from_pretrained` code as a downloaded model.
+They are written as ordinary Hugging Face tokenizer folders, so the tiny pipelines load them through the
+same `from_pretrained` code as a downloaded model.
 """
 from __future__ import annotations
 
@@ -131,3 +131,35 @@ def write_qwen_tokenizer(out_dir: Path, vocab_size: int, chat_template: str, see
                               pad_token="<|endoftext|>", model_max_length=131072, chat_template=chat_template)
     fast.save_pretrained(out_dir)
     return len(fast)
+
+
+# Mistral's tekken tokenizer (Mistral Small 3's, FLUX.2 dev's encoder's): this split, then byte-level BPE; its
+# control tokens come first, in tekken's order ([IMG] is 10, as the processor's image_token_index).
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+                 r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                         "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
+                         "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                         "[TOOL_CONTENT]")
+
+
+def mistral_tokenizer(vocab_size: int, chat_template: str, padding_side: str, seed: int = 0):
+    """A Mistral-kind tokenizer (tekken's split and byte-level BPE, its control tokens first, <s> before each
+    text by the template, pad <pad>) trained on synthetic prompts, with `chat_template` (the real model's); the
+    transformers tokenizer, whose length the LLM config's vocab_size must cover."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_TEKKEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True) for t in TEKKEN_SPECIAL_TOKENS]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(_synthetic_prompts(2000, seed), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=131072, padding_side=padding_side,
+                                   chat_template=chat_template)

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.lazy_weights import attach_weights, checkpoint_index, defer_weight_transposes, weightless_component
+from export.lazy_weights import (attach_weights, checkpoint_index, defer_weight_transposes, loaded_names,
+                                 weightless_component)
 from export.shapes import concrete
 from export.spec import SubmoduleSpec
 from runners.backends import cpu_threads
@@ -184,11 +185,12 @@ def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyn
     """The submodule's graph traced without weights, then given them from the checkpoint (still
     on disk: they are read when the graph is written). Returns (onnx-ir model, the weights'
     provenance, counts)."""
-    module = wrapped(spec, weightless_component(src, spec.component, dtype, **spec.load_kwargs), dtype)
+    component = weightless_component(src, spec.component, dtype, **spec.load_kwargs)
+    module = wrapped(spec, component, dtype)
     program = trace(spec, module, constants, dynamic, probe, opset, optimize=False)
     table = WeightTable()
-    counts = attach_weights(program.model, module, checkpoint_index(src.folder / spec.component), spec.component,
-                            table)
+    index = checkpoint_index(src.folder / spec.component)
+    counts = attach_weights(program.model, module, index, spec.component, table, loaded_names(component, index))
     counts["transposes_deferred"] = defer_weight_transposes(program.model, table)
     table.reconcile(initializer_types(program.model))  # the transposed weights' sources are gone
     small = {name: program.model.graph.initializers[name].const_value for name, r in table.items()

@@ -16,9 +16,13 @@ CHECKED_PROMPTS = ('a "quoted" {brace} {{ jinja }} {% raw %} <b>&amp;</b>', "  t
                    "")
 
 
-def _chat(tok, prompt: str, keywords: dict) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                   add_generation_prompt=True, **keywords)
+def _chat(tok, prompt: str, fmt: PromptFormat) -> str:
+    def turn(role, text):
+        return {"role": role, "content": [{"type": "text", "text": text}] if fmt.parts else text}
+
+    messages = ([turn("system", fmt.system)] if fmt.system is not None else []) + [turn("user", prompt)]
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=fmt.generation_prompt,
+                                   **(fmt.chat or {}))
 
 
 def rendered(tok, fmt: PromptFormat, name: str) -> dict:
@@ -30,13 +34,14 @@ def rendered(tok, fmt: PromptFormat, name: str) -> dict:
         prefix, suffix = fmt.template.split("{}")
         apply = fmt.template.format
     else:
-        prefix, found, suffix = _chat(tok, _SENTINEL, fmt.chat or {}).partition(_SENTINEL)
+        prefix, found, suffix = _chat(tok, _SENTINEL, fmt).partition(_SENTINEL)
         if not found:
             raise ValueError(f"{name}: its chat template does not contain the prompt as given; it cannot be stored "
                              f"as a prefix and suffix")
-        apply = lambda prompt: _chat(tok, prompt, fmt.chat or {})  # noqa: E731
+        apply = lambda prompt: _chat(tok, prompt, fmt)  # noqa: E731
     for prompt in CHECKED_PROMPTS:
         if apply(prompt) != prefix + prompt + suffix:
             raise ValueError(f"{name}: its chat template changes the prompt {prompt!r} (escapes, trims or interprets "
                              f"it): the runner's prefix + prompt + suffix would differ; this template is not supported")
-    return {"template": {"prefix": prefix, "suffix": suffix}, "drop_tokens": fmt.drop_tokens, "padding": fmt.padding}
+    return {"template": {"prefix": prefix, "suffix": suffix}, "drop_tokens": fmt.drop_tokens, "padding": fmt.padding,
+            "removed": list(fmt.removed)}

@@ -339,6 +339,22 @@ FLUX2_KLEIN_TINY = {
 }
 # klein's base checkpoints (FLUX.2-klein-base-4B): the same layout, not distilled (50 steps, CFG)
 FLUX2_KLEIN_BASE_TINY = {**FLUX2_KLEIN_TINY, "is_distilled": False}
+# FLUX.2 dev (Flux2Pipeline): the transformer with its guidance embedding, and Mistral3 (Mistral Small 3.1) whose text
+# path is read at layers 10, 20 and 30; at tiny widths its text path has 4 layers read at 1, 2 and 3, a one-layer
+# Pixtral vision tower beside it (loaded, never run: the export keeps the text path), and its tokenizer pads on the
+# left as Mistral's processor does.
+FLUX2_DEV_TINY = {
+    **FLUX2_KLEIN_TINY,
+    "pipeline_class": "Flux2Pipeline",
+    "transformer": _flux2(heads=2, head_dim=64, double=1, single=2, joint=3 * 32, guidance=True),
+    "text_encoder": {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "head_dim": 16, "intermediate_size": 64, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0,
+                     "max_position_embeddings": 131072, "sliding_window": None, "tie_word_embeddings": False,
+                     "hidden_states_layers": [1, 2, 3]},
+    "vision": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+               "head_dim": 8, "patch_size": 14, "image_size": 56},
+    "padding_side": "left",
+}
 _FLUX2_REAL_VAE = {**_FLUX2_VAE, "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
                    "norm_num_groups": 32, "sample_size": 1024}
 # klein 4B's real widths (3072 = 24 heads of 128, text 3 x 2560) with 2 double-stream and 4 single-stream blocks;
@@ -453,6 +469,12 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("flux2-klein-base-tiny", "flux2", random_configs=FLUX2_KLEIN_BASE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512),
                    description="FLUX.2 klein base architecture (CFG) at tiny widths, built offline"),
+        ModelEntry("flux2-dev", "flux2", hub_id="black-forest-labs/FLUX.2-dev", image_size=(256, 1024, 1536),
+                   description="FLUX.2 dev (50 steps, guidance embedding 4; Mistral Small 3.1 encoder)"),
+        ModelEntry("flux2-dev-tiny", "flux2", random_configs=FLUX2_DEV_TINY, image_size=(64, 128, 512),
+                   text_length=(1, 64, 512),
+                   description="FLUX.2 dev architecture (guidance embedding; Mistral3 of 4 layers read at 1, 2, 3) at "
+                               "tiny widths, built offline"),
         ModelEntry("flux2-klein-bench", "flux2", random_configs=FLUX2_KLEIN_BENCH, image_size=(256, 1024, 1024),
                    text_length=(1, 512, 512), batch=(1, 2, 4),
                    description="FLUX.2 klein 4B widths, 2 double + 4 single blocks, Qwen3-4B's widths at 4 layers, "

@@ -64,6 +64,10 @@ class PromptFormat:
     (export/prompt_formats.py) and the runner applies it without transformers (runners/text.py)."""
 
     chat: dict | None = None  # apply_chat_template's keywords ({"enable_thinking": True}); None: no chat template
+    system: str | None = None  # a system turn before the prompt's (FLUX.2 dev's system message)
+    parts: bool = False  # each turn's content a list of typed parts, as processors' templates take it
+    generation_prompt: bool = True  # the template's assistant header after the prompt
+    removed: tuple[str, ...] = ()  # text the pipeline removes from each prompt first (FLUX.2 dev: "[IMG]")
     template: str | None = None  # or the pipeline's own format string around the prompt, with one "{}"
     drop_tokens: int = 0  # the template's leading tokens whose hidden states the pipeline drops (Qwen-Image)
     # "max_length": padded to the request's max_sequence_length (the pipeline reads the padding's states);
@@ -91,8 +95,9 @@ class Family:
     scheduler: str = "scheduler"
     # Its tiny autoencoder among madebyollin's (a hub id under madebyollin/: taesd, taesd3, ...), or None
     tiny_vae: str | None = None
-    # {tokenizer component: how the pipeline formats prompts for it}, for those that are not plain
-    prompt_formats: dict[str, PromptFormat] = field(default_factory=dict)
+    # {tokenizer component: how the pipeline formats prompts for it (or ModelSource -> that, where variants of
+    # the family differ)}, for those that are not plain
+    prompt_formats: dict[str, PromptFormat | Callable[[Any], PromptFormat]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

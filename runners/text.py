@@ -35,7 +35,9 @@ class TextTokenizer:
         template = entry.get("template") or {}
         self.prefix, self.suffix = template.get("prefix", ""), template.get("suffix", "")
         self.padding = entry.get("padding", "max_length")
+        self.padding_side = entry.get("padding_side", "right")
         self.drop_tokens = entry.get("drop_tokens", 0)  # the template's leading tokens the pipeline drops
+        self.removed = tuple(entry.get("removed", ()))  # text the pipeline removes from each prompt first
         # CLIP's BPE marks word ends with "</w>", which its ByteLevel decoder leaves in place.
         self._word_end = getattr(self._tok.model, "end_of_word_suffix", None) or None
         # CLIP's and T5's post-processors end every text with an end token, which truncation keeps; an LLM's add none
@@ -51,20 +53,25 @@ class TextTokenizer:
         by `padding` (default: the tokenizer's rule): to `max_length`, or to the longest text."""
         padding = padding or self.padding
         tok = self._tok
-        texts = [f"{self.prefix}{t}{self.suffix}" for t in texts]
+        texts = [f"{self.prefix}{self._without_removed(t)}{self.suffix}" for t in texts]
         tok.no_padding()
         tok.no_truncation()
         full = tok.encode_batch(texts)
         tok.enable_truncation(max_length=max_length)
         longest = min(max(len(e.ids) for e in full), max_length)
         tok.enable_padding(length=max_length if padding == "max_length" else longest, pad_id=self._pad_id,
-                           pad_token=self._pad_token)
+                           pad_token=self._pad_token, direction=self.padding_side)
         encoded = tok.encode_batch(texts)
         for whole in full:
             if len(whole.ids) > max_length:
                 self._warn_truncated(whole.ids, max_length)
         return Tokens(np.array([e.ids for e in encoded], dtype=np.int64),
                       np.array([e.attention_mask for e in encoded], dtype=np.int64))
+
+    def _without_removed(self, text: str) -> str:
+        for removed in self.removed:
+            text = text.replace(removed, "")
+        return text
 
     def _warn_truncated(self, ids: list[int], length: int) -> None:
         removed = self._tok.decode(ids[length - 1 : -1] if self._adds_end else ids[length:])

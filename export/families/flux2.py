@@ -14,6 +14,7 @@ embedding in float32 (as FLUX.1's: export/families/flux.py).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -22,13 +23,24 @@ from export.families.flux import exact_timesteps, export_rope
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
 
-TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
+TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers (Qwen3)
+DEV_TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline's (Mistral3)
+# Flux2Pipeline's system turn before each prompt (diffusers' flux2/system_messages.py, from BFL's flux2)
+DEV_SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                      "object relationships, object\nattribution and actions without speculation.")
 
 
 def text_layers(config: dict) -> tuple[int, ...]:
-    """The text encoder's layers the export reads: its config's `hidden_states_layers` where it has one
-    (openvino.genai reads the same key; the registry's shallow test and bench encoders set it), else klein's."""
-    return tuple(config.get("hidden_states_layers") or TEXT_LAYERS)
+    """The text encoder's layers the export reads: its (text) config's `hidden_states_layers` where it has one
+    (openvino.genai reads the same key; the registry's shallow test and bench encoders set it), else the
+    pipeline's: dev's for a Mistral3 encoder, klein's for Qwen3."""
+    default = DEV_TEXT_LAYERS if config.get("model_type") == "mistral3" else TEXT_LAYERS
+    return tuple(config.get("text_config", config).get("hidden_states_layers") or default)
+
+
+def is_dev(src) -> bool:
+    """FLUX.2 dev (Flux2Pipeline: Mistral3 encoder, guidance embedding), not klein."""
+    return src.model_index()["_class_name"] == "Flux2Pipeline"
 
 
 PATCH = 2  # the VAE's latents are patchified 2 x 2 into the transformer's channels
@@ -38,18 +50,19 @@ REFERENCES = 2  # the references an export's token range makes room for, by defa
 
 
 class _Transformer(torch.nn.Module):
-    """The transformer with its inputs as Flux2KleinPipeline feeds them (the timestep divided by 1000, the
-    ids without a batch axis: diffusers reads the first row's only)."""
+    """The transformer with its inputs as Flux2KleinPipeline and Flux2Pipeline feed them (the timestep divided by
+    1000, dev's guidance scale as it is, the ids without a batch axis: diffusers reads the first row's only)."""
 
     def __init__(self, transformer):
         super().__init__()
         self.transformer = transformer
         export_rope(transformer.pos_embed)
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids):
-        with exact_timesteps(self.transformer, timestep, None):
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None):
+        with exact_timesteps(self.transformer, timestep, guidance):
             out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                                   timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+                                   timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
+                                   return_dict=False)
         return (out[0],)
 
 
@@ -98,23 +111,33 @@ class _Encoder(torch.nn.Module):
         return (patchify(posterior.mean) - mean) / std, patchify(posterior.logvar) - 2 * torch.log(std)
 
 
-TRANSFORMER = SubmoduleSpec(
-    name="transformer",
-    component="transformer",
-    inputs=(
-        T("hidden_states", "float32", ("batch", "image_tokens", "latent_channels")),
-        T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")),
-        T("timestep", "float32", ("batch",), high=1),
-        T("img_ids", "float32", ("image_tokens", 4), high=64),
-        T("txt_ids", "float32", ("text_length", 4), high=64),
-    ),
-    outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "latent_channels")),),
-    wrap=_Transformer,
-    latent_divisor=1,
-    quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_guidance_embed", "context_embedder",
-                                                    "norm_out", "transformer.proj_out"),
-                  "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep",)},
-)
+def _has_guidance(src) -> bool:
+    return bool(src.config("transformer").get("guidance_embeds"))
+
+
+def _transformer(guidance: bool) -> SubmoduleSpec:
+    """The transformer's description with dev's guidance input, or without (klein)."""
+    return SubmoduleSpec(
+        name="transformer",
+        component="transformer",
+        inputs=(
+            T("hidden_states", "float32", ("batch", "image_tokens", "latent_channels")),
+            T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")),
+            T("timestep", "float32", ("batch",), high=1),
+            T("img_ids", "float32", ("image_tokens", 4), high=64),
+            T("txt_ids", "float32", ("text_length", 4), high=64),
+            *((T("guidance", "float32", ("batch",), high=10),) if guidance else ()),
+        ),
+        outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "latent_channels")),),
+        wrap=_Transformer,
+        latent_divisor=1,
+        quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_guidance_embed", "context_embedder",
+                                                        "norm_out", "transformer.proj_out"),
+                      "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep", "guidance")},
+        when=lambda src: _has_guidance(src) == guidance,
+    )
+
+
 # The shared VAE graphs' tensors, around the pipeline's latent space
 VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder)
 VAE_ENCODER = dataclasses.replace(parts.VAE_ENCODER, wrap=_Encoder)
@@ -175,24 +198,59 @@ def _runtime_constants(src) -> dict:
         # Flux2KleinPipeline's sigmas, shifted by its empirical mu of the image's tokens and the steps
         "schedule": {"sigmas": "linspace", "mu": "empirical"},
         "text_encoder_out_layers": list(text_layers(src.config("text_encoder"))),
-        # klein's distilled checkpoints run 4 steps without guidance; the base ones CFG (model_index.json)
+        # dev: the guidance scale as the transformer's input (no CFG); klein's distilled checkpoints run 4 steps
+        # without guidance, the base ones CFG (model_index.json)
+        "variant": "dev" if is_dev(src) else "klein",
         "distilled": bool(src.model_index().get("is_distilled", False)),
         "reference_area": REFERENCE_AREA,
     }
 
 
-def build_random(configs: dict, out_dir, seed: int = 0) -> None:
-    """Write a Flux2KleinPipeline folder with random seeded weights from component configs (see the
-    registry): a Qwen2-kind tokenizer trained offline with Qwen3's chat template, Qwen3 at the configs'
-    widths, and the VAE's batch-norm statistics drawn too (a fresh module's are 0 and 1, which would leave
-    their use untested)."""
-    import tempfile
-    from pathlib import Path
-
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+def _klein_text(configs: dict, tmp, seed: int):
+    """Qwen3 at the configs' widths and a Qwen2-kind tokenizer with Qwen3's chat template; the pipeline's flags."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from export.offline_tokenizers import write_qwen_tokenizer
+
+    template = (TEMPLATES / "qwen3_chat_template.jinja").read_text()
+    vocab = write_qwen_tokenizer(tmp / "tokenizer", configs["vocab_pieces"], template, seed)
+    qwen = Qwen3Config(**{"vocab_size": vocab, **configs["text_encoder"]})
+    return (lambda: Qwen3ForCausalLM(qwen), AutoTokenizer.from_pretrained(tmp / "tokenizer"),
+            {"is_distilled": configs.get("is_distilled", True)})
+
+
+def _dev_text(configs: dict, tmp, seed: int):
+    """Mistral3 (its text path at the configs' widths, a small Pixtral vision tower) and a Mistral-kind tokenizer
+    with Mistral Small 3.1's chat template (transformers' Mistral3 processor tests' copy,
+    mistral_small_3_chat_template.jinja). FLUX.2 dev's folder holds a PixtralProcessor, whose tokenizer files these
+    are; transformers builds that processor only with torchvision, which has no CPU build here, and a prompt's
+    tokens are the tokenizer's either way (the processor renders the template and tokenizes it without adding
+    special tokens: the template starts with <s>)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from export.offline_tokenizers import TEKKEN_SPECIAL_TOKENS, mistral_tokenizer
+
+    template = (TEMPLATES / "mistral_small_3_chat_template.jinja").read_text()
+    tokenizer = mistral_tokenizer(configs["vocab_pieces"], template, configs["padding_side"], seed)
+    config = Mistral3Config(text_config={"model_type": "mistral", "vocab_size": len(tokenizer),
+                                         **configs["text_encoder"]},
+                            vision_config={"model_type": "pixtral", **configs["vision"]},
+                            image_token_index=TEKKEN_SPECIAL_TOKENS.index("[IMG]"), spatial_merge_size=2)
+    return lambda: Mistral3ForConditionalGeneration(config), tokenizer, {}
+
+
+TEMPLATES = Path(__file__).parent.parent / "templates"
+
+
+def build_random(configs: dict, out_dir, seed: int = 0) -> None:
+    """Write a Flux2KleinPipeline folder (or a Flux2Pipeline one, where the configs' pipeline_class says) with
+    random seeded weights from component configs (see the registry): the text encoder and its tokenizer
+    trained offline (`_klein_text`, `_dev_text`), and the VAE's batch-norm statistics drawn too (a fresh
+    module's are 0 and 1, which would leave their use untested)."""
+    import tempfile
+
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+
     from export.random_weights import build_modules, save_pipeline
 
     def vae():
@@ -203,29 +261,36 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
             module.bn.running_var.uniform_(0.25, 4.0, generator=generator)
         return module
 
-    template = (Path(__file__).parent.parent / "templates" / "qwen3_chat_template.jinja").read_text()
     dtype = configs.get("weights_dtype")
+    pipeline = configs.get("pipeline_class", "Flux2KleinPipeline")
     with tempfile.TemporaryDirectory() as tmp:
-        vocab = write_qwen_tokenizer(Path(tmp, "tokenizer"), configs["vocab_pieces"], template, seed)
-        tokenizer = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer"))
-        qwen = Qwen3Config(**{"vocab_size": vocab, **configs["text_encoder"]})
+        text = _dev_text if pipeline == "Flux2Pipeline" else _klein_text
+        text_encoder, tokenizer, flags = text(configs, Path(tmp), seed)
         modules = build_modules({
             "transformer": lambda: Flux2Transformer2DModel(**configs["transformer"]),
             "vae": vae,
-            "text_encoder": lambda: Qwen3ForCausalLM(qwen),
+            "text_encoder": text_encoder,
         }, seed, streamed=dtype is not None)
-        save_pipeline(configs.get("pipeline_class", "Flux2KleinPipeline"), modules,
-                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), "tokenizer": tokenizer,
-                       "is_distilled": configs.get("is_distilled", True)},
+        save_pipeline(pipeline, modules, {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
+                                          "tokenizer": tokenizer, **flags},
                       out_dir, dtype, seed, configs.get("weights_for"))
+
+
+# Flux2KleinPipeline: Qwen3's chat template with thinking off. Flux2Pipeline: Mistral Small's, its system turn
+# first, each turn's content as parts (its processor's), no generation prompt, "[IMG]" taken out of the prompt.
+# Both pad to max_sequence_length: the transformer attends to every token, the padding's too.
+KLEIN_PROMPT = PromptFormat(chat={"enable_thinking": False}, padding="max_length")
+DEV_PROMPT = PromptFormat(system=DEV_SYSTEM_MESSAGE, parts=True, generation_prompt=False, removed=("[IMG]",),
+                          padding="max_length")
 
 
 FAMILY = Family(
     name="flux2",
-    pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline"),
+    pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2Pipeline"),
     submodules=(
         llm_encoder("text_encoder", lambda model: text_layers(model.config.to_dict())),
-        TRANSFORMER,
+        _transformer(guidance=False),
+        _transformer(guidance=True),
         VAE_DECODER,
         VAE_ENCODER,
     ),
@@ -234,7 +299,5 @@ FAMILY = Family(
     derived_dims={**parts.VAE_DIMS, "image_tokens": _image_tokens},
     tokenizers=("tokenizer",),
     build_random=build_random,
-    # Flux2KleinPipeline: the chat template with thinking off, padded to max_sequence_length: the transformer
-    # attends to every token, the padding's too
-    prompt_formats={"tokenizer": PromptFormat(chat={"enable_thinking": False}, padding="max_length")},
+    prompt_formats={"tokenizer": lambda src: DEV_PROMPT if is_dev(src) else KLEIN_PROMPT},
 )

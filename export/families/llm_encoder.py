@@ -42,6 +42,8 @@ class _LLMHiddenStates(torch.nn.Module):
         layers = layers(model) if callable(layers) else layers
         stack = decoder_stack(model)
         total = len(stack.layers)
+        if not all(-total - 1 <= k <= total for k in layers):
+            raise ValueError(f"layers {tuple(layers)} to read: {type(model).__name__} has hidden states 0 to {total}")
         self.reads = [k % (total + 1) for k in layers]
         deepest = max(self.reads)
         lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

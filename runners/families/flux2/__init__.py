@@ -1,9 +1,10 @@
-"""FLUX.2 klein, with the semantics of diffusers' Flux2KleinPipeline: each prompt through Qwen3's chat template
-(thinking off) padded to `max_sequence_length`, the encoder's states at the layers the export read side by
-side, the transformer on the latents packed as tokens (the reference images' after them: editing,
-runners/families/flux2/references.py), the flow-matching sigmas from 1 to 1/steps shifted by FLUX.2's
-empirical mu, and classifier-free guidance (the empty prompt as the negative) for the base checkpoints only:
-the distilled ones (`is_distilled`) ignore the scale, as diffusers does.
+"""FLUX.2 klein and dev, with the semantics of diffusers' Flux2KleinPipeline and Flux2Pipeline: each prompt through
+the encoder's chat template (klein: Qwen3's, thinking off; dev: Mistral Small's, after its system message) padded
+to `max_sequence_length`, the encoder's states at the layers the export read side by side, the transformer on the
+latents packed as tokens (the reference images' after them: editing, runners/families/flux2/references.py), the
+flow-matching sigmas from 1 to 1/steps shifted by FLUX.2's empirical mu. Guidance by variant: klein's base
+checkpoints run classifier-free guidance (the empty prompt as the negative); the distilled ones (`is_distilled`)
+ignore the scale, as diffusers does; dev takes it as the transformer's guidance embedding, with no second pass.
 
 The loop's latents are the pipeline's: patchified and normalised, (N, 128, H/16, W/16), which is what
 `latents=` takes (diffusers draws them so); the VAE's graphs hold the batch-norm statistics and the patchify
@@ -20,7 +21,7 @@ from runners.adapters.lora import register_key_spelling
 from runners.families.flux2 import lora_keys
 from runners.families.flux2.references import capped, reference_tokens
 from runners.families.flux2.tokens import pack, positions, text_positions, unpack, unpatchify
-from runners.guidance import ClassifierFree
+from runners.guidance import ClassifierFree, EmbeddedGuidance
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import encode_prompts
 from runners.conditioning.images import bilinear, to_model_input
@@ -32,20 +33,22 @@ REFERENCE = "reference_tokens"  # the conditions' entry that is not a feed: the 
 # Flux2KleinPipeline's and Flux2KleinInpaintPipeline's signature defaults: klein's base checkpoints run them
 BASE = {TEXT: Defaults(50, 4.0), INPAINT: Defaults(50, 8.0, 0.8)}
 DISTILLED = {TEXT: Defaults(4, 1.0), INPAINT: Defaults(4, 1.0, 0.8)}  # klein 4B and 9B's model cards: 4 steps
+DEV = {TEXT: Defaults(50, 4.0)}  # Flux2Pipeline's: the guidance embedding's scale 4
 
 
-class Flux2KleinPipeline(TextToImage):
+class Flux2Pipeline(TextToImage):
     family = "flux2"
-    # diffusers calls the transformer for the prompt, then for "" ("cond", "uncond"); the runner batches both
-    guidance = ClassifierFree(contexts="uncond,cond", help="classifier-free guidance scale of klein's base "
-                              "checkpoints (default 4; <= 1 turns it off); the distilled ones ignore it")
+    # diffusers calls klein's transformer for the prompt, then for "" ("cond", "uncond"); the runner batches both
+    guidance = ClassifierFree(contexts="uncond,cond", help="klein base: the classifier-free guidance scale (default 4; "
+                              "<= 1 turns it off); dev: its guidance embedding's (default 4); klein distilled: ignored")
+    embedded = EmbeddedGuidance(guidance.options[0])  # dev's: the same request option, as the transformer's input
     image_sets_size = (INPAINT,)  # Flux2KleinInpaintPipeline paints at the image's size
     mask_resize = staticmethod(bilinear)  # Flux2KleinInpaintPipeline's mask at latent size
     strength_whole_steps = False
     _mask, _strength, _noise = (o for o in IMAGE_TASKS if o.name in ("mask_image", "strength", "noise"))
     options = options(REQUEST, guidance.options, (
-        replace(MAX_SEQUENCE_LENGTH, default=512, help="Qwen3 tokens of a prompt, its chat template's included: "
-                "every one is read, the padding's too"),
+        replace(MAX_SEQUENCE_LENGTH, default=512, help="the text encoder's tokens of a prompt, its chat template's "
+                "included: every one is read, the padding's too"),
         Option("image", "image", "reference images to edit from: one, or a list (the CLI's --image repeated); the "
                "first sets the size left unset. With mask_image: the image to repaint", repeat=True, group="image"),
         _mask, _strength, _noise,
@@ -57,8 +60,9 @@ class Flux2KleinPipeline(TextToImage):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.dev = self.constants.get("variant") == "dev"
         self.distilled = bool(self.constants.get("distilled"))
-        self.defaults = DISTILLED if self.distilled else BASE
+        self.defaults = DEV if self.dev else DISTILLED if self.distilled else BASE
 
     def generate(self, prompt, negative_prompt=None, height=None, width=None, num_inference_steps=None, sigmas=None,
                  guidance_scale=None, num_images_per_prompt=1, seed=None, latents=None, output_type="pil",
@@ -66,12 +70,12 @@ class Flux2KleinPipeline(TextToImage):
                  strength=None, noise=None, image_reference=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`); with `image` (one PIL image or a list), edit
         from those references, the first setting the size left unset. Steps and guidance left None take the
-        checkpoint's defaults (distilled: 4 steps, no guidance; base: 50 steps, guidance 4, the negative prompt
-        "" unless `negative_prompt` is given). `latents` as Flux2KleinPipeline takes them: (N, 128, H/16, W/16).
-        With `mask_image`, Flux2KleinInpaintPipeline's inpainting: `image` (one PIL image) is repainted where the
-        mask is white, at its own size (at most 1024 x 1024 pixels, rounded down to 16), from `strength`
-        (default 0.8) with `noise` (N, 128, H/16, W/16) or drawn; the image is its first reference, and
-        `image_reference` adds others."""
+        checkpoint's defaults (klein distilled: 4 steps, no guidance; klein base: 50 steps, guidance 4, the negative
+        prompt "" unless `negative_prompt` is given; dev: 50 steps, guidance embedding 4). `latents` as diffusers'
+        pipelines take them: (N, 128, H/16, W/16). With `mask_image` (klein), Flux2KleinInpaintPipeline's
+        inpainting: `image` (one PIL image) is repainted where the mask is white, at its own size (at most
+        1024 x 1024 pixels, rounded down to 16), from `strength` (default 0.8) with `noise` (N, 128, H/16, W/16)
+        or drawn; the image is its first reference, and `image_reference` adds others."""
         layers = tuple(self.constants["text_encoder_out_layers"])
         if text_encoder_out_layers is not None and tuple(text_encoder_out_layers) != layers:
             raise ValueError(f"text_encoder_out_layers={tuple(text_encoder_out_layers)}: this artifact's text encoder "
@@ -79,7 +83,15 @@ class Flux2KleinPipeline(TextToImage):
         lo, _, hi = self.dims["text_length"]
         if not lo <= max_sequence_length <= hi:
             raise ValueError(f"max_sequence_length={max_sequence_length} is outside this artifact's range {lo}..{hi}")
-        if self.distilled and guidance_scale is not None and guidance_scale > 1:
+        embedded = None
+        if self.dev:
+            refused = [n for n, v in (("negative_prompt", negative_prompt), ("mask_image", mask_image)) if v is not None]
+            if refused:
+                raise ValueError(f"{', '.join(refused)}: FLUX.2 dev (Flux2Pipeline) has no classifier-free guidance "
+                                 "and no inpainting; its guidance_scale is the transformer's guidance embedding")
+            embedded = self.defaults[TEXT].guidance_scale if guidance_scale is None else guidance_scale
+            guidance_scale = 1.0  # no second pass
+        elif self.distilled and guidance_scale is not None and guidance_scale > 1:
             log.warning("guidance_scale=%s is ignored: this FLUX.2 klein checkpoint is distilled (no guidance)",
                         guidance_scale)
             guidance_scale = 1.0
@@ -97,7 +109,7 @@ class Flux2KleinPipeline(TextToImage):
             height, width, reference = height or h, width or w, (tokens, ids)
         result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                      num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
-                                     max_length=max_sequence_length, reference=reference)
+                                     max_length=max_sequence_length, reference=reference, embedded=embedded)
         return self._as_diffusers_latents(result) if output_type == "latent" else result
 
     def _as_diffusers_latents(self, latents: np.ndarray) -> np.ndarray:
@@ -142,12 +154,15 @@ class Flux2KleinPipeline(TextToImage):
         z = self.vae_encode(pixels, tiling=vae_tiling)[0]
         return np.concatenate([z] * (n_images // len(z)))
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, reference):
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, reference,
+                    embedded=None):
         embeds = self._encode(prompts, per_prompt, max_length)
         if cfg:
             negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
             embeds = self.guidance.batch(embeds, negatives)
         conditions = {"encoder_hidden_states": embeds, "txt_ids": text_positions(embeds.shape[1])}
+        if embedded is not None:
+            conditions.update(self.embedded.conditions(embedded, len(embeds)))
         if reference is not None:
             scale = self.constants["vae_scale_factor"]
             tokens, most = (height // scale) * (width // scale) + reference[0].shape[1], self.dims["image_tokens"][2]
