@@ -27,7 +27,7 @@ from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
                               read_manifest, write_manifest)
 
-EXPORT_FORMAT = 7  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 8  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:

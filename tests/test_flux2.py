@@ -1,5 +1,6 @@
-"""FLUX.2 klein (export/families/flux2.py, runners/families/flux2/) against diffusers' Flux2KleinPipeline on
-flux2-klein-tiny (distilled) and flux2-klein-base-tiny (CFG; the same graphs, linked). One export."""
+"""FLUX.2 klein and dev (export/families/flux2.py, runners/families/flux2/) against diffusers' Flux2KleinPipeline on
+flux2-klein-tiny (distilled) and flux2-klein-base-tiny (CFG; the same graphs, linked), and its Flux2Pipeline on
+flux2-dev-tiny (Mistral3, the guidance embedding; klein's VAE graphs, linked)."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,12 +27,26 @@ def _images(seed=1):
             Image.fromarray(rng.integers(0, 255, (64, 128, 3), dtype=np.uint8)))
 
 
+# {model: (its build's fixture, diffusers' pipeline class)}
+MODELS = {"distilled": ("flux2_klein_tiny_build", "Flux2KleinPipeline"),
+          "base": ("flux2_klein_base_tiny_build", "Flux2KleinPipeline"), "dev": ("flux2_dev_tiny_build", "Flux2Pipeline")}
+
+
 @pytest.fixture(scope="module")
-def pairs(flux2_klein_tiny_build, flux2_klein_base_tiny_build):
+def pairs(request):
+    """{model: (ours, diffusers')}, each built when a test first asks for it."""
     from conftest import ours_and_diffusers
 
-    return {"distilled": ours_and_diffusers(flux2_klein_tiny_build, "Flux2KleinPipeline"),
-            "base": ours_and_diffusers(flux2_klein_base_tiny_build, "Flux2KleinPipeline")}
+    class Pairs(dict):
+        def __missing__(self, model):
+            fixture, pipeline_class = MODELS[model]
+            self[model] = ours_and_diffusers(request.getfixturevalue(fixture), pipeline_class)
+            return self[model]
+    return Pairs()
+
+
+# dev's system message takes about 60 of the tiny tokenizer's tokens: its prompts need more room than klein's
+DEV_LENGTH = 160
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,7 @@ def run_both(pairs):
             n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
             latents = np.random.default_rng(0).standard_normal((n, 128, height // 16, width // 16), dtype=np.float32)
             common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
-                          num_images_per_prompt=per_prompt, max_sequence_length=64)
+                          num_images_per_prompt=per_prompt, max_sequence_length=DEV_LENGTH if model == "dev" else 64)
             with torch.no_grad():
                 theirs = reference(prompt=prompt, latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS,
                                    **common, **options).images
@@ -66,6 +81,13 @@ CASES = {  # name: (arguments, the case whose image it must change)
     "base with cfg": (dict(prompt="a red cat", model="base", guidance_scale=4.0), "base"),
     "base with cfg and a reference": (dict(prompt="a red cat", model="base", guidance_scale=4.0, image=ONE),
                                       "base with cfg"),
+    # dev: the default guidance embedding (4); another scale; the prompt read ("[IMG]" removed, as diffusers does)
+    "dev": (dict(prompt="a red cat", model="dev"), None),
+    "dev with guidance 2": (dict(prompt="a red cat", model="dev", guidance_scale=2.0), "dev"),
+    "dev, another prompt": (dict(prompt="a blue [IMG]dog", model="dev"), "dev"),
+    "dev, two per prompt, non-square": (dict(prompt=["a cat", "a very long dog in a garden"], per_prompt=2, width=128,
+                                             model="dev"), None),
+    "dev with two references": (dict(prompt="a red cat", model="dev", image=[ONE, TWO]), "dev"),
 }
 
 
@@ -126,17 +148,27 @@ def test_bad_requests_refused_in_one_line(pairs):
     ):
         with pytest.raises(ValueError, match=message):
             ours("a red cat", num_inference_steps=1, **options)
+    dev, _ = pairs["dev"]
+    assert dev.defaults["text to image"] == (50, 4.0, None)
+    for options in (dict(negative_prompt="blurry"), dict(image=ONE, mask_image=ONE)):
+        with pytest.raises(ValueError, match="FLUX.2 dev .* no classifier-free guidance and no inpainting"):
+            dev("a red cat", num_inference_steps=1, **options)
 
 
-def test_text_encoder_stops_at_the_layer_read(flux2_klein_tiny_build):
-    """Layers 1, 2 and 3 of 4: the graph holds layers 0 to 2, no final norm, no language-model head."""
+@pytest.mark.parametrize("model", ["klein", "dev"])
+def test_text_encoder_stops_at_the_layer_read(request, model):
+    """Layers 1, 2 and 3 of 4: the graph holds layers 0 to 2, no final norm, no language-model head; dev's, no
+    vision tower either (its checkpoint's keys are transformers' older names, which the export follows)."""
     from conftest import manifest
 
-    folder = flux2_klein_tiny_build.folder / "onnx"
+    build = request.getfixturevalue("flux2_dev_tiny_build" if model == "dev" else "flux2_klein_tiny_build")
+    folder = build.folder / "onnx"
     table = json.loads((folder / "text_encoder.weights.json").read_text())
     read = {part["key"] for entry in table["weights"].values() for part in entry["parts"]}
-    assert {int(k.split(".")[2]) for k in read if k.startswith("model.layers.")} == {0, 1, 2}
-    assert not any(k.startswith("model.layers.3.") or k == "model.norm.weight" for k in read)
+    stack = "language_model.model." if model == "dev" else "model."
+    assert {int(k[len(stack):].split(".")[1]) for k in read if k.startswith(stack + "layers.")} == {0, 1, 2}
+    assert all(k.startswith((stack + "layers.", stack + "embed_tokens.")) for k in read)
+    assert not any(k.startswith(stack + "layers.3.") for k in read)
     report = manifest(folder)["submodules"]["text_encoder"]["export"]["graph"]
     assert report["layers_kept"] == 3 and report["layers_total"] == 4 and report["lm_head_dropped"]
 

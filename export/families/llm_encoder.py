@@ -10,6 +10,7 @@ every token. The export's report says what was cut (`graph`: layers kept, FLOPs 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -39,6 +40,8 @@ class _LLMHiddenStates(torch.nn.Module):
 
     def __init__(self, model, layers):
         super().__init__()
+        _register_attention()
+        model.set_attn_implementation(ATTENTION)  # loaded as eager (llm_encoder's load_kwargs)
         layers = layers(model) if callable(layers) else layers
         stack = decoder_stack(model)
         total = len(stack.layers)
@@ -68,6 +71,29 @@ class _LLMHiddenStates(torch.nn.Module):
         return (torch.cat([states[k] for k in self.reads], dim=-1),)
 
 
+ATTENTION = "diffusion_aot_eager"  # the attention the encoders' graphs are traced with
+
+
+def _eager_as_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' eager attention of the module's model, with torch sdpa's rule for a query allowed no key
+    (a left-padded prompt's padding, Mistral's): its output 0, where eager's softmax averages every value.
+    from_pretrained's default, which the pipelines run, is sdpa; sdpa's masks do not trace, eager's do."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None:  # additive, (batch, 1, queries, keys): the dtype's minimum where masked
+        allowed = (attention_mask > torch.finfo(attention_mask.dtype).min).any(dim=-1)
+        out = out * allowed.transpose(1, 2)[..., None].to(out.dtype)  # out: (batch, queries, heads, head dim)
+    return out, weights
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, _eager_as_sdpa)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+
+
 def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module], tuple[int, ...]],
                 width: str = "text_width", vocab: str = "text_vocab", output: str = "hidden_states") -> SubmoduleSpec:
     """The LLM text encoder `name`, reading `layers` of `hidden_states` (or the model -> those layers, where
@@ -79,8 +105,7 @@ def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module],
                 T("attention_mask", "int64", ("batch", "text_length"), mask=True)),
         outputs=(T(output, "float32", ("batch", "text_length", width)),),
         wrap=functools.partial(_LLMHiddenStates, layers=layers),
-        # sdpa's masks export under dynamo through transformers' own mask functions; eager is its twin
-        load_kwargs={"attn_implementation": "eager"},
+        load_kwargs={"attn_implementation": "eager"},  # then ATTENTION: see _LLMHiddenStates
     )
 
 
