@@ -1,7 +1,8 @@
-"""FLUX.2 klein (Flux2KleinPipeline, and its inpainting pipeline): a Qwen3 LLM's hidden states at
-layers 9, 18 and 27 side by side, the FLUX.2 transformer (shared modulation, 4-axis rotary ids) and
-FLUX.2's VAE, whose 32-channel latents the pipeline patchifies to 128 channels and normalises with the
-VAE's batch-norm running statistics, as data.
+"""FLUX.2 klein (Flux2KleinPipeline, and its inpainting pipeline) and dev (Flux2Pipeline): an LLM's hidden states
+at three layers side by side (klein: Qwen3's 9, 18 and 27; dev: Mistral3's text path's 10, 20 and 30), the FLUX.2
+transformer (shared modulation, 4-axis rotary ids; dev's takes the guidance scale too) and FLUX.2's VAE, whose
+32-channel latents the pipeline patchifies to 128 channels and normalises with the VAE's batch-norm running
+statistics, as data.
 
 The runner works on the pipeline's latents: patchified and normalised, (batch, 128, H/16, W/16). The
 decoder's graph takes them and does the rest (x * std + mean, unpatchify, decode); the encoder's gives
