@@ -275,6 +275,19 @@ class OptimumIntel(_DiffusersCall):
         return _timed(lambda: request(feeds, share_inputs=True))
 
 
+def _as_drawn(latents: np.ndarray, shape: tuple) -> np.ndarray:
+    """The starting latents in the shape openvino.genai draws them: ours, or unpatchified (FLUX.2's, which it draws
+    at 32 channels and twice the side, then patchifies as diffusers does)."""
+    if latents.shape == shape:
+        return latents
+    n, c, h, w = latents.shape
+    if shape == (n, c // 4, h * 2, w * 2):
+        from runners.families.flux2.tokens import unpatchify
+
+        return np.ascontiguousarray(unpatchify(latents))
+    raise ValueError(f"openvino.genai asked for latents of shape {shape}, not {latents.shape}")
+
+
 class GenAI:
     """openvino.genai's Text2ImagePipeline on optimum-intel's export (in .venv-optimum-intel), on the
     CPU, at its defaults; `cache=False` turns its default step cache (TaylorSeer) off. `generate`: what
@@ -304,9 +317,7 @@ class GenAI:
                 raise RuntimeError("the benchmark's runs draw only their starting latents")
 
             def randn_tensor(self, shape):
-                if tuple(shape) != latents.shape:
-                    raise ValueError(f"openvino.genai asked for latents of shape {tuple(shape)}, not {latents.shape}")
-                return openvino.Tensor(latents)
+                return openvino.Tensor(_as_drawn(latents, tuple(shape)))
 
         t0 = time.perf_counter()
         images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps,

@@ -27,15 +27,15 @@ def peak_rss_mib() -> float:
 
 
 def main() -> None:
+    from bench.family_variants import WORKLOADS, make_family_variant
     from bench.flux_variants import make_flux_variant
     from bench.variants import make_variant
     from bench.workload import make_inputs, start_latents
-    from bench.z_image_variants import make_z_image_variant
 
     kind, path, constants, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     t0 = time.perf_counter()
     # a family table's variants are its own module's, named by their kind's prefix
-    by_prefix = {"flux-": make_flux_variant, "z-image-": make_z_image_variant}
+    by_prefix = {"flux-": make_flux_variant, **{f"{w}-": make_family_variant for w in WORKLOADS}}
     make = next((f for prefix, f in by_prefix.items() if kind.startswith(prefix)), make_variant)
     variant = make(kind, path, **options)
     loaded = time.perf_counter() - t0

@@ -1,0 +1,104 @@
+"""The variants of the tables of families whose prompt encoder is an LLM (bench/tables/family_table.py: Z-Image's,
+FLUX.2's). Each makes an image of the same 20-word prompt from the same starting latents at the model's settings
+(its `Workload`), editing from `references` seeded reference images where asked, and times its parts inside its
+own run: the text encoder, the transformer's seconds per step and the VAE decode. diffusers' and optimum-intel's
+pipelines are timed by wrapping their modules; ours by the pipeline's stage timings; openvino.genai's by its
+performance metrics (bench.variants.GenAI)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.variants import Ours, pipeline_from, time_calls_of, timed_result
+
+# 20 words: the issue's measure of the text encoder (openvino.genai pads every prompt to its maximum length)
+PROMPT = ("a photo of an astronaut riding a horse on the moon at sunset, detailed, golden light, "
+          "soft shadows, wide angle")
+
+
+@dataclass(frozen=True)
+class Workload:
+    diffusers: str  # diffusers' pipeline class
+    optimum_intel: str  # optimum-intel's
+    options: dict = field(default_factory=dict)  # what every run sets beyond the prompt, size, steps and latents
+
+
+WORKLOADS = {
+    # Z-Image-Turbo's guidance (its model card's): no negative prompt, one batch
+    "z-image": Workload("ZImagePipeline", "OVZImagePipeline", {"guidance_scale": 0.0}),
+    # FLUX.2 klein, distilled: no guidance (diffusers' default of 4 would only warn)
+    "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}),
+}
+
+
+def reference_images(count: int, height: int, width: int) -> list:
+    """`count` seeded images of the run's size to edit from: smooth colour fields (a VAE's latents of pure noise
+    would be unlike a photo's)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    images = []
+    for _ in range(count):
+        small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+        images.append(Image.fromarray(small).resize((width, height), Image.BICUBIC))
+    return images
+
+
+def _edit(references: int, height: int, width: int) -> dict:
+    return {"image": reference_images(references, height, width)} if references else {}
+
+
+class FamilyOurs(Ours):
+    def __init__(self, artifact: str, workload: str, references: int = 0):
+        super().__init__(artifact)
+        self.options, self.references = WORKLOADS[workload].options, references
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        edit = _edit(self.references, height, width)
+        t0 = time.perf_counter()
+        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=latents,
+                          output_type="np", **self.options, **edit)[0]
+        seconds, timings = time.perf_counter() - t0, self.pipe.timings
+        return timed_result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out,
+                            text=timings["text_encoders"])
+
+
+class FamilyPipeline:
+    """A diffusers-style pipeline of the workload's (diffusers' own in fp32, eager; or optimum-intel's on its own
+    export, at its defaults), its text encoder, transformer and VAE timed."""
+
+    def __init__(self, folder: str, workload: str, source: str, references: int = 0):
+        w = WORKLOADS[workload]
+        self.pipe = pipeline_from(("diffusers", w.diffusers) if source == "diffusers" else
+                                  ("optimum.intel", w.optimum_intel), folder)
+        self.options, self.references = w.options, references
+        self.text_seconds, self.step_seconds, self.vae_seconds = [], [], []
+        time_calls_of(self.pipe.text_encoder, "forward", self.text_seconds)
+        time_calls_of(self.pipe.transformer, "forward", self.step_seconds)
+        time_calls_of(self.pipe.vae, "decode", self.vae_seconds)
+
+    def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
+        import torch
+
+        for seconds in (self.text_seconds, self.step_seconds, self.vae_seconds):
+            seconds.clear()
+        edit = _edit(self.references, height, width)
+        t0 = time.perf_counter()
+        image = self.pipe(prompt=PROMPT, height=height, width=width, num_inference_steps=steps,
+                          latents=torch.from_numpy(latents), output_type="np", **self.options, **edit).images[0]
+        return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out,
+                            text=sum(self.text_seconds))
+
+
+def make_family_variant(kind: str, path: str, **options):
+    """"<workload>-ours", "<workload>-diffusers" or "<workload>-optimum-intel" (WORKLOADS' names)."""
+    workload = next((w for w in WORKLOADS if kind.startswith(w + "-")), None)
+    runner = kind[len(workload) + 1:] if workload else None
+    if runner == "ours":
+        return FamilyOurs(path, workload, **options)
+    if runner in ("diffusers", "optimum-intel"):
+        return FamilyPipeline(path, workload, runner, **options)
+    raise ValueError(f"unknown variant kind {kind!r}: <workload>-ours, -diffusers or -optimum-intel, of "
+                     f"{', '.join(WORKLOADS)}")

@@ -1,0 +1,143 @@
+"""The table of a family whose prompt encoder is an LLM (Z-Image's, FLUX.2's: `FamilyTable`, one module each in
+bench/tables/): the model's settings (its bench.family_variants.Workload) at each of --<name>-sizes, on the same
+weights, starting latents and 20-word prompt, for text to image and for editing from 1, 2... seeded reference
+images where the family edits: diffusers eager fp32; our ort-fp32, openvino-bf16, openvino-int8 and openvino bf16
+with int4 weights; with --optimum-intel-python, optimum-intel's pipeline on its own export and openvino.genai's
+Text2ImagePipeline on that same export (text to image: openvino.genai's editing is not run), each at its defaults.
+Columns: the text encoder, a step, the VAE decode, end to end, load plus a first call, peak RSS and the image's
+PSNR against ort-fp32. The family's module gives its goals as a note per size and task."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from bench import accuracy
+from bench.family_variants import PROMPT, WORKLOADS
+from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.optimum_intel import openvino_peers
+from bench.tables import Table
+from bench.tables.openvino import build_openvino
+
+OURS = ("openvino-bf16", "openvino-int8", "openvino-bf16-int4-weights")  # besides the default ort-fp32
+REFERENCE = "ours ort-fp32"
+
+
+@dataclass(frozen=True)
+class FamilyTable:
+    name: str  # the table's (`--tables`), its options' prefix and its workload's (bench.family_variants.WORKLOADS)
+    family: str  # export/families'
+    title: str  # the start of its BENCHMARKS.md section title
+    steps: int  # the model's own
+    settings: str  # the title's words for the workload ("guidance 0")
+    edits: tuple[int, ...] = ()  # the reference counts of its editing rows
+    # (size, task, {variant label: {"e2e", "first", "text", "step"}}, variants, every measured task's) -> a note
+    goals: Callable[..., str | None] | None = None
+
+
+def _task(references: int) -> str:
+    return "text to image" if not references else f"editing, {references} reference{'s' * (references > 1)}"
+
+
+def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) -> tuple[list[Variant], list[str]]:
+    """The variants of one task, diffusers eager first, and notes on the peers. The peers run text to image and
+    one reference (optimum-intel's pipeline; openvino.genai's Text2ImagePipeline takes none)."""
+    w, options = WORKLOADS[spec.name], {"references": references} if references else {}
+    ours = {"ort-fp32": str(run.default_artifact), **built}
+    variants = [Variant(f"(a) diffusers {w.diffusers}, eager fp32", f"{spec.name}-diffusers", str(run.src.folder),
+                        options=options)]
+    variants += [Variant(f"ours {label}", f"{spec.name}-ours", path, options=options) for label, path in ours.items()]
+    if references > 1:
+        return variants, []
+    peers, notes = openvino_peers(run, w.optimum_intel, f"{spec.name}-optimum-intel",
+                                  [] if references else [("its defaults", {"prompt": PROMPT, **w.options})])
+    return variants + [dataclasses.replace(v, options=options) if v.kind != "genai" else v for v in peers], notes
+
+
+def _measure(spec: FamilyTable, run, variants: list[Variant], size: int, references: int, rows: list) -> dict:
+    """One size and task's rows; returns what each variant measured."""
+    a = run.args
+    reps, steps = getattr(a, f"{_arg(spec)}_reps"), getattr(a, f"{_arg(spec)}_steps")
+    with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-") as images:
+        job = {"height": size, "width": size}
+        jobs = [{"job": "loaded", **job}, {"job": "timed_run", "steps": 1, **job},  # cold: the first call
+                {"job": "timed_run", "steps": steps, "out": images, **job}]
+        samples, peaks, failed = interleaved_fresh(variants, run.constants, jobs, reps, log)
+        if failed:
+            raise RuntimeError(f"{spec.name} table at {size}, {_task(references)}: {'; '.join(failed.values())}")
+        reference = np.load(samples[REFERENCE][0][2]["image"])
+        psnr = {v.label: accuracy.psnr(reference, np.load(samples[v.label][0][2]["image"])) for v in variants
+                if v.label != REFERENCE}
+    measured = {}
+    for v, st, ratio in against_first(variants, samples, lambda s: s[2]["seconds"]):
+        s, med = samples[v.label], statistics.median
+        first, text, step = (med(r[0]["seconds"] + r[1]["seconds"] for r in s), med(r[2]["text"] for r in s),
+                             med(r[2]["step"] for r in s))
+        measured[v.label] = {"e2e": st.median, "first": first, "text": text, "step": step}
+        rows.append([f"{size}x{size}", _task(references), v.label, f"{text:.3f}", f"{step:.2f}",
+                     f"{med(r[2]['vae'] for r in s):.2f}", f"{st.median:.1f}", ratio, f"{first:.1f}",
+                     f"{peaks[v.label]:.0f}", "reference" if v.label == REFERENCE else f"{psnr[v.label]:.1f}"])
+    return measured
+
+
+def _arg(spec: FamilyTable) -> str:
+    return spec.name.replace("-", "_")
+
+
+def _measure_table(spec: FamilyTable, run) -> list[dict]:
+    a, prefix = run.args, _arg(spec)
+    sizes = [int(s) for s in getattr(a, f"{prefix}_sizes").split(",")]
+    names = [n for n in getattr(a, f"{prefix}_artifacts").split(",") if n]
+    reps, steps = getattr(a, f"{prefix}_reps"), getattr(a, f"{prefix}_steps")
+    built = in_child(build_openvino, run.build, accuracy.calibration(a), sizes[0], names)
+    rows, notes = [], []
+    for size in sizes:
+        measured = {}
+        for references in (0, *spec.edits):
+            variants, peer_notes = _variants(spec, run, built, references)
+            notes += [n for n in peer_notes if n not in notes]
+            measured[references] = _measure(spec, run, variants, size, references, rows)
+            note = spec.goals and a.optimum_intel_python and spec.goals(size, references, measured, variants)
+            if note:
+                notes.append(note)
+    tasks = " and ".join(_task(r) for r in (0, *spec.edits))
+    return [{
+        "reps": reps,
+        "title": f"{spec.title} ({steps} steps, {spec.settings}) at {' and '.join(f'{s}x{s}' for s in sizes)}, "
+                 f"{tasks}: text encoder, step, VAE decode, end to end, load, image error against ort-fp32",
+        "columns": ["size", "task", "variant", "text encoder s", "step s", "VAE decode s", "end to end s",
+                    "speed-up vs (a)", "load + first call s (a 1-step image)", "peak RSS MiB",
+                    "image PSNR dB vs ort-fp32"],
+        "rows": rows,
+        "notes": [f"Medians of {reps} repetitions; each runs every variant in a fresh process, in turn: load, a cold "
+                  "1-step image (with the load: the load + first call column), then an image of "
+                  f"{steps} steps, every one from the same starting latents and the prompt \"{PROMPT}\" (20 words), "
+                  f"{spec.settings}, each pipeline's maximum prompt length (512 tokens). Editing starts from the same "
+                  "seeded reference images (smooth colour fields of the image's size). Text encoder: the run's "
+                  "encoder seconds; step: its transformer seconds per step; VAE decode: its decode. PSNR: the image "
+                  "against ort-fp32's (openvino.genai returns 8-bit images: about 59 dB at best). openvino-int8 is "
+                  f"calibrated on {accuracy.calibration_text(a)}.", *notes]}]
+
+
+def make_table(spec: FamilyTable) -> Table:
+    prefix = f"--{spec.name}"
+
+    def arguments(group) -> None:
+        group.add_argument(f"{prefix}-sizes", default="512,1024", help=f"comma-separated image sides of the {spec.name} "
+                           "table")
+        group.add_argument(f"{prefix}-steps", type=int, default=spec.steps, help=f"steps of the {spec.name} table "
+                           f"(the model's {spec.steps})")
+        group.add_argument(f"{prefix}-reps", type=int, default=3, help=f"repetitions of the {spec.name} table")
+        group.add_argument(f"{prefix}-artifacts", default=",".join(OURS),
+                           help=f"comma-separated artifacts of the {spec.name} table besides ort-fp32 (the openvino "
+                                "table's labels)")
+
+    # --optimum-intel-python (the openvino table's option) adds the optimum-intel and openvino.genai rows.
+    return Table(spec.name, spec.title, "openvino bf16, int8 (calibrated) and bf16 with int4 weights; optimum-intel's "
+                 "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
+                 smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", "1", f"{prefix}-sizes", "64",
+                        f"{prefix}-artifacts", "openvino-bf16"))
