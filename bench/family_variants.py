@@ -6,8 +6,11 @@ pipelines are timed by wrapping their modules; ours by the pipeline's stage timi
 performance metrics (bench.variants.GenAI)."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -23,13 +26,23 @@ class Workload:
     diffusers: str  # diffusers' pipeline class
     optimum_intel: str  # optimum-intel's
     options: dict = field(default_factory=dict)  # what every run sets beyond the prompt, size, steps and latents
+    folder_options: Callable[[str], dict] = lambda folder: {}  # what a diffusers-style call needs of the folder
+
+
+def _flux2_layers(folder: str) -> dict:
+    """Flux2KleinPipeline reads the text encoder's layers 9, 18 and 27 unless told: a shallow bench or test encoder
+    names its own in its config (export.families.flux2.text_layers)."""
+    from export.families.flux2 import text_layers
+
+    config = json.loads((Path(folder) / "text_encoder" / "config.json").read_text())
+    return {"text_encoder_out_layers": text_layers(config)}
 
 
 WORKLOADS = {
     # Z-Image-Turbo's guidance (its model card's): no negative prompt, one batch
     "z-image": Workload("ZImagePipeline", "OVZImagePipeline", {"guidance_scale": 0.0}),
     # FLUX.2 klein, distilled: no guidance (diffusers' default of 4 would only warn)
-    "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}),
+    "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}, _flux2_layers),
 }
 
 
@@ -73,7 +86,7 @@ class FamilyPipeline:
         w = WORKLOADS[workload]
         self.pipe = pipeline_from(("diffusers", w.diffusers) if source == "diffusers" else
                                   ("optimum.intel", w.optimum_intel), folder)
-        self.options, self.references = w.options, references
+        self.options, self.references = {**w.options, **w.folder_options(folder)}, references
         self.text_seconds, self.step_seconds, self.vae_seconds = [], [], []
         time_calls_of(self.pipe.text_encoder, "forward", self.text_seconds)
         time_calls_of(self.pipe.transformer, "forward", self.step_seconds)

@@ -332,6 +332,17 @@ def assert_real_image(image, max_clipped: float = 0.25) -> None:
     assert image.std() > 0.05, f"image std {image.std():.3f}: nearly constant"
 
 
+def assert_served_image(served, expected, what="") -> None:
+    """A served 8-bit image is the in-process Pipeline's but for rounding: Triton's Python stub rounds a value
+    at a level's edge the other way now and then (sd15-cn2 with scale 0.7: 1 value in 12,288, one level; the
+    same call through runners.serving.requests in this process, on 1 or 2 threads, is exact). Another request's
+    image differs by many levels in many values."""
+    import numpy as np
+
+    diff = np.abs(np.asarray(served, np.int16) - np.asarray(expected, np.int16))
+    assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-3, (what, int(diff.max()), float(np.mean(diff > 0)))
+
+
 def int8_bounds(bounds: dict, without_vnni: dict) -> dict:
     """The int8 bounds for this CPU: `bounds` as measured on one with VNNI, or those of `without_vnni` in
     their place (nested dicts merged), as measured on one without (bench.report.has_vnni: its int8

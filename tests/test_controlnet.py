@@ -13,8 +13,8 @@ import torch
 
 import diffusers.models.autoencoders.vae as diffusers_vae
 from conftest import (
-    assert_calls_keep_apart, assert_real_image, compare_controlled, controlnet_folder, edge_image, int8_bounds,
-    library_deep_cache, manifest, rtx_options, smooth_image, soft_mask, with_controlnets,
+    assert_calls_keep_apart, assert_real_image, assert_served_image, compare_controlled, controlnet_folder, edge_image,
+    int8_bounds, library_deep_cache, manifest, rtx_options, smooth_image, soft_mask, with_controlnets,
 )
 from runners import DeepCacheConfig, Pipeline
 from runners.conditioning.controlnet import residual_inputs
@@ -702,7 +702,7 @@ def test_controlnets_served_over_triton_and_the_openai_api(sd15_two, tmp_path):
             for tensor, array in zip(inputs, fields.values()):
                 tensor.set_data_from_numpy(array)
             images = client.infer(model.name, inputs).as_numpy("images")
-            assert np.array_equal(images[0, 0], expected[scales]), scales
+            assert_served_image(images[0, 0], expected[scales], scales)
 
 
 def test_canny_edges(monkeypatch):
