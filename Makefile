@@ -123,8 +123,8 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
-# batch, and the Flux table on flux-bench against optimum-intel and openvino.genai (both skipped
-# when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
+# batch, the Flux, Z-Image and FLUX.2 tables against optimum-intel and openvino.genai, and FLUX.2's reference
+# table on klein KV (all skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
@@ -134,6 +134,10 @@ bench: venv optimum-venv optimum-intel-venv
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model z-image-bench --tables z-image \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux2-klein-bench --tables flux2 \
+	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux2-klein-kv-bench --tables flux2-references \
+	  $(BENCH_ARGS))
 
 # The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32

@@ -161,7 +161,7 @@ def timed_calls(runs: dict, reps: int) -> dict[str, list[float]]:
 GRAPH_CALLS = 3
 
 
-def _graph_calls(path: str, entry: dict, inputs: dict, zeros: tuple[str, ...]) -> list[float]:
+def graph_calls(path: str, entry: dict, inputs: dict, zeros: tuple[str, ...]) -> list[float]:
     """In a fresh process: GRAPH_CALLS timed calls of one ONNX Runtime graph after a warm-up,
     with `entry`'s session settings, on inputs made from `inputs` (`zeros`: those fed zeros)."""
     import numpy as np
@@ -184,7 +184,7 @@ def alternating_graph_calls(graphs: dict[str, Path], entry: dict, inputs: dict, 
     times = {key: [] for key in graphs}
     for _ in range(reps):
         for key, path in graphs.items():
-            times[key] += in_child(_graph_calls, str(path), entry, inputs, tuple(zeros))
+            times[key] += in_child(graph_calls, str(path), entry, inputs, tuple(zeros))
     return times
 
 

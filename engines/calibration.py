@@ -147,13 +147,13 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
 
 def _call_inputs(pipe, size: int, seed: int) -> dict:
     """What a calibration call gives besides the prompt: an image and a mask to an inpainting denoiser, control
-    images to ControlNets or FLUX.1 Canny/Depth, a reference image at the calibration size to FLUX.1 Kontext."""
+    images to ControlNets or FLUX.1 Canny/Depth, a reference image at the calibration size where the family asks
+    for one (`calibration_reference`: FLUX.1 Kontext's at every call, FLUX.2 klein KV's at every other)."""
     inputs = _inpainting_inputs(size, seed) if pipe.inpainting_denoiser() else {}
     control_images = pipe.control_images()
     if control_images:
         inputs.update(control_inputs(size, control_images, seed))
-    if pipe.reads_reference_image:
-        inputs.update(image=_inpainting_inputs(size, seed)["image"], max_area=size * size, auto_resize=False)
+    inputs.update(pipe.calibration_reference(_inpainting_inputs(size, seed)["image"], seed))
     return inputs
 
 

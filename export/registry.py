@@ -339,6 +339,9 @@ FLUX2_KLEIN_TINY = {
 }
 # klein's base checkpoints (FLUX.2-klein-base-4B): the same layout, not distilled (50 steps, CFG)
 FLUX2_KLEIN_BASE_TINY = {**FLUX2_KLEIN_TINY, "is_distilled": False}
+# klein's KV checkpoint (FLUX.2-klein-9b-kv: Flux2KleinKVPipeline): klein's layout, its references' keys and values
+# computed on the first step and read on the others (export/families/flux2_kv.py)
+FLUX2_KLEIN_KV_TINY = {**FLUX2_KLEIN_TINY, "pipeline_class": "Flux2KleinKVPipeline"}
 # FLUX.2 dev (Flux2Pipeline): the transformer with its guidance embedding, and Mistral3 (Mistral Small 3.1) whose text
 # path is read at layers 10, 20 and 30; at tiny widths its text path has 4 layers read at 1, 2 and 3, a one-layer
 # Pixtral vision tower beside it (loaded, never run: the export keeps the text path), and its tokenizer pads on the
@@ -366,6 +369,8 @@ FLUX2_KLEIN_BENCH = {
     "vocab_pieces": 1000,
     "scheduler": _FLUX2_SCHEDULER,
 }
+# klein's KV checkpoint at the same bench widths (the reference table: bench/tables/flux2_references.py)
+FLUX2_KLEIN_KV_BENCH = {**FLUX2_KLEIN_BENCH, "pipeline_class": "Flux2KleinKVPipeline"}
 # klein 9B at its true shapes (4096 = 32 heads of 128, 8 double + 24 single blocks, text 3 x 4096) and the whole
 # Qwen3-8B (36 layers, read at 9, 18, 27; its 151936-token embedding), streamed in fp16 (make scale-check).
 FLUX2_KLEIN_FULLSIZE = {
@@ -469,6 +474,13 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("flux2-klein-base-tiny", "flux2", random_configs=FLUX2_KLEIN_BASE_TINY, image_size=(64, 128, 512),
                    text_length=(1, 64, 512),
                    description="FLUX.2 klein base architecture (CFG) at tiny widths, built offline"),
+        ModelEntry("flux2-klein-9b-kv", "flux2", hub_id="black-forest-labs/FLUX.2-klein-9b-kv",
+                   image_size=(256, 1024, 1536), extra={"variant": "kv"},
+                   description="FLUX.2 klein 9B KV (distilled; the references' keys and values computed once)"),
+        ModelEntry("flux2-klein-kv-tiny", "flux2", random_configs=FLUX2_KLEIN_KV_TINY, image_size=(64, 128, 512),
+                   text_length=(1, 64, 512),
+                   description="FLUX.2 klein KV architecture (references' keys and values cached) at tiny widths, "
+                               "built offline"),
         ModelEntry("flux2-dev", "flux2", hub_id="black-forest-labs/FLUX.2-dev", image_size=(256, 1024, 1536),
                    description="FLUX.2 dev (50 steps, guidance embedding 4; Mistral Small 3.1 encoder)"),
         ModelEntry("flux2-dev-tiny", "flux2", random_configs=FLUX2_DEV_TINY, image_size=(64, 128, 512),
@@ -479,6 +491,10 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 512, 512), batch=(1, 2, 4),
                    description="FLUX.2 klein 4B widths, 2 double + 4 single blocks, Qwen3-4B's widths at 4 layers, "
                                "the real VAE, random weights (benchmarks)"),
+        ModelEntry("flux2-klein-kv-bench", "flux2", random_configs=FLUX2_KLEIN_KV_BENCH, image_size=(256, 1024, 1024),
+                   text_length=(1, 512, 512), batch=(1, 2, 4),
+                   description="flux2-klein-bench as FLUX.2 klein KV (the references' keys and values cached), "
+                               "random weights (benchmarks)"),
         ModelEntry("flux2-klein-fullsize", "flux2", random_configs=FLUX2_KLEIN_FULLSIZE, image_size=(256, 1024, 1024),
                    text_length=(1, 512, 512), batch=(1, 2, 4), export_dtype="float16",
                    description="FLUX.2 klein 9B's transformer and Qwen3-8B at their true shapes, random fp16 weights "

@@ -95,6 +95,8 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
         {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale,
          "text_length": max(t5_lo, min(t5_opt, 32) - 5)},
     ]
+    if "reference_tokens" in _used(family):  # a graph takes reference tokens on their own axis (FLUX.2 klein KV)
+        probes[0]["reference_tokens"], probes[1]["reference_tokens"] = 4, 2
     return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 
 

@@ -190,6 +190,11 @@ class TextToImage(Pipeline):
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
 
+    def calibration_reference(self, image: np.ndarray, index: int) -> dict:
+        """The options with which calibration call `index` edits from a reference, `image` ((H, W, 3) in [0, 1],
+        the calibration's size): none where the family edits from none or needs none to run every graph."""
+        return {}
+
     def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
         """A transformer's hidden stream length for latents of sides h, w: its patches (First-Block Cache's
         tail residual has it); FLUX.1 Kontext's adds its reference's (in the call's `conditions`)."""

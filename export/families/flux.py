@@ -49,10 +49,15 @@ def exact_timesteps(model, timestep, guidance):
     """Give `model`'s (a transformer's, a ControlNet's) time embedding the timestep and guidance times
     1000 as they come in (float32 in an fp16 export too: the spec's "fp32_inputs"). The model itself
     casts them to its dtype first: in fp16, a timestep's rounding (1 part in 2048) times 1000 turns
-    the sinusoids' fastest phases by up to a quarter radian. In float32 this changes nothing."""
+    the sinusoids' fastest phases by up to a quarter radian. In float32 this changes nothing. The first call
+    of the forward only: the step's."""
     exact = [timestep.float() * 1000] + ([guidance.float() * 1000] if guidance is not None else [])
+    calls = []
 
     def substitute(_, args):
+        if calls:  # FLUX.2 klein KV's second call embeds its references' fixed timestep (0): exact as it is
+            return None
+        calls.append(args)
         return (*exact, *args[len(exact):])
 
     # FLUX.1's time embedding module, or FLUX.2's

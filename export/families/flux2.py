@@ -1,4 +1,5 @@
-"""FLUX.2 klein (Flux2KleinPipeline, and its inpainting pipeline) and dev (Flux2Pipeline): an LLM's hidden states
+"""FLUX.2 klein (Flux2KleinPipeline, its inpainting pipeline and its KV checkpoint's, export/families/flux2_kv.py)
+and dev (Flux2Pipeline): an LLM's hidden states
 at three layers side by side (klein: Qwen3's 9, 18 and 27; dev: Mistral3's text path's 10, 20 and 30), the FLUX.2
 transformer (shared modulation, 4-axis rotary ids; dev's takes the guidance scale too) and FLUX.2's VAE, whose
 32-channel latents the pipeline patchifies to 128 channels and normalises with the VAE's batch-norm running
@@ -21,6 +22,7 @@ import torch
 
 from export.families import parts
 from export.families.flux import exact_timesteps, export_rope
+from export.families.flux2_kv import is_kv, kv_constants, kv_transformers
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
 
@@ -116,8 +118,15 @@ def _has_guidance(src) -> bool:
     return bool(src.config("transformer").get("guidance_embeds"))
 
 
+# The transformer's linear layers int8 and fp8 keep in float, what fp16 keeps in fp32, and the inputs it takes so
+QUANTIZATION = {"denoiser": True, "keep_scopes": ("x_embedder", "time_guidance_embed", "context_embedder", "norm_out",
+                                                  "transformer.proj_out"),
+                "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep", "guidance")}
+
+
 def _transformer(guidance: bool) -> SubmoduleSpec:
-    """The transformer's description with dev's guidance input, or without (klein)."""
+    """The transformer's description with dev's guidance input, or without (klein; its KV checkpoint's are
+    export/families/flux2_kv.py's)."""
     return SubmoduleSpec(
         name="transformer",
         component="transformer",
@@ -132,10 +141,8 @@ def _transformer(guidance: bool) -> SubmoduleSpec:
         outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "latent_channels")),),
         wrap=_Transformer,
         latent_divisor=1,
-        quantization={"denoiser": True, "keep_scopes": ("x_embedder", "time_guidance_embed", "context_embedder",
-                                                        "norm_out", "transformer.proj_out"),
-                      "fp32_scopes": ("time_guidance_embed",), "fp32_inputs": ("timestep", "guidance")},
-        when=lambda src: _has_guidance(src) == guidance,
+        quantization=QUANTIZATION,
+        when=lambda src: _has_guidance(src) == guidance and not is_kv(src),
     )
 
 
@@ -168,6 +175,7 @@ def _constants(src) -> dict[str, int]:
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
         "inner_dim": tr["num_attention_heads"] * tr["attention_head_dim"],
         "reference_tokens": references * largest // scale**2,
+        **kv_constants(tr),
     }
 
 
@@ -201,8 +209,8 @@ def _runtime_constants(src) -> dict:
         "text_encoder_out_layers": list(text_layers(src.config("text_encoder"))),
         # dev: the guidance scale as the transformer's input (no CFG); klein's distilled checkpoints run 4 steps
         # without guidance, the base ones CFG (model_index.json)
-        "variant": "dev" if is_dev(src) else "klein",
-        "distilled": bool(src.model_index().get("is_distilled", False)),
+        "variant": "dev" if is_dev(src) else "klein-kv" if is_kv(src) else "klein",
+        "distilled": is_kv(src) or bool(src.model_index().get("is_distilled", False)),  # KV: distilled only
         "reference_area": REFERENCE_AREA,
     }
 
@@ -244,7 +252,8 @@ TEMPLATES = Path(__file__).parent.parent / "templates"
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:
-    """Write a Flux2KleinPipeline folder (or a Flux2Pipeline one, where the configs' pipeline_class says) with
+    """Write a Flux2KleinPipeline folder (or a Flux2Pipeline or Flux2KleinKVPipeline one, where the configs'
+    pipeline_class says) with
     random seeded weights from component configs (see the registry): the text encoder and its tokenizer
     trained offline (`_klein_text`, `_dev_text`), and the VAE's batch-norm statistics drawn too (a fresh
     module's are 0 and 1, which would leave their use untested)."""
@@ -287,17 +296,19 @@ DEV_PROMPT = PromptFormat(system=DEV_SYSTEM_MESSAGE, parts=True, generation_prom
 
 FAMILY = Family(
     name="flux2",
-    pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2Pipeline"),
+    pipeline_classes=("Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2KleinKVPipeline", "Flux2Pipeline"),
     submodules=(
         llm_encoder("text_encoder", lambda model: text_layers(model.config.to_dict())),
         _transformer(guidance=False),
         _transformer(guidance=True),
+        *kv_transformers(QUANTIZATION),
         VAE_DECODER,
         VAE_ENCODER,
     ),
     constants=_constants,
     runtime_constants=_runtime_constants,
-    derived_dims={**parts.VAE_DIMS, "image_tokens": _image_tokens},
+    derived_dims={**parts.VAE_DIMS, "image_tokens": _image_tokens,
+                  "latent_tokens": lambda dims: dims["latent_height"] * dims["latent_width"]},
     tokenizers=("tokenizer",),
     build_random=build_random,
     prompt_formats={"tokenizer": lambda src: DEV_PROMPT if is_dev(src) else KLEIN_PROMPT},

@@ -187,6 +187,11 @@ class FluxPipeline(FluxControlNets, TextToImage):
                              f"(images, {tokens}, {channels}), as diffusers' FluxPipeline does")
         return unpack(latents, h, w)
 
+    def calibration_reference(self, image, index: int) -> dict:
+        """Kontext's transformer runs on a reference only: one at every call, at the calibration's size."""
+        side = len(image)
+        return dict(image=image, max_area=side * side, auto_resize=False) if self.reads_reference_image else {}
+
     def _kontext_request(self, height, width, image, mask_image, strength, noise, max_area, auto_resize, vae_tiling):
         """FLUX.1 Kontext's output size and reference image (None without one)."""
         given = [n for n, v in (("mask_image", mask_image), ("strength", strength), ("noise", noise)) if v is not None]

@@ -5,6 +5,8 @@ latents packed as tokens (the reference images' after them: editing, runners/fam
 flow-matching sigmas from 1 to 1/steps shifted by FLUX.2's empirical mu. Guidance by variant: klein's base
 checkpoints run classifier-free guidance (the empty prompt as the negative); the distilled ones (`is_distilled`)
 ignore the scale, as diffusers does; dev takes it as the transformer's guidance embedding, with no second pass.
+klein's KV checkpoint (Flux2KleinKVPipeline) computes its references' attention keys and values on the first step
+and reads them on the others (`_predict_kv`).
 
 The loop's latents are the pipeline's: patchified and normalised, (N, 128, H/16, W/16), which is what
 `latents=` takes (diffusers draws them so); the VAE's graphs hold the batch-norm statistics and the patchify
@@ -30,6 +32,7 @@ from runners.text_to_image import INPAINT, TEXT, Defaults, TextToImage
 log = logging.getLogger("runners")
 
 REFERENCE = "reference_tokens"  # the conditions' entry that is not a feed: the references' tokens and ids
+KV = "reference_kv"  # a KV checkpoint's references' keys and values, once the call's first step computed them
 # Flux2KleinPipeline's and Flux2KleinInpaintPipeline's signature defaults: klein's base checkpoints run them
 BASE = {TEXT: Defaults(50, 4.0), INPAINT: Defaults(50, 8.0, 0.8)}
 DISTILLED = {TEXT: Defaults(4, 1.0), INPAINT: Defaults(4, 1.0, 0.8)}  # klein 4B and 9B's model cards: 4 steps
@@ -60,7 +63,7 @@ class Flux2Pipeline(TextToImage):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dev = self.constants.get("variant") == "dev"
+        self.dev, self.kv = (self.constants.get("variant") == v for v in ("dev", "klein-kv"))
         self.distilled = bool(self.constants.get("distilled"))
         self.defaults = DEV if self.dev else DISTILLED if self.distilled else BASE
 
@@ -95,6 +98,9 @@ class Flux2Pipeline(TextToImage):
             log.warning("guidance_scale=%s is ignored: this FLUX.2 klein checkpoint is distilled (no guidance)",
                         guidance_scale)
             guidance_scale = 1.0
+        if mask_image is not None and self.kv:
+            raise ValueError("mask_image: FLUX.2 klein KV (Flux2KleinKVPipeline) has no inpainting; edit from "
+                             "references with image=, or inpaint with klein 4B or 9B")
         if mask_image is not None:
             return self._inpaint(prompt, negative_prompt, height, width, num_inference_steps, sigmas, guidance_scale,
                                  num_images_per_prompt, seed, output_type, max_sequence_length, vae_tiling, image,
@@ -111,6 +117,13 @@ class Flux2Pipeline(TextToImage):
                                      num_images_per_prompt, seed, latents, output_type, vae_tiling, sigmas=sigmas,
                                      max_length=max_sequence_length, reference=reference, embedded=embedded)
         return self._as_diffusers_latents(result) if output_type == "latent" else result
+
+    def calibration_reference(self, image, index: int) -> dict:
+        """KV's transformer_kv_extract runs on references only: every other calibration call edits from one."""
+        from PIL import Image
+
+        picture = Image.fromarray(np.round(image * 255).astype(np.uint8))
+        return {"image": picture} if self.kv and index % 2 else {}
 
     def _as_diffusers_latents(self, latents: np.ndarray) -> np.ndarray:
         """The loop's latents as diffusers returns them: denormalised, unpatchified (N, 32, H/8, W/8)."""
@@ -182,6 +195,8 @@ class Flux2Pipeline(TextToImage):
         1000 as the pipeline feeds it: its outputs, `noise_pred` the latents' tokens' unpacked."""
         n, _, h, w = x.shape
         tokens, ids = pack(x), positions(h, w)
+        if self.kv:
+            return self._predict_kv(tokens, ids, t, conditions, release, h, w)
         if REFERENCE in conditions:
             reference, reference_ids = conditions[REFERENCE]
             tokens = np.concatenate([tokens, np.repeat(reference, n, axis=0)], axis=1)
@@ -191,6 +206,26 @@ class Flux2Pipeline(TextToImage):
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, img_ids=ids,
                        **feeds, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"][:, :h * w], h, w)}
+
+    def _predict_kv(self, tokens, ids, t, conditions: dict, release: bool, h: int, w: int) -> dict:
+        """Flux2KleinKVPipeline's step (export/families/flux2_kv.py): with references, the call's first step runs
+        `transformer_kv_extract` on them and the image, and the conditions keep the keys and values it returns
+        for the other steps, which run `transformer` on the image's tokens alone (with none: text to image)."""
+        n = len(tokens)
+        feeds = {k: v for k, v in conditions.items() if k not in (REFERENCE, KV)}
+        common = dict(hidden_states=tokens, timestep=np.full(n, t, dtype=np.float32) / np.float32(1000), img_ids=ids,
+                      **feeds)
+        if REFERENCE in conditions:
+            reference, reference_ids = conditions.pop(REFERENCE)
+            out = self.run("transformer_kv_extract", release=True, reference_states=np.repeat(reference, n, axis=0),
+                           reference_ids=reference_ids, **common)  # once a call: its working memory freed after
+            conditions[KV] = (out["reference_keys"], out["reference_values"])
+        else:
+            c = self.manifest["constants"]
+            none = np.zeros((c["kv_layers"], n, 0, c["attention_heads"], c["attention_head_dim"]), np.float32)
+            keys, values = conditions.get(KV, (none, none))
+            out = self.run("transformer", release=release, reference_keys=keys, reference_values=values, **common)
+        return {"noise_pred": unpack(out["noise_pred"], h, w)}
 
 
 register_key_spelling("flux2", lora_keys.to_diffusers_names)  # adapters in FLUX.2's original module names
