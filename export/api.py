@@ -17,7 +17,7 @@ from pathlib import Path
 
 from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
 from export.peak_rss import peak_mib, reset_peak
-from export.prompt_formats import rendered
+from export.prompt_formats import load_tokenizer, rendered
 from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
@@ -48,13 +48,11 @@ def _log(msg: str) -> None:
 
 
 def _copy_tokenizers_and_scheduler(src: ModelSource, dest: Path) -> tuple[dict, dict]:
-    from transformers import AutoTokenizer
-
     tokenizers = {}
     for component in src.family.tokenizers:
         if not src.has(component):
             continue
-        tok = AutoTokenizer.from_pretrained(src.folder / component)
+        tok = load_tokenizer(src.folder / component)
         tok.save_pretrained(dest / component)  # writes tokenizer.json, which the runner reads
         tokenizers[component] = {
             "file": f"{component}/tokenizer.json",

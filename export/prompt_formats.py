@@ -7,6 +7,9 @@ changes any of them is refused in one line.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from export.spec import PromptFormat
 
 _SENTINEL = "\x00PROMPT\x00"
@@ -14,6 +17,19 @@ _SENTINEL = "\x00PROMPT\x00"
 # spaces (a `trim` filter), non-ASCII, the empty prompt.
 CHECKED_PROMPTS = ('a "quoted" {brace} {{ jinja }} {% raw %} <b>&amp;</b>', "  two\nlines\t ", "<|im_end|> é 東京 🚀",
                    "")
+
+
+def load_tokenizer(folder: Path):
+    """transformers' tokenizer of a pipeline's tokenizer folder, with the chat template a processor's folder keeps
+    in `chat_template.json` (FLUX.2 dev's PixtralProcessor: AutoTokenizer reads only chat_template.jinja and the
+    tokenizer config)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    legacy = Path(folder) / "chat_template.json"
+    if tok.chat_template is None and legacy.exists():
+        tok.chat_template = json.loads(legacy.read_text())["chat_template"]
+    return tok
 
 
 def _chat(tok, prompt: str, fmt: PromptFormat) -> str:

@@ -192,6 +192,26 @@ def test_kv_references_computed_on_the_first_step_only(pairs):
         ours("a red cat", image=ONE, mask_image=ONE, num_inference_steps=1)
 
 
+def test_a_processors_chat_template_is_read(flux2_dev_tiny_build, tmp_path):
+    """FLUX.2 dev's tokenizer folder is a PixtralProcessor's, whose template may be chat_template.json (a
+    processor's file, which AutoTokenizer does not read): the export reads it there and renders dev's format
+    as from chat_template.jinja."""
+    import shutil
+
+    from export.families.flux2 import DEV_PROMPT
+    from export.prompt_formats import load_tokenizer, rendered
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(flux2_dev_tiny_build.source.folder / "tokenizer", folder)
+    template = (folder / "chat_template.jinja").read_text()
+    want = rendered(load_tokenizer(folder), DEV_PROMPT, "tokenizer")
+    (folder / "chat_template.jinja").unlink()
+    assert load_tokenizer(folder).chat_template is None
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert rendered(load_tokenizer(folder), DEV_PROMPT, "tokenizer") == want
+    assert want["template"]["prefix"].startswith("<s>[SYSTEM_PROMPT]")
+
+
 @pytest.mark.parametrize("model", ["klein", "dev"])
 def test_text_encoder_stops_at_the_layer_read(request, model):
     """Layers 1, 2 and 3 of 4: the graph holds layers 0 to 2, no final norm, no language-model head; dev's, no
