@@ -331,9 +331,9 @@ def test_every_target_and_precision_within_its_bound(flux2_klein_tiny_build):
 
 
 # klein KV, measured the same way (the call with a reference runs both its transformer graphs): fp16 73.9, 73.4 dB,
-# int8 66.5, 67.9, openvino fp32 132.0, 132.4, bf16 49.0, 49.9. Bounds 5 dB under; bf16's as klein's, for AMX.
-KV_MIN_PSNR = {"fp16": (68.5, 68.0), "int8": (61.5, 62.5), "openvino-fp32": (100.0, 100.0),
-               "openvino-bf16": (37.5, 37.5)}
+# int8 66.5, 67.9, openvino fp32 132.0, 132.4, bf16 49.0, 49.9. Bounds 5 dB under; bf16's as klein's, for AMX. The
+# test keeps one precision per backend (its time budget): int8 and fp32 run the same builds as klein's, tested above.
+KV_MIN_PSNR = {"fp16": (68.5, 68.0), "openvino-bf16": (37.5, 37.5)}
 
 
 def test_kv_every_target_within_its_bound(flux2_klein_kv_tiny_build):
