@@ -122,8 +122,9 @@ class Flux2Pipeline(TextToImage):
         """KV's transformer_kv_extract runs on references only: every other calibration call edits from one."""
         from PIL import Image
 
-        picture = Image.fromarray(np.round(image * 255).astype(np.uint8))
-        return {"image": picture} if self.kv and index % 2 else {}
+        if not (self.kv and index % 2):
+            return {}
+        return {"image": Image.fromarray(np.round(image * 255).astype(np.uint8))}
 
     def _as_diffusers_latents(self, latents: np.ndarray) -> np.ndarray:
         """The loop's latents as diffusers returns them: denormalised, unpatchified (N, 32, H/8, W/8)."""
@@ -221,11 +222,14 @@ class Flux2Pipeline(TextToImage):
                            reference_ids=reference_ids, **common)  # once a call: its working memory freed after
             conditions[KV] = (out["reference_keys"], out["reference_values"])
         else:
-            c = self.manifest["constants"]
-            none = np.zeros((c["kv_layers"], n, 0, c["attention_heads"], c["attention_head_dim"]), np.float32)
-            keys, values = conditions.get(KV, (none, none))
+            keys, values = conditions[KV] if KV in conditions else (self._no_reference_kv(n),) * 2
             out = self.run("transformer", release=release, reference_keys=keys, reference_values=values, **common)
         return {"noise_pred": unpack(out["noise_pred"], h, w)}
+
+    def _no_reference_kv(self, n: int) -> np.ndarray:
+        """Keys (or values) of no reference: text to image on the cached-mode graph."""
+        c = self.manifest["constants"]
+        return np.zeros((c["kv_layers"], n, 0, c["attention_heads"], c["attention_head_dim"]), np.float32)
 
 
 register_key_spelling("flux2", lora_keys.to_diffusers_names)  # adapters in FLUX.2's original module names
