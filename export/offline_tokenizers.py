@@ -107,12 +107,20 @@ _QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 QWEN_ADDED_TOKENS = ("<think>", "</think>")  # ordinary added tokens in Qwen3 (not special)
+# Qwen2.5-VL's special tokens: the chat tokens, then the grounding and vision ones (its processor's image
+# placeholder <|image_pad|> among them), in its order
+QWEN_VL_SPECIAL_TOKENS = (*QWEN_SPECIAL_TOKENS, "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+                          "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                          "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def write_qwen_tokenizer(out_dir: Path, vocab_size: int, chat_template: str, seed: int = 0) -> int:
-    """A Qwen2-kind tokenizer (byte-level BPE with Qwen's split, NFC, its chat tokens, pad <|endoftext|>)
-    trained on synthetic prompts, with `chat_template` (the real model's Jinja template). Returns its size,
-    which the LLM config's vocab_size must cover."""
+def write_qwen_tokenizer(out_dir: Path, vocab_size: int, chat_template: str, seed: int = 0,
+                         special: tuple[str, ...] = QWEN_SPECIAL_TOKENS, added: tuple[str, ...] = QWEN_ADDED_TOKENS,
+                         whole: str = "") -> int:
+    """A Qwen2-kind tokenizer (byte-level BPE with Qwen's split, NFC, its `special` tokens, pad <|endoftext|>)
+    trained on synthetic prompts, with `chat_template` (the real model's Jinja template). `whole`: text whose
+    words the training sees often enough to make each one token, as Qwen's vocabulary has them (a pipeline's
+    template, whose token count it relies on). Returns its size, which the LLM config's vocab_size must cover."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2TokenizerFast
 
@@ -124,9 +132,9 @@ def write_qwen_tokenizer(out_dir: Path, vocab_size: int, chat_template: str, see
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_synthetic_prompts(2000, seed), trainer)
-    tok.add_special_tokens(list(QWEN_SPECIAL_TOKENS))  # after the vocabulary, in Qwen's order
-    tok.add_tokens(list(QWEN_ADDED_TOKENS))
+    tok.train_from_iterator(_synthetic_prompts(2000, seed) + [whole] * (1000 if whole else 0), trainer)
+    tok.add_special_tokens(list(special))  # after the vocabulary, in Qwen's order
+    tok.add_tokens(list(added))
     fast = Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, bos_token=None, eos_token="<|im_end|>",
                               pad_token="<|endoftext|>", model_max_length=131072, chat_template=chat_template)
     fast.save_pretrained(out_dir)

@@ -382,6 +382,44 @@ FLUX2_KLEIN_FULLSIZE = {
 }
 
 
+
+# Qwen-Image: QwenImageTransformer2DModel (MMDiT; its 3 rotary axes 16 + 56 + 56 of a head of 128), the causal 3D
+# VAE (16 latent channels, per-channel mean and std: the config's defaults are Qwen-Image's), Qwen2.5-VL whose
+# language model is read at its last layer. The scheduler: Qwen-Image's (dynamic shifting to 8192 tokens, a
+# terminal shift).
+def _qwen_image(heads: int, head_dim: int, layers: int, joint: int, axes: list[int]) -> dict:
+    return {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": layers, "attention_head_dim": head_dim,
+            "num_attention_heads": heads, "joint_attention_dim": joint, "guidance_embeds": False,
+            "axes_dims_rope": axes}
+
+
+def _qwen2_5_vl_text(width: int, layers: int, heads: int, kv_heads: int, mlp: int, mrope: list[int]) -> dict:
+    return {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": mlp, "rms_norm_eps": 1e-06,
+            "max_position_embeddings": 128000, "rope_scaling": {"type": "mrope", "mrope_section": mrope},
+            "rope_theta": 1000000.0, "tie_word_embeddings": False}
+
+
+_QWEN_IMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
+                         "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192,
+                         "shift_terminal": 0.02, "time_shift_type": "exponential"}
+_QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                   "temperal_downsample": [False, True, True], "dropout": 0.0}
+# Qwen2.5-VL's vision tower at tiny widths (loaded with the encoder, never run by text to image)
+_QWEN_VL_VISION_TINY = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 14,
+                        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+                        "fullatt_block_indexes": [0]}
+# Tiny widths: two heads of 32 (rotary axes 8 + 12 + 12), two blocks; the VAE at base width 16 with one residual
+# block a level; Qwen2.5-VL's language model at width 64 (heads of 16, mrope sections 2 + 3 + 3), 2 layers.
+QWEN_IMAGE_TINY = {
+    "transformer": _qwen_image(heads=2, head_dim=32, layers=2, joint=64, axes=[8, 12, 12]),
+    "vae": {**_QWEN_IMAGE_VAE, "base_dim": 16, "num_res_blocks": 1},
+    "text_encoder": _qwen2_5_vl_text(64, 2, 4, 2, 128, [2, 3, 3]),
+    "vision": {**_QWEN_VL_VISION_TINY, "out_hidden_size": 64},
+    "vocab_pieces": 400,
+    "scheduler": _QWEN_IMAGE_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -499,6 +537,13 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 512, 512), batch=(1, 2, 4), export_dtype="float16",
                    description="FLUX.2 klein 9B's transformer and Qwen3-8B at their true shapes, random fp16 weights "
                                "(make scale-check)"),
+        ModelEntry("qwen-image", "qwen_image", hub_id="Qwen/Qwen-Image", image_size=(256, 1024, 1536),
+                   text_length=(1, 128, 1058),
+                   description="Qwen-Image (50 steps, true CFG 4 with a negative prompt; Qwen2.5-VL-7B encoder)"),
+        ModelEntry("qwen-image-tiny", "qwen_image", random_configs=QWEN_IMAGE_TINY, image_size=(64, 128, 256),
+                   text_length=(1, 64, 256),
+                   description="Qwen-Image architecture (Qwen2.5-VL encoder, causal 3D VAE) at tiny widths, built "
+                               "offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -274,7 +274,7 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux-schnell-tiny": "flux-tiny", "flux-fill-tiny": "flux-tiny", "flux-control-tiny": "flux-tiny",
                "flux-kontext-tiny": "flux-tiny", "z-image-tiny": "flux-tiny", "flux2-klein-tiny": None,
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
-               "flux2-klein-kv-tiny": "flux2-klein-tiny"}
+               "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 

@@ -22,6 +22,7 @@ from runners.guidance import TRUE_CFG, EmbeddedGuidance
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH as T5_LENGTH, REQUEST, Option, options
 from runners.families.flux.conditions import (
     KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
+    unpacked_latents,
 )
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
 
@@ -162,7 +163,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
             raise ValueError(f"max_sequence_length={max_sequence_length!r} is not allowed: use an integer from {lo} "
                              f"to {hi} (this artifact's T5 range)")
         if latents is not None:
-            latents = self._unpacked(latents, height, width, output_type)
+            latents = unpacked_latents(self, latents, height, width, output_type, "FluxPipeline")
         control = dict(control_image=control_image, noise=control_noise, seed=seed, vae_tiling=vae_tiling) \
             if control_image is not None else None
         result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
@@ -173,19 +174,6 @@ class FluxPipeline(FluxControlNets, TextToImage):
                                      guidance=guidance_scale, control=control, reference=reference,
                                      controlnets=controlnets)
         return pack(result) if output_type == "latent" else result
-
-    def _unpacked(self, latents, height, width, output_type) -> np.ndarray:
-        """Given packed latents, checked against the request's size, as the loop takes them."""
-        size = self.constants["default_image_size"]
-        height, width = size if height is None else height, size if width is None else width
-        self._check(height, width, 1, output_type)
-        h, w = (side // self.constants["vae_scale_factor"] for side in (height, width))
-        tokens, channels = (h // PACK) * (w // PACK), self.manifest["constants"]["latent_channels"] * PACK**2
-        latents = np.asarray(latents, dtype=np.float32)
-        if latents.ndim != 3 or latents.shape[1:] != (tokens, channels):
-            raise ValueError(f"latents have shape {latents.shape}; a {height}x{width} image takes packed latents "
-                             f"(images, {tokens}, {channels}), as diffusers' FluxPipeline does")
-        return unpack(latents, h, w)
 
     def calibration_reference(self, image, index: int) -> dict:
         """Kontext's transformer runs on a reference only: one at every call, at the calibration's size."""

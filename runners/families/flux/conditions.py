@@ -33,6 +33,21 @@ def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
     return patches.reshape(n, c, h, w)
 
 
+def unpacked_latents(pipe, latents, height, width, output_type, pipeline: str) -> np.ndarray:
+    """`latents=` packed, as diffusers' `pipeline` takes them (FluxPipeline's, QwenImagePipeline's), checked
+    against the request's size (None: the artifact's default), unpacked as the loop takes them."""
+    size = pipe.constants["default_image_size"]
+    height, width = size if height is None else height, size if width is None else width
+    pipe._check(height, width, 1, output_type)
+    h, w = (side // pipe.constants["vae_scale_factor"] for side in (height, width))
+    tokens, channels = (h // PACK) * (w // PACK), pipe.manifest["constants"]["latent_channels"] * PACK**2
+    latents = np.asarray(latents, dtype=np.float32)
+    if latents.ndim != 3 or latents.shape[1:] != (tokens, channels):
+        raise ValueError(f"latents have shape {latents.shape}; a {height}x{width} image takes packed latents "
+                         f"(images, {tokens}, {channels}), as diffusers' {pipeline} does")
+    return unpack(latents, h, w)
+
+
 def image_ids(h: int, w: int) -> np.ndarray:
     """Each packed token's position (0, row, column): diffusers' _prepare_latent_image_ids."""
     rows, cols = np.meshgrid(np.arange(h // PACK), np.arange(w // PACK), indexing="ij")

@@ -1,0 +1,134 @@
+"""Qwen-Image, with the semantics of diffusers' QwenImagePipeline, QwenImageImg2ImgPipeline and
+QwenImageInpaintPipeline: each prompt in the pipeline's template through Qwen2.5-VL's language model, the
+template's first 34 tokens' states dropped and the rest padded to the call's longest prompt with a mask
+(runners/prompts.py's "repadded"); the transformer on the latents packed in 2 x 2 patches (FLUX.1's packing:
+runners/families/flux/conditions.py) with their rotary positions (`positions`); true CFG only with a
+negative prompt and `true_cfg_scale` above 1, each guided token rescaled to the norm of the prompt's
+(runners/guidance.py's RescaledTrueCFG); FLUX.1's flow-matching sigmas shifted by the image's tokens.
+
+The loop works on unpacked, normalised latents (N, 16, h, w): the VAE's graphs hold the per-channel mean and
+standard deviation and run the causal 3D VAE on one frame (export/families/qwen_image.py). `latents=` are
+packed, as diffusers takes them; the image tasks' `noise=` and `encoder_noise=` also take diffusers' draws with
+their frame axis ((N, 1, 16, h, w) and (N, 16, 1, h, w))."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from runners.families.flux.conditions import PACK, pack, unpack, unpacked_latents
+from runners.guidance import QWEN_TRUE_CFG
+from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
+from runners.prompts import Encoded, encode_prompts
+from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
+
+log = logging.getLogger("runners")
+
+# QwenImagePipeline's and its Img2Img and Inpaint twins' signature defaults (the scale is true_cfg_scale's)
+DEFAULTS = {TEXT: Defaults(50, 4.0), IMAGE: Defaults(50, 4.0, 0.6), INPAINT: Defaults(50, 4.0, 0.6)}
+# diffusers' frame axis in the image tasks' draws: the noise is drawn (N, 1, z, h, w), the posterior (N, z, 1, h, w)
+FRAME_AXIS = {"noise": 1, "encoder_noise": 2}
+
+
+def positions(rows: int, cols: int) -> np.ndarray:
+    """(rows * cols, 3) float32: each packed token's rotary position (frame 0, row, column), the rows and columns
+    centred as QwenEmbedRope's scale_rope numbers them (-ceil(n / 2) to n // 2 - 1)."""
+    r, c = np.meshgrid(np.arange(rows) - (rows - rows // 2), np.arange(cols) - (cols - cols // 2), indexing="ij")
+    return np.stack([np.zeros_like(r), r, c], axis=-1).reshape(-1, 3).astype(np.float32)
+
+
+def text_positions(length: int, rows: int, cols: int) -> np.ndarray:
+    """(length, 3) float32: the text's positions, on every axis after the image's largest half side."""
+    first = max(rows // 2, cols // 2)
+    return np.repeat(np.arange(first, first + length, dtype=np.float32)[:, None], 3, axis=1)
+
+
+def _without_frame(name: str, value, axis: int):
+    """diffusers' draw with its frame axis of one frame, as the loop takes it (4-D draws pass as they are)."""
+    if value is None:
+        return None
+    value = np.asarray(value, dtype=np.float32)
+    if value.ndim == 5:
+        if value.shape[axis] != 1:
+            raise ValueError(f"{name} has shape {value.shape}: its frame axis ({axis}) must be 1 (Qwen-Image makes "
+                             "one frame)")
+        value = value.squeeze(axis)
+    return value
+
+
+def _padded(encoded: Encoded, length: int) -> Encoded:
+    extra = length - encoded.embeds.shape[1]
+    return Encoded(np.pad(encoded.embeds, ((0, 0), (0, extra), (0, 0))), np.pad(encoded.mask, ((0, 0), (0, extra))))
+
+
+class QwenImagePipeline(TextToImage):
+    family = "qwen_image"
+    guidance = QWEN_TRUE_CFG
+    defaults = DEFAULTS
+    image_sets_size = ()  # every Qwen-Image pipeline renders at the requested (or the default) size
+    strength_whole_steps = False  # get_timesteps rounds the steps skipped down (as SD3's)
+    options = options(REQUEST, guidance.options, (
+        replace(MAX_SEQUENCE_LENGTH, default=512, within=lambda v: v >= 1, allowed="an integer from 1 to 1024",
+                help="the text encoder's states kept per prompt, after the template's dropped tokens"),
+        Option("guidance_scale", "float", "ignored, as diffusers ignores it: Qwen-Image's transformer has no guidance "
+               "embedding (classifier-free guidance is true_cfg_scale's, with a negative prompt)", cli=False),
+        Option("sigmas", "array", "the schedule's sigmas, one a step (default: 1 to 1 / steps)", cli=False),
+    ), IMAGE_TASKS)
+
+    def generate(self, prompt, negative_prompt=None, true_cfg_scale=4.0, height=None, width=None,
+                 num_inference_steps=None, sigmas=None, guidance_scale=None, num_images_per_prompt=1, seed=None,
+                 latents=None, output_type="pil", max_sequence_length=512, vae_tiling=None, image=None,
+                 mask_image=None, strength=None, noise=None, encoder_noise=None):
+        """Generate images (call the pipeline: `pipe(prompt, ...)`); from an `image` too (image to image, with
+        `strength`, default 0.6), and a `mask_image` (inpainting). Classifier-free guidance runs only with a
+        `negative_prompt` and `true_cfg_scale` above 1 (default 4), as in diffusers. `latents` are packed, as
+        QwenImagePipeline takes them: (N, h/2 * w/2, 64) for latent sides h, w."""
+        if guidance_scale is not None:
+            log.warning("guidance_scale=%s is ignored: Qwen-Image's transformer is not guidance-distilled (use "
+                        "true_cfg_scale with a negative_prompt)", guidance_scale)
+        if not 1 <= max_sequence_length <= self.constants["max_text"]:
+            raise ValueError(f"max_sequence_length={max_sequence_length} is not allowed: Qwen-Image keeps 1 to "
+                             f"{self.constants['max_text']} states per prompt")
+        # the artifact's text range may hold fewer: a longer prompt is truncated there, with a warning
+        max_sequence_length = min(max_sequence_length,
+                                  self.dims["text_length"][2] - self.tokenizers["tokenizer"].drop_tokens)
+        if latents is not None:
+            latents = unpacked_latents(self, latents, height, width, output_type, "QwenImagePipeline")
+        noise, encoder_noise = (_without_frame(name, value, FRAME_AXIS[name])
+                                for name, value in (("noise", noise), ("encoder_noise", encoder_noise)))
+        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
+                                     true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt,
+                                     seed, latents, output_type, vae_tiling, image=image, mask_image=mask_image,
+                                     strength=strength, noise=noise, encoder_noise=encoder_noise, sigmas=sigmas,
+                                     max_length=max_sequence_length)
+        return pack(result) if output_type == "latent" else result
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length):
+        """Each prompt's states and mask, repeated for its images; with guidance, the negative prompts' after
+        (both padded to the longer: the padding is masked out)."""
+        encoded = self._encode(prompts, per_prompt, max_length)
+        if cfg:
+            negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
+            length = max(encoded.embeds.shape[1], negatives.embeds.shape[1])
+            encoded, negatives = _padded(encoded, length), _padded(negatives, length)
+            encoded = Encoded(*(self.guidance.batch(p, n) for p, n in zip(encoded, negatives)))
+        return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask}
+
+    def _encode(self, prompts: list[str], per_prompt: int, max_length: int) -> Encoded:
+        """The states after the template's dropped tokens, at most `max_length` a prompt (the encoder is causal:
+        the tokens past those change none of them)."""
+        drop = self.tokenizers["tokenizer"].drop_tokens
+        encoded = encode_prompts(self, "text_encoder", "tokenizer", prompts, drop + max_length, post="repadded")
+        return Encoded(*(np.repeat(a, per_prompt, axis=0) for a in encoded))
+
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        """The transformer on the packed latents, its timestep divided by 1000 (as the pipeline feeds it), with the
+        image's and the text's rotary positions: its outputs, `noise_pred` unpacked."""
+        n, _, h, w = x.shape
+        rows, cols = h // PACK, w // PACK
+        length = conditions["encoder_hidden_states"].shape[1]
+        out = self.run(engine or "transformer", release=release, hidden_states=pack(x),
+                       timestep=np.full(n, t, dtype=np.float32) / np.float32(1000), img_ids=positions(rows, cols),
+                       txt_ids=text_positions(length, rows, cols), **conditions, **extra)
+        return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
