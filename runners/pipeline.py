@@ -164,6 +164,15 @@ class Pipeline:
             self.sessions.pop(name).close()  # one copy of the engine's weights in memory at a time
             self.sessions[name] = self._open_session(name)
 
+    def set_scheduler(self, config) -> None:
+        """Run the next calls with another scheduler config: a dict or a scheduler_config.json path, as diffusers'
+        `SchedulerClass.from_config(config)` takes it (a few-step recipe's, Qwen-Image-Lightning's). The
+        artifact's own: `set_scheduler(pipe.folder / pipe.manifest["scheduler"]["file"])`."""
+        if not isinstance(config, dict):
+            config = json.loads(Path(config).read_text())
+        config = {"_class_name": self.scheduler.config["_class_name"], **config}
+        self.scheduler = load_scheduler(config)
+
     def close(self) -> None:
         """Free what every engine holds (TensorRT's device buffers and streams, the weights). The
         pipeline cannot run after this; `with Pipeline.load(...) as pipe:` closes it at the end."""

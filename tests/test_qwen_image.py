@@ -2,6 +2,10 @@
 and its Img2Img and Inpaint twins on qwen-image-tiny. One export and one ort-fp32 build."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -91,3 +95,185 @@ def test_two_prompts_two_images_each_as_the_prompts_repeated(pair):
     print(f"qwen-image two prompts, two each: |ours - diffusers| {np.abs(got - theirs).max():.1e}")
     assert np.abs(got - theirs).max() <= IMAGE_ATOL
     assert np.abs(got[0] - got[2]).max() > 0.01  # each prompt its own images
+
+
+@pytest.mark.parametrize("task", ["QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"])
+def test_image_tasks_equal_to_diffusers(pair, monkeypatch, task):
+    """Image to image and inpainting at the requested size, with guidance: diffusers' noise and VAE sample are
+    ours, passed in the shapes diffusers draws them (with their frame axis; its randn_tensor patched)."""
+    import diffusers
+    import diffusers.models.autoencoders.vae as diffusers_vae
+    import diffusers.pipelines.qwenimage as qwen_pipelines
+
+    from conftest import assert_real_image, smooth_image, soft_mask
+
+    ours, text_to_image = pair
+    reference = getattr(diffusers, task)(**text_to_image.components)
+    reference.set_progress_bar_config(disable=True)
+    rng = np.random.default_rng(3)
+    encoder_noise, noise = rng.standard_normal((1, 16, 1, 8, 16), dtype=np.float32), rng.standard_normal(
+        (1, 1, 16, 8, 16), dtype=np.float32)
+    module = getattr(qwen_pipelines, "pipeline_qwenimage_" + ("img2img" if "Img2Img" in task else "inpaint"))
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    images = dict(image=smooth_image(64, 128, seed=1))
+    if "Inpaint" in task:
+        images["mask_image"] = soft_mask(64, 128)
+    request = dict(prompt="a red cat", height=64, width=128, num_inference_steps=4, strength=0.6, output_type="np",
+                   **CFG)
+    with torch.no_grad():
+        theirs = reference(**images, **request).images
+    got = ours(noise=noise, encoder_noise=encoder_noise, **images, **request)
+    assert got.shape == theirs.shape == (1, 64, 128, 3)
+    assert_real_image(theirs)
+    print(f"qwen-image {task}: |ours - diffusers| {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    plain = ours(request["prompt"], height=64, width=128, num_inference_steps=4, output_type="np", **CFG,
+                 latents=packed_noise(1, 64, 128))
+    assert np.abs(got - plain).max() > 0.01  # the image changed the result
+
+
+def test_export_parity_at_two_shapes(qwen_image_tiny_build):
+    """Each graph against its PyTorch module at two shapes (the transformer at 8 x 8 and 4 x 5 tokens, square and
+    not, with one graph); measured: at most 2e-6 of outputs up to 2."""
+    from conftest import manifest
+
+    for name, sub in manifest(qwen_image_tiny_build.folder / "onnx")["submodules"].items():
+        checks = sub["export"]["parity"]
+        assert len({tuple(c["dims"].items()) for c in checks}) >= 2, name
+        for check in checks:
+            assert check["max_abs_err"] <= 1e-5 * max(1.0, check["max_abs_ref"]), (name, check)
+    tokens = {c["dims"]["image_tokens"] for c in manifest(qwen_image_tiny_build.folder / "onnx")["submodules"][
+        "transformer"]["export"]["parity"]}
+    assert tokens == {64, 20}
+
+
+def test_latent_output_packed_as_diffusers(run_both, pair):
+    """output_type="latent" gives diffusers' packed latents; they decode to the image."""
+    ours, reference = pair
+    latents = packed_noise(1, 64, 128, seed=4)
+    call = dict(prompt="a red cat", height=64, width=128, num_inference_steps=3)
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), output_type="latent", **call).images.numpy()
+    got = ours(latents=latents, output_type="latent", **call)
+    assert got.shape == theirs.shape == (1, 32, 64)
+    assert np.abs(got - theirs).max() <= 1e-4
+
+
+def test_refusals_and_warnings(pair, caplog):
+    ours, _ = pair
+    call = dict(height=64, width=64, num_inference_steps=2, output_type="np")
+    with pytest.raises(ValueError, match="max_sequence_length=1025 is not allowed: Qwen-Image keeps 1 to 1024"):
+        ours("a cat", max_sequence_length=1025, **call)
+    with pytest.raises(ValueError, match="frame axis"):
+        ours("a cat", image=np.zeros((64, 64, 3), np.float32), noise=np.zeros((1, 2, 16, 8, 8), np.float32), **call)
+    with caplog.at_level("WARNING", logger="runners"):
+        ours("a cat", guidance_scale=3.5, latents=packed_noise(1, 64, 64), **call)
+    assert "guidance_scale=3.5 is ignored" in caplog.text
+
+
+# Image PSNR against ort-fp32 per call (no guidance; true CFG with a negative prompt), measured by the test below
+# on an EPYC with AVX512-BF16 and VNNI (calibrated on 4 prompts x 4 steps): ort fp16 76.5, 76.5 dB, int8 90.4,
+# 81.4, fp8 72.1, 67.6; openvino fp32 135.6, 135.1, bf16 55.6, 55.0, int8 44.9, 44.9, bf16 with int8 weights
+# 55.5, 53.9, with int4 weights 44.3, 44.4. Bounds 5 dB under each, but where another CPU rounds otherwise:
+# ORT's int8 kernels round otherwise without VNNI (not measured here: bound 45, 40); OpenVINO's bf16 on CI's
+# AMX lost 19 dB on z-image, so every OpenVINO variant but fp32 is bounded 5 dB under its PSNR with that loss
+# added to its own error (bf16 31.5, 31.0; int8 31.0; int8 weights 31.5, 30.0; int4 weights 31.0).
+TARGET_MIN_PSNR = {"fp16": (71.5, 71.5), "int8": (45.0, 40.0), "fp8": (67.0, 62.5), "openvino-fp32": (100.0, 100.0),
+                   "openvino-bf16": (31.5, 31.0), "openvino-int8": (31.0, 31.0),
+                   "openvino-bf16-int8-weights": (31.5, 30.0), "openvino-bf16-int4-weights": (31.0, 31.0)}
+
+
+def _target_images(artifact):
+    from runners import Pipeline
+
+    pipe = Pipeline.load(artifact)
+    latents = packed_noise(1, 64, 64, seed=1)
+    return [pipe(prompt, latents=latents, height=64, width=64, num_inference_steps=4, output_type="np", **options)
+            for prompt, options in (("a photo of a cat", {}), ("a red fox", CFG))]
+
+
+def test_every_target_and_precision_within_its_bound(qwen_image_tiny_build):
+    from conftest import assert_targets_within
+
+    assert_targets_within(qwen_image_tiny_build.folder, _target_images, TARGET_MIN_PSNR, "qwen-image")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
+def test_tensorrt_rtx_builds_every_submodule(qwen_image_tiny_build, monkeypatch):
+    """Real fp16 engines for every submodule; the pipeline on them through the GPU stand-in gives ONNX Runtime's
+    images exactly."""
+    from conftest import assert_rtx_builds_every_submodule
+
+    assert_rtx_builds_every_submodule(qwen_image_tiny_build.folder, _target_images, monkeypatch)
+
+
+def _trainer_named(peft_file, out, prefix: str):
+    """The adapter as Qwen-Image's trainers save it: the transformer's module paths under `prefix` ("" as
+    Qwen-Image-Lightning's files, "diffusion_model." as ComfyUI's), `lora_down` and `lora_up`, each module's alpha
+    as a tensor."""
+    from lora_adapters import read_raw, write_raw
+
+    tensors, metadata = read_raw(peft_file)
+    alpha = np.array(json.loads(metadata["lora_adapter_metadata"])["transformer.lora_alpha"], np.float32)
+    renamed = {prefix + k.removeprefix("transformer.").replace(".lora_A.", ".lora_down.")
+               .replace(".lora_B.", ".lora_up."): v for k, v in tensors.items()}
+    alphas = {k.replace(".lora_down.weight", ".alpha"): alpha for k in renamed if k.endswith(".lora_down.weight")}
+    return write_raw(out, {**renamed, **alphas})
+
+
+LORA_TARGETS = {"transformer": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "img_mlp.net.2",
+                                "txt_mlp.net.0.proj", "img_mod.1"]}
+# Qwen-Image-Lightning's scheduler config (its README): the shift fixed at 3, no terminal stretch
+LIGHTNING_SCHEDULER = {"base_image_seq_len": 256, "base_shift": math.log(3), "invert_sigmas": False,
+                       "max_image_seq_len": 8192, "max_shift": math.log(3), "num_train_timesteps": 1000, "shift": 1.0,
+                       "shift_terminal": None, "stochastic_sampling": False, "time_shift_type": "exponential",
+                       "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
+                       "use_karras_sigmas": False}
+
+
+@pytest.mark.parametrize("spelling", ["diffusers", "kohya", "lightning", "diffusion_model"])
+def test_lora_equal_to_diffusers_fuse_lora(pair, qwen_image_tiny_build, tmp_path, spelling):
+    """A Qwen-Image adapter (made with peft on the transformer's attention, feed-forward and modulation layers)
+    in diffusers' format and in those diffusers' Qwen-Image loader converts, at load and switched at run time,
+    against diffusers' load_lora_weights + fuse_lora of the same file; switched off, the plain image exactly.
+    Lightning's spelling runs its recipe: its scheduler config, 8 steps, no guidance."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    from lora_adapters import make_adapter, to_kohya
+    from runners import Pipeline
+
+    adapter = make_adapter(QwenImagePipeline, qwen_image_tiny_build.source.folder, tmp_path / "a", LORA_TARGETS,
+                           seed=5, rank=2, alpha=4.0)
+    if spelling == "kohya":
+        adapter = to_kohya(adapter, tmp_path / "kohya.safetensors", {"transformer": "lora_unet_"})
+    elif spelling in ("lightning", "diffusion_model"):
+        adapter = _trainer_named(adapter, tmp_path / "trainer.safetensors",
+                                 "" if spelling == "lightning" else "diffusion_model.")
+    recipe = spelling == "lightning"
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=8 if recipe else 3, output_type="np",
+                **({} if recipe else CFG))
+    latents = packed_noise(1, 64, 64, seed=5)
+    extra = {"scheduler": FlowMatchEulerDiscreteScheduler.from_config(LIGHTNING_SCHEDULER)} if recipe else {}
+    reference = QwenImagePipeline.from_pretrained(qwen_image_tiny_build.source.folder, **extra)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), **call).images
+    loaded = Pipeline.load(qwen_image_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
+    if recipe:
+        loaded.set_scheduler(LIGHTNING_SCHEDULER)
+    got = loaded(latents=latents, **call)
+    print(f"qwen-image LoRA ({spelling}): max abs error {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    loaded.set_loras({})
+    plain = loaded(latents=latents, **call)
+    assert np.abs(theirs - plain).max() > 0.05  # the adapter changes the image
+    if recipe:  # and so does the scheduler (the shift 3 against 1.65 at 16 tokens: over a level of 255 here)
+        assert np.abs(plain - pair[0](latents=latents, **call)).max() > 1 / 255
+    else:
+        assert np.array_equal(plain, pair[0](latents=latents, **call))
+    loaded.set_loras({adapter: 0.8})
+    assert np.array_equal(loaded(latents=latents, **call), got)

@@ -119,11 +119,17 @@ def _single_frame_conv(self, x, cache_x=None):
 
 
 def _one_frame(vae):
-    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+    """The VAE as its graphs hold it: each causal convolution a 2D one (on one frame), each 2x "nearest-exact"
+    upsampling a "nearest" one. At an integer scale both pick source pixel floor(i / 2); "nearest-exact" exports
+    as index arithmetic (Range, GatherND) that fp16 conversion breaks, "nearest" as one Resize."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageUpsample
 
     for module in vae.modules():
         if isinstance(module, QwenImageCausalConv3d):
             module.forward = types.MethodType(_single_frame_conv, module)
+        elif isinstance(module, QwenImageUpsample) and module.mode == "nearest-exact":
+            assert all(float(f).is_integer() for f in module.scale_factor), module.scale_factor
+            module.mode = "nearest"
     return vae
 
 

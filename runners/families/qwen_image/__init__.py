@@ -17,7 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from runners.adapters.lora import register_key_spelling
 from runners.families.flux.conditions import PACK, pack, unpack, unpacked_latents
+from runners.families.qwen_image import lora_keys
 from runners.guidance import QWEN_TRUE_CFG
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
@@ -132,3 +134,6 @@ class QwenImagePipeline(TextToImage):
                        timestep=np.full(n, t, dtype=np.float32) / np.float32(1000), img_ids=positions(rows, cols),
                        txt_ids=text_positions(length, rows, cols), **conditions, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
+
+
+register_key_spelling("qwen_image", lora_keys.to_diffusers_names)  # adapters in the trainers' module names
