@@ -628,6 +628,27 @@ def with_diffusers_first_block_cache(reference_pipeline, threshold: float, **cal
         return reference_pipeline(**call).images, seen
 
 
+def first_block_cache_against_diffusers(pair, threshold: float, latents, name: str, **call) -> tuple[float, float]:
+    """(|ours - diffusers|, how much the cache changed our image) of First-Block Cache at `threshold` on `pair`
+    (our pipeline, diffusers') called with `call` from the same `latents`, guidance batched in one context: the
+    decisions step by step must be diffusers'; the reference image must be a real one."""
+    import torch
+
+    from runners import FirstBlockCacheConfig
+
+    ours, reference = pair
+    theirs, decisions = with_diffusers_first_block_cache(reference, threshold, latents=torch.from_numpy(latents),
+                                                         **call)
+    cached = ours(latents=latents, cache=FirstBlockCacheConfig(threshold), **call)
+    stats = ours.cache_stats
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
+    print(f"{name} threshold {threshold}: diffusers {decisions}; ours {stats['full']} full, {stats['cached']} cached; "
+          f"|ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
+    assert stats["decisions"]["batch"] == decisions
+    assert_real_image(theirs)
+    return error, changed
+
+
 def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
     """(images, transformer calls) of diffusers' `reference_pipeline` called with `call` under its TaylorSeer hook
     on the transformer's output layer `module` (lite mode's cached module; the blocks still run and their work

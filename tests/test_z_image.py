@@ -252,24 +252,14 @@ def test_first_block_cache_equal_to_diffusers_hooks(pair, monkeypatch, threshold
     from diffusers.hooks._helpers import TransformerBlockRegistry
     from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
 
-    from conftest import assert_real_image, with_diffusers_first_block_cache
-    from runners import FirstBlockCacheConfig
+    from conftest import first_block_cache_against_diffusers
 
-    ours, reference = pair
     monkeypatch.setattr(TransformerBlockRegistry.get(ZImageTransformerBlock), "_cached_parameter_indices",
                         {"hidden_states": 0})
     call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=10, output_type="np", **CFG)
     latents = np.random.default_rng(1).standard_normal((1, 16, 8, 8), dtype=np.float32)
-    theirs, decisions = with_diffusers_first_block_cache(reference, threshold, latents=torch.from_numpy(latents),
-                                                         **call)
-    cached = ours(latents=latents, cache=FirstBlockCacheConfig(threshold), **call)
-    stats = ours.cache_stats
-    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
-    print(f"z-image threshold {threshold}: diffusers {decisions}; ours {stats['full']} full, {stats['cached']} cached; "
-          f"|ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
-    assert stats["decisions"]["batch"] == decisions
+    error, changed = first_block_cache_against_diffusers(pair, threshold, latents, "z-image", **call)
     assert error <= IMAGE_ATOL and changed > 3 / 255
-    assert_real_image(theirs)
 
 
 def _diffusion_model_named(peft_file, out):

@@ -19,6 +19,7 @@ import types
 import torch
 
 from export.families import parts
+from export.families.first_block import transformer_specs
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.families.z_image import _rotated
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -275,7 +276,7 @@ FAMILY = Family(
     pipeline_classes=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
-        TRANSFORMER,
+        *transformer_specs(TRANSFORMER),
         VAE_DECODER,
         VAE_ENCODER,
     ),
