@@ -27,6 +27,8 @@ class Workload:
     optimum_intel: str  # optimum-intel's
     options: dict = field(default_factory=dict)  # what every run sets beyond the prompt, size, steps and latents
     folder_options: Callable[[str], dict] = lambda folder: {}  # what a diffusers-style call needs of the folder
+    # the run's starting latents (N, C, h, w) as the pipelines take them (Qwen-Image's: packed)
+    given_latents: Callable[[np.ndarray], np.ndarray] = lambda latents: latents
 
 
 def _flux2_layers(folder: str) -> dict:
@@ -38,11 +40,21 @@ def _flux2_layers(folder: str) -> dict:
     return {"text_encoder_out_layers": text_layers(config)}
 
 
+def _packed(latents: np.ndarray) -> np.ndarray:
+    from runners.families.flux.conditions import pack
+
+    return pack(latents)
+
+
 WORKLOADS = {
     # Z-Image-Turbo's guidance (its model card's): no negative prompt, one batch
     "z-image": Workload("ZImagePipeline", "OVZImagePipeline", {"guidance_scale": 0.0}),
     # FLUX.2 klein, distilled: no guidance (diffusers' default of 4 would only warn)
     "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}, _flux2_layers),
+    # Qwen-Image's: true CFG (its default scale, 4) with a negative prompt, latents packed
+    "qwen-image": Workload("QwenImagePipeline", "OVQwenImagePipeline",
+                           {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
+                           given_latents=_packed),
 }
 
 
@@ -66,13 +78,14 @@ def _edit(references: int, height: int, width: int) -> dict:
 class FamilyOurs(Ours):
     def __init__(self, artifact: str, workload: str, references: int = 0):
         super().__init__(artifact)
-        self.options, self.references = WORKLOADS[workload].options, references
+        self.workload, self.references = WORKLOADS[workload], references
 
     def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
         edit = _edit(self.references, height, width)
         t0 = time.perf_counter()
-        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=latents,
-                          output_type="np", **self.options, **edit)[0]
+        image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps,
+                          latents=self.workload.given_latents(latents), output_type="np", **self.workload.options,
+                          **edit)[0]
         seconds, timings = time.perf_counter() - t0, self.pipe.timings
         return timed_result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out,
                             text=timings["text_encoders"])
@@ -87,6 +100,7 @@ class FamilyPipeline:
         self.pipe = pipeline_from(("diffusers", w.diffusers) if source == "diffusers" else
                                   ("optimum.intel", w.optimum_intel), folder)
         self.options, self.references = {**w.options, **w.folder_options(folder)}, references
+        self.given_latents = w.given_latents
         self.text_seconds, self.step_seconds, self.vae_seconds = [], [], []
         time_calls_of(self.pipe.text_encoder, "forward", self.text_seconds)
         time_calls_of(self.pipe.transformer, "forward", self.step_seconds)
@@ -100,7 +114,8 @@ class FamilyPipeline:
         edit = _edit(self.references, height, width)
         t0 = time.perf_counter()
         image = self.pipe(prompt=PROMPT, height=height, width=width, num_inference_steps=steps,
-                          latents=torch.from_numpy(latents), output_type="np", **self.options, **edit).images[0]
+                          latents=torch.from_numpy(self.given_latents(latents)), output_type="np", **self.options,
+                          **edit).images[0]
         return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out,
                             text=sum(self.text_seconds))
 

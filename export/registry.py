@@ -420,6 +420,18 @@ QWEN_IMAGE_TINY = {
     "scheduler": _QWEN_IMAGE_SCHEDULER,
 }
 
+# Qwen-Image's real widths (3072 = 24 heads of 128, rotary axes 16 + 56 + 56, text 3584) with 2 blocks; Qwen2.5-VL-7B's
+# language model at its real widths (3584, 28 heads, 4 key-value heads, 18944, mrope 16 + 24 + 24) at 2 layers;
+# the real VAE (benchmarks)
+QWEN_IMAGE_BENCH = {
+    "transformer": _qwen_image(heads=24, head_dim=128, layers=2, joint=3584, axes=[16, 56, 56]),
+    "vae": _QWEN_IMAGE_VAE,
+    "text_encoder": _qwen2_5_vl_text(3584, 2, 28, 4, 18944, [16, 24, 24]),
+    "vision": {**_QWEN_VL_VISION_TINY, "out_hidden_size": 3584},
+    "vocab_pieces": 1000,
+    "scheduler": _QWEN_IMAGE_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -544,6 +556,10 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 64, 256),
                    description="Qwen-Image architecture (Qwen2.5-VL encoder, causal 3D VAE) at tiny widths, built "
                                "offline"),
+        ModelEntry("qwen-image-bench", "qwen_image", random_configs=QWEN_IMAGE_BENCH, image_size=(256, 1024, 1024),
+                   text_length=(1, 128, 1058), batch=(1, 2, 4),
+                   description="Qwen-Image widths, 2 blocks, Qwen2.5-VL-7B's language model at 2 layers, the real VAE, "
+                               "random weights (benchmarks)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

@@ -110,10 +110,10 @@ def _refuse_undeclared(pipe, request: dict) -> None:
     known = declared(pipe)
     for name in request:
         if name not in known:
-            option = next(o for o in all_options() if o.name == name)
-            owners = " and ".join(f for f, cls in FAMILIES.items() if name in declared(cls))
+            owners = [f for f, cls in FAMILIES.items() if name in declared(cls)]
+            option = declared(FAMILIES[owners[0]])[name]  # the first's words (a family may say its defaults)
             flag = "--control-image/--canny" if name == "control_image" else option.cli_flag
-            raise ValueError(f"{flag} is {owners}'s ({option.help}); this artifact is {pipe.family}'s")
+            raise ValueError(f"{flag} is {' and '.join(owners)}'s ({option.help}); this artifact is {pipe.family}'s")
 
 
 def _thresholds(text: str) -> tuple[float, float]:

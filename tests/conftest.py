@@ -568,18 +568,32 @@ def diffusers_schedule(config, steps: int) -> list[bool]:
 @contextmanager
 def diffusers_cache_hooks(transformer, apply, hooks: tuple[str, ...]):
     """diffusers' cache hooks put on `transformer` by `apply(transformer)` and named `hooks` (removed after),
-    yielding the list of its calls. For a transformer without CacheMixin (SD3's, Z-Image's) the cache context is
-    set around each call and the state reset after the run, as CacheMixin and the pipelines do."""
+    yielding the list of its calls. Each call runs in the cache context the pipeline names (QwenImagePipeline's
+    "cond" and "uncond"), else in "cond" (SD3's and Z-Image's pipelines name none), and the state is reset after the
+    run, as CacheMixin and the pipelines do."""
     from diffusers.hooks import HookRegistry
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
     apply(transformer)
-    calls = []
+    calls, named = [], []
     forward = transformer.forward
+    if hasattr(transformer, "cache_context"):
+        pipelines_context = transformer.cache_context
+
+        @contextmanager
+        def naming(name, **kwargs):
+            named.append(name)
+            try:
+                with pipelines_context(name, **kwargs):
+                    yield
+            finally:
+                named.pop()
+
+        transformer.cache_context = naming
 
     def in_context(*args, **kwargs):
         calls.append(1)
-        _set_cache_context(transformer, CacheContext("cond"))
+        _set_cache_context(transformer, CacheContext(named[-1] if named else "cond"))
         try:
             return forward(*args, **kwargs)
         finally:
@@ -592,6 +606,7 @@ def diffusers_cache_hooks(transformer, apply, hooks: tuple[str, ...]):
         yield calls
     finally:
         del transformer.forward  # the class's own again
+        transformer.__dict__.pop("cache_context", None)
         for hook in hooks:
             registry.remove_hook(hook, recurse=True)
         registry.invalidate_child_registries_cache()
@@ -628,10 +643,12 @@ def with_diffusers_first_block_cache(reference_pipeline, threshold: float, **cal
         return reference_pipeline(**call).images, seen
 
 
-def first_block_cache_against_diffusers(pair, threshold: float, latents, name: str, **call) -> tuple[float, float]:
+def first_block_cache_against_diffusers(pair, threshold: float, latents, name: str, contexts=("batch",),
+                                        **call) -> tuple[float, float]:
     """(|ours - diffusers|, how much the cache changed our image) of First-Block Cache at `threshold` on `pair`
-    (our pipeline, diffusers') called with `call` from the same `latents`, guidance batched in one context: the
-    decisions step by step must be diffusers'; the reference image must be a real one."""
+    (our pipeline, diffusers') called with `call` from the same `latents`: the decisions step by step must be
+    diffusers', who decides for the cache `contexts` in that order at each step (one, "batch", where guidance is
+    one batched call; QwenImagePipeline's "cond" then "uncond"); the reference image must be a real one."""
     import torch
 
     from runners import FirstBlockCacheConfig
@@ -644,7 +661,8 @@ def first_block_cache_against_diffusers(pair, threshold: float, latents, name: s
     error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
     print(f"{name} threshold {threshold}: diffusers {decisions}; ours {stats['full']} full, {stats['cached']} cached; "
           f"|ours - diffusers| {error:.1e}, the cache changed the image by {changed:.3f}")
-    assert stats["decisions"]["batch"] == decisions
+    ours_in_order = [stats["decisions"][c][step] for step in range(len(decisions) // len(contexts)) for c in contexts]
+    assert ours_in_order == decisions
     assert_real_image(theirs)
     return error, changed
 

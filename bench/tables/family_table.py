@@ -25,6 +25,17 @@ from bench.tables.openvino import build_openvino
 
 OURS = ("openvino-bf16", "openvino-int8", "openvino-bf16-int4-weights")  # besides the default ort-fp32
 REFERENCE = "ours ort-fp32"
+OURS_INT8 = "ours openvino-int8"
+
+
+def int8_against_peers(rows: dict, variants) -> list[str]:
+    """openvino-int8's end-to-end median against the last two variants' (optimum-intel's and openvino.genai's
+    default, the issues' 1.5x goal), in words; [] without an openvino-int8 row."""
+    if OURS_INT8 not in rows:
+        return []
+    peer, genai = (v.label for v in variants[-2:])
+    return [f"openvino-int8 end to end is {rows[theirs]['e2e'] / rows[OURS_INT8]['e2e']:.2f}x as fast as {what} "
+            "(goal 1.5x)" for theirs, what in ((genai, "openvino.genai's default"), (peer, "optimum-intel's"))]
 
 
 @dataclass(frozen=True)

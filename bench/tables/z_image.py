@@ -2,20 +2,17 @@
 text to image (bench/tables/family_table.py), and its goals."""
 from __future__ import annotations
 
-from bench.tables.family_table import FamilyTable, make_table
-
-OURS_INT8 = "ours openvino-int8"
+from bench.tables.family_table import OURS_INT8, FamilyTable, int8_against_peers, make_table
 
 
 def goals(size: int, references: int, measured: dict, variants) -> str:
     """Issue 55's goals at one size, as measured: ratios of end-to-end and text-encoder medians."""
     rows = measured[references]
-    peer, genai = (v.label for v in variants[-2:])
-    if OURS_INT8 not in rows:
+    genai = variants[-1].label
+    said = int8_against_peers(rows, variants)
+    if not said:
         return f"Goals at {size}x{size}: not measured (openvino-int8 is not among this run's artifacts)."
     ours = rows[OURS_INT8]
-    said = [f"openvino-int8 end to end is {rows[theirs]['e2e'] / ours['e2e']:.2f}x as fast as {what} (goal 1.5x)"
-            for theirs, what in ((genai, "openvino.genai's default"), (peer, "optimum-intel's"))]
     said.append(f"its text encoder {rows[genai]['text'] / ours['text']:.1f}x as fast as openvino.genai's "
                 f"({ours['text']:.3f} s against {rows[genai]['text']:.3f} s; goal 3x)")
     first = max(r["first"] for label, r in rows.items() if label.startswith("ours"))

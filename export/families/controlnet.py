@@ -4,7 +4,8 @@ with `python -m export MODEL --controlnet FOLDER_OR_HUB_ID` (a folder or hub id 
 random test one of `RANDOM_CONTROLNETS`).
 
 What differs per family is its ControlNet kind, one module each: the U-Nets' (controlnet_unet.py), SD3's
-(controlnet_sd3.py), Flux's (controlnet_flux.py) and Z-Image's (controlnet_z_image.py). A family without one in
+(controlnet_sd3.py), Flux's (controlnet_flux.py), Z-Image's (controlnet_z_image.py) and Qwen-Image's
+(controlnet_qwen_image.py). A family without one in
 `KINDS` takes no ControlNet."""
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from export.families import controlnet_flux, controlnet_sd3, controlnet_unet, controlnet_z_image
+from export.families import (controlnet_flux, controlnet_qwen_image, controlnet_sd3, controlnet_unet,
+                             controlnet_z_image)
 from export.registry import ModelEntry
 from export.spec import ControlNetKind, SubmoduleSpec
 from runners.manifest import digest, write_once
 
 COMPONENT = "controlnet"
 KINDS: dict[str, ControlNetKind] = {**controlnet_unet.KINDS, **controlnet_sd3.KINDS, **controlnet_flux.KINDS,
-                                    **controlnet_z_image.KINDS}
+                                    **controlnet_z_image.KINDS, **controlnet_qwen_image.KINDS}
 
 
 class RandomControlNet(NamedTuple):
@@ -44,6 +46,7 @@ RANDOM_CONTROLNETS = {
     "flux-controlnet-xlabs-tiny": RandomControlNet("flux-tiny", 0, (("conditioning_embedding_channels", 16),)),
     "z-image-controlnet-tiny": RandomControlNet("z-image-tiny", 0),
     "z-image-controlnet-inpaint-tiny": RandomControlNet("z-image-tiny", 0, (("inpainting", True),)),
+    "qwen-image-controlnet-tiny": RandomControlNet("qwen-image-tiny", 0),
     "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
     "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1),
     "sd3-bench-controlnet": RandomControlNet("sd3-bench", 0),

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from export.families.parts import residual_controlnet
 from export.families.z_image import HIDDEN, PATCH, TRANSFORMER, PaddedStreams, controlled_transformer, patches
 from export.random_weights import redraw
-from export.spec import ControlNetKind, SubmoduleSpec, TensorSpec as T
+from export.spec import ControlNetKind, SubmoduleSpec
 
 # What ZImageControlNetModel.from_transformer lends it: the transformer's modules, by their weights' prefixes
 LENT = ("t_embedder.", "all_x_embedder.", "cap_embedder.", "noise_refiner.", "context_refiner.", "x_pad_token",
@@ -101,19 +102,8 @@ class _ZImageControlNet(PaddedStreams):
 
 
 def _spec(config: dict) -> SubmoduleSpec:
-    places = config["control_layers_places"]
-    return SubmoduleSpec(
-        name="controlnet",
-        component="controlnet",
-        inputs=(*TRANSFORMER.inputs,
-                T("controlnet_cond", "float32", ("batch", config["control_in_dim"], "latent_height", "latent_width")),
-                T("conditioning_scale", "float32", (len(places),), high=2)),
-        outputs=tuple(T(f"controlnet_block_{p}", "float32", HIDDEN) for p in places),
-        wrap=_ZImageControlNet,
-        latent_divisor=PATCH,
-        # Run at every step as the transformer is, and quantized as it is
-        quantization=TRANSFORMER.quantization,
-    )
+    return residual_controlnet(TRANSFORMER, ("batch", config["control_in_dim"], "latent_height", "latent_width"),
+                               config["control_layers_places"], HIDDEN, _ZImageControlNet, PATCH)
 
 
 def _check(config: dict, base, given: str) -> None:

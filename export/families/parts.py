@@ -173,3 +173,20 @@ def build_t5_pipeline(pipeline_class: str, configs: dict, out_dir, seed: int, cl
         save_pipeline(pipeline_class, modules,
                       {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), **tokenizers},
                       out_dir, dtype, seed, configs.get("weights_for"))
+
+
+def residual_controlnet(transformer: SubmoduleSpec, control_shape: tuple, places, hidden: tuple, wrap,
+                        latent_divisor, quantization: dict | None = None) -> SubmoduleSpec:
+    """A ControlNet that reads the transformer's inputs and a control input of `control_shape`, and returns one
+    residual of the hidden stream per place (`controlnet_block_<place>`), each times its `conditioning_scale`
+    factor (Z-Image's and Qwen-Image's); run at every step as the transformer is, and quantized as it is."""
+    return SubmoduleSpec(
+        name="controlnet",
+        component="controlnet",
+        inputs=(*transformer.inputs, T("controlnet_cond", "float32", control_shape),
+                T("conditioning_scale", "float32", (len(places),), high=2)),
+        outputs=tuple(T(f"controlnet_block_{p}", "float32", hidden) for p in places),
+        wrap=wrap,
+        latent_divisor=latent_divisor,
+        quantization=quantization or transformer.quantization,
+    )

@@ -21,7 +21,7 @@ import torch
 from export.families import parts
 from export.families.first_block import transformer_specs
 from export.families.llm_encoder import llm_constants, llm_encoder
-from export.families.z_image import _rotated
+from export.families.z_image import rotated
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
 
 PATCH = 2  # latents are packed in 2 x 2 patches
@@ -62,8 +62,8 @@ class _RealRopeAttention:
         img[0], img[1] = attn.norm_q(img[0]), attn.norm_k(img[1])
         txt[0], txt[1] = attn.norm_added_q(txt[0]), attn.norm_added_k(txt[1])
         img_freqs, txt_freqs = image_rotary_emb
-        img[0], img[1] = _rotated(img[0], img_freqs), _rotated(img[1], img_freqs)
-        txt[0], txt[1] = _rotated(txt[0], txt_freqs), _rotated(txt[1], txt_freqs)
+        img[0], img[1] = rotated(img[0], img_freqs), rotated(img[1], img_freqs)
+        txt[0], txt[1] = rotated(txt[0], txt_freqs), rotated(txt[1], txt_freqs)
         q, k, v = (torch.cat([t, i], dim=1).transpose(1, 2) for t, i in zip(txt, img))
         mask = None
         if encoder_hidden_states_mask is not None:
@@ -78,35 +78,49 @@ class _RealRopeAttention:
         return img_out, attn.to_add_out(out[:, :seq_txt].to(q.dtype))
 
 
-class _Transformer(torch.nn.Module):
-    """The transformer with its inputs as QwenImagePipeline feeds them (the timestep divided by 1000, the text's
-    mask) and its rotary positions as ids: `img_ids` (image tokens, 3: frame, row, column), `txt_ids` (text
-    tokens, 3), both as diffusers' QwenEmbedRope numbers them."""
+class GivenPositions(torch.nn.Module):
+    """A module with Qwen-Image's rotary embedding (the transformer, a ControlNet) held as `name`, its rotary
+    positions given as ids: `img_ids` (image tokens, 3: frame, row, column) and `txt_ids` (text tokens, 3), both
+    as diffusers' QwenEmbedRope numbers them; `tables` makes its tables from them, which the forward's
+    `img_shapes` argument carries to the module's pos_embed."""
 
-    def __init__(self, transformer):
+    def __init__(self, name: str, module):
         super().__init__()
         from diffusers.models.attention_processor import Attention
 
-        self.transformer = transformer
-        rope = transformer.pos_embed
+        setattr(self, name, module)
+        rope = module.pos_embed
         for axis, dim in enumerate(rope.axes_dim):  # rope_params' inverse frequencies, in float32 as there
             inv_freq = 1.0 / torch.pow(rope.theta, torch.arange(0, dim, 2).to(torch.float32).div(dim))
             self.register_buffer(f"inv_freq{axis}", inv_freq, persistent=False)
         self.axes = len(rope.axes_dim)
-        transformer.pos_embed = _GivenRope()
-        for module in transformer.modules():
-            if isinstance(module, Attention):
-                module.processor = _RealRopeAttention()
+        module.pos_embed = _GivenRope()
+        for child in module.modules():
+            if isinstance(child, Attention):
+                child.processor = _RealRopeAttention()
 
     def _table(self, ids):
         """(S, 3) positions -> (1, S, head_dim / 2, 2): each axis's rows side by side, as diffusers' table."""
         return torch.cat([_angles(ids[:, a], getattr(self, f"inv_freq{a}")) for a in range(self.axes)], dim=1)[None]
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_ids, txt_ids):
-        tables = (self._table(img_ids), self._table(txt_ids))
+    def tables(self, img_ids, txt_ids):
+        return self._table(img_ids), self._table(txt_ids)
+
+
+class _Transformer(GivenPositions):
+    """The transformer with its inputs as QwenImagePipeline feeds them (the timestep divided by 1000, the text's
+    mask), its rotary positions as ids, and, exported beside ControlNets, a residual per block (`controlled`)."""
+
+    def __init__(self, transformer):
+        super().__init__("transformer", transformer)
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_ids, txt_ids,
+                *block_residuals):
+        # one residual per block: diffusers adds sample i // ceil(blocks / samples) after block i, here sample i
         out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
-                               img_shapes=tables, return_dict=False)
+                               img_shapes=self.tables(img_ids, txt_ids),
+                               controlnet_block_samples=list(block_residuals) or None, return_dict=False)
         return (out[0],)
 
 
@@ -190,6 +204,16 @@ TRANSFORMER = SubmoduleSpec(
     latent_divisor="latent_multiple",
     quantization=QUANTIZATION,
 )
+HIDDEN = ("batch", "image_tokens", "inner_dim")  # the blocks' image stream, which ControlNets add to
+
+
+def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
+    """The transformer's description with a ControlNet residual input per block (block_residual_i, added after
+    block i: export/families/controlnet_qwen_image.py); its first-block graph stays the base's."""
+    residuals = tuple(T(f"block_residual_{i}", "float32", HIDDEN) for i in range(src.config("transformer")["num_layers"]))
+    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))[:1]
+
+
 VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder)
 VAE_ENCODER = dataclasses.replace(parts.VAE_ENCODER, wrap=_Encoder)
 
@@ -273,7 +297,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="qwen_image",
-    pipeline_classes=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+    pipeline_classes=("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
+                      "QwenImageControlNetPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
         *transformer_specs(TRANSFORMER),

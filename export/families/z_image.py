@@ -39,7 +39,7 @@ def _real_rope_tables(axes_dims, axes_lens, theta) -> list[tuple[torch.Tensor, t
     return tables
 
 
-def _rotated(x, freqs):
+def rotated(x, freqs):
     """x (B, S, heads, D) times e^(i angle) on its (even, odd) pairs; freqs (B, S, D / 2, 2): cos, sin."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -57,7 +57,7 @@ class _RealRopeAttention:
         if attn.norm_k is not None:
             k = attn.norm_k(k)
         if freqs_cis is not None:
-            q, k = _rotated(q, freqs_cis), _rotated(k, freqs_cis)
+            q, k = rotated(q, freqs_cis), rotated(k, freqs_cis)
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask).transpose(1, 2)
         out = attn.to_out[0](out.flatten(2, 3).to(q.dtype))

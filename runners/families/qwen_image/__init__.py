@@ -18,8 +18,10 @@ from dataclasses import replace
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
+from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS, CONTROLNETS
 from runners.families.flux.conditions import PACK, pack, unpack, unpacked_latents
 from runners.families.qwen_image import lora_keys
+from runners.families.qwen_image.controlnet import QwenImageControlNets
 from runners.guidance import QWEN_TRUE_CFG
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
@@ -29,8 +31,8 @@ log = logging.getLogger("runners")
 
 # QwenImagePipeline's and its Img2Img and Inpaint twins' signature defaults (the scale is true_cfg_scale's)
 DEFAULTS = {TEXT: Defaults(50, 4.0), IMAGE: Defaults(50, 4.0, 0.6), INPAINT: Defaults(50, 4.0, 0.6)}
-# diffusers' frame axis in the image tasks' draws: the noise is drawn (N, 1, z, h, w), the posterior (N, z, 1, h, w)
-FRAME_AXIS = {"noise": 1, "encoder_noise": 2}
+# diffusers' frame axis in the image tasks' draws: the noise is drawn (N, 1, z, h, w), the posteriors (N, z, 1, h, w)
+FRAME_AXIS = {"noise": 1, "encoder_noise": 2, "control_noise": 2}
 
 
 def positions(rows: int, cols: int) -> np.ndarray:
@@ -64,7 +66,7 @@ def _padded(encoded: Encoded, length: int) -> Encoded:
     return Encoded(np.pad(encoded.embeds, ((0, 0), (0, extra), (0, 0))), np.pad(encoded.mask, ((0, 0), (0, extra))))
 
 
-class QwenImagePipeline(TextToImage):
+class QwenImagePipeline(QwenImageControlNets, TextToImage):
     family = "qwen_image"
     guidance = QWEN_TRUE_CFG
     defaults = DEFAULTS
@@ -76,16 +78,20 @@ class QwenImagePipeline(TextToImage):
         Option("guidance_scale", "float", "ignored, as diffusers ignores it: Qwen-Image's transformer has no guidance "
                "embedding (classifier-free guidance is true_cfg_scale's, with a negative prompt)", cli=False),
         Option("sigmas", "array", "the schedule's sigmas, one a step (default: 1 to 1 / steps)", cli=False),
-    ), IMAGE_TASKS)
+    ), IMAGE_TASKS, CONTROL_OPTIONS, (CONTROL_NOISE,))
 
     def generate(self, prompt, negative_prompt=None, true_cfg_scale=4.0, height=None, width=None,
                  num_inference_steps=None, sigmas=None, guidance_scale=None, num_images_per_prompt=1, seed=None,
                  latents=None, output_type="pil", max_sequence_length=512, vae_tiling=None, image=None,
-                 mask_image=None, strength=None, noise=None, encoder_noise=None):
+                 mask_image=None, strength=None, noise=None, encoder_noise=None, control_image=None,
+                 controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
+                 control_noise=None):
         """Generate images (call the pipeline: `pipe(prompt, ...)`); from an `image` too (image to image, with
         `strength`, default 0.6), and a `mask_image` (inpainting). Classifier-free guidance runs only with a
         `negative_prompt` and `true_cfg_scale` above 1 (default 4), as in diffusers. `latents` are packed, as
-        QwenImagePipeline takes them: (N, h/2 * w/2, 64) for latent sides h, w."""
+        QwenImagePipeline takes them: (N, h/2 * w/2, 64) for latent sides h, w. On an artifact exported with
+        ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those of diffusers'
+        QwenImageControlNetPipeline (runners/families/qwen_image/controlnet.py)."""
         if guidance_scale is not None:
             log.warning("guidance_scale=%s is ignored: Qwen-Image's transformer is not guidance-distilled (use "
                         "true_cfg_scale with a negative_prompt)", guidance_scale)
@@ -99,23 +105,30 @@ class QwenImagePipeline(TextToImage):
             latents = unpacked_latents(self, latents, height, width, output_type, "QwenImagePipeline")
         noise, encoder_noise = (_without_frame(name, value, FRAME_AXIS[name])
                                 for name, value in (("noise", noise), ("encoder_noise", encoder_noise)))
-        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
-                                     true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt,
-                                     seed, latents, output_type, vae_tiling, image=image, mask_image=mask_image,
-                                     strength=strength, noise=noise, encoder_noise=encoder_noise, sigmas=sigmas,
-                                     max_length=max_sequence_length)
+        if isinstance(control_noise, (list, tuple)):  # one per ControlNet
+            control_noise = [_without_frame("control_noise", c, FRAME_AXIS["control_noise"]) for c in control_noise]
+        else:
+            control_noise = _without_frame("control_noise", control_noise, FRAME_AXIS["control_noise"])
+        result = self._controlled_text_to_image(
+            prompt, negative_prompt, height, width, num_inference_steps,
+            true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt, seed, latents, output_type,
+            vae_tiling, image=image, mask_image=mask_image, strength=strength, noise=noise,
+            encoder_noise=encoder_noise, sigmas=sigmas, max_length=max_sequence_length, control_image=control_image,
+            controlnet_conditioning_scale=controlnet_conditioning_scale, control_guidance_start=control_guidance_start,
+            control_guidance_end=control_guidance_end, control_noise=control_noise)
         return pack(result) if output_type == "latent" else result
 
-    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length):
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, control=None):
         """Each prompt's states and mask, repeated for its images; with guidance, the negative prompts' after
-        (both padded to the longer: the padding is masked out)."""
+        (both padded to the longer: the padding is masked out); the call's ControlNets."""
         encoded = self._encode(prompts, per_prompt, max_length)
         if cfg:
             negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
             length = max(encoded.embeds.shape[1], negatives.embeds.shape[1])
             encoded, negatives = _padded(encoded, length), _padded(negatives, length)
             encoded = Encoded(*(self.guidance.batch(p, n) for p, n in zip(encoded, negatives)))
-        return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask}
+        return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask,
+                **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
 
     def _encode(self, prompts: list[str], per_prompt: int, max_length: int) -> Encoded:
         """The states after the template's dropped tokens, at most `max_length` a prompt (the encoder is causal:
@@ -126,13 +139,16 @@ class QwenImagePipeline(TextToImage):
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """The transformer on the packed latents, its timestep divided by 1000 (as the pipeline feeds it), with the
-        image's and the text's rotary positions: its outputs, `noise_pred` unpacked."""
+        image's and the text's rotary positions, the ControlNets' residuals: its outputs, `noise_pred` unpacked."""
         n, _, h, w = x.shape
         rows, cols = h // PACK, w // PACK
-        length = conditions["encoder_hidden_states"].shape[1]
-        out = self.run(engine or "transformer", release=release, hidden_states=pack(x),
-                       timestep=np.full(n, t, dtype=np.float32) / np.float32(1000), img_ids=positions(rows, cols),
-                       txt_ids=text_positions(length, rows, cols), **conditions, **extra)
+        feeds = {k: v for k, v in conditions.items() if k != CONTROLNETS}
+        tokens, timestep = pack(x), np.full(n, t, dtype=np.float32) / np.float32(1000)
+        ids = {"img_ids": positions(rows, cols),
+               "txt_ids": text_positions(feeds["encoder_hidden_states"].shape[1], rows, cols)}
+        residuals = self._control_residuals(engine, tokens, timestep, feeds, release, conditions.get(CONTROLNETS), **ids)
+        out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, **ids,
+                       **feeds, **residuals, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
 
 
