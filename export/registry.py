@@ -432,6 +432,17 @@ QWEN_IMAGE_BENCH = {
     "scheduler": _QWEN_IMAGE_SCHEDULER,
 }
 
+# Qwen-Image-Edit at tiny widths: qwen-image-tiny's with a vision tower of two blocks (the first attends within
+# windows, the second over the whole image, as the real tower's 32 alternate) feeding the language model
+QWEN_IMAGE_EDIT_TINY = {
+    **QWEN_IMAGE_TINY,
+    "vision": {**_QWEN_VL_VISION_TINY, "depth": 2, "fullatt_block_indexes": [1], "out_hidden_size": 64},
+    "vocab_pieces": 800,  # the Edit template's 64-token system turn whole
+    "pipeline_class": "QwenImageEditPipeline",
+}
+# The Edit pipelines' language-model sequence: the template, an input image's 1369 tokens at 1024 x 1024, the prompt
+QWEN_IMAGE_EDIT_TEXT = (1, 1536, 2560)
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -560,6 +571,23 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 128, 1058), batch=(1, 2, 4),
                    description="Qwen-Image widths, 2 blocks, Qwen2.5-VL-7B's language model at 2 layers, the real VAE, "
                                "random weights (benchmarks)"),
+        ModelEntry("qwen-image-edit", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit", image_size=(256, 1024, 1536),
+                   text_length=QWEN_IMAGE_EDIT_TEXT,
+                   description="Qwen-Image-Edit (an input image and an instruction; 50 steps, true CFG 4 with a "
+                               "negative prompt)"),
+        ModelEntry("qwen-image-edit-2509", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit-2509",
+                   image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT,
+                   description="Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline: one to three input images)"),
+        ModelEntry("qwen-image-edit-tiny", "qwen_image_edit", random_configs=QWEN_IMAGE_EDIT_TINY,
+                   image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
+                   description="Qwen-Image-Edit architecture (Qwen2.5-VL's vision tower and language model) at tiny "
+                               "widths, built offline; its input images are sized to 192 x 192 pixels' area, not "
+                               "1024 x 1024's, for its tests' time"),
+        ModelEntry("qwen-image-edit-plus-tiny", "qwen_image_edit",
+                   random_configs={**QWEN_IMAGE_EDIT_TINY, "pipeline_class": "QwenImageEditPlusPipeline"},
+                   image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
+                   description="qwen-image-edit-tiny as Qwen-Image-Edit-2509's QwenImageEditPlusPipeline (several "
+                               "input images)"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

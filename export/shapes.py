@@ -45,6 +45,8 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
     base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "text_length": entry.text_length}
     if "reference_tokens" in constants:  # reference images' tokens: none at min and opt, up to the family's budget
         base["reference_tokens"] = (0, 0, constants["reference_tokens"])
+    if "vision_windows" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)
+        base["vision_windows"] = (1, constants["vision_windows_opt"], constants["vision_windows"])
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
     return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 
@@ -97,6 +99,8 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
     ]
     if "reference_tokens" in _used(family):  # a graph takes reference tokens on their own axis (FLUX.2 klein KV)
         probes[0]["reference_tokens"], probes[1]["reference_tokens"] = 4, 2
+    if "vision_windows" in _used(family):
+        probes[0]["vision_windows"], probes[1]["vision_windows"] = 3, 2
     return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 
 

@@ -274,7 +274,8 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux-schnell-tiny": "flux-tiny", "flux-fill-tiny": "flux-tiny", "flux-control-tiny": "flux-tiny",
                "flux-kontext-tiny": "flux-tiny", "z-image-tiny": "flux-tiny", "flux2-klein-tiny": None,
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
-               "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None}
+               "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
+               "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny"}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 
@@ -319,6 +320,34 @@ def ours_and_diffusers(build: TinyBuild, pipeline_class: str):
 
 def manifest(folder) -> dict:
     return json.loads((folder / "manifest.json").read_text())
+
+
+def qwen_packed_noise(n: int, height: int, width: int, seed: int = 0):
+    """Latents as the Qwen-Image pipelines take them: (n, tokens, 64), 2 x 2 patches of the 16-channel latents."""
+    import numpy as np
+
+    from runners.families.flux.conditions import pack
+
+    return pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
+
+
+def assert_case_equal(run_both, cases: dict, case: str, atol: float, label: str, least_change: float) -> None:
+    """Case `case` of `cases` ({name: (arguments, the case whose image it must change, or None)}) run by
+    `run_both(**arguments)` -> (ours, diffusers'): equal within `atol`, diffusers' a real image, and the case's
+    feature changing our image by more than `least_change` from the case it names."""
+    import numpy as np
+
+    arguments, changes = cases[case]
+    ours, theirs = run_both(**arguments)
+    assert_real_image(theirs)
+    assert ours.shape == theirs.shape
+    error = float(np.abs(ours - theirs).max())
+    print(f"{label} {case}: |ours - diffusers| {error:.1e}")
+    assert error <= atol
+    if changes:
+        changed = float(np.abs(ours - run_both(**cases[changes][0])[0]).max())
+        print(f"{label} {case}: changed the image by {changed:.4f}")
+        assert changed > least_change
 
 
 def assert_real_image(image, max_clipped: float = 0.25) -> None:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import qwen_packed_noise as packed_noise
 
 # Measured: at most 1e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
 IMAGE_ATOL = 5e-5
@@ -19,13 +20,6 @@ def pair(qwen_image_tiny_build):
     from conftest import ours_and_diffusers
 
     return ours_and_diffusers(qwen_image_tiny_build, "QwenImagePipeline")
-
-
-def packed_noise(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
-    """Latents as QwenImagePipeline takes them: (n, tokens, 64), 2 x 2 patches of the 16-channel latents."""
-    from runners.families.flux.conditions import pack
-
-    return pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +58,10 @@ CASES = {  # name: (arguments, the case whose image it must change)
 
 @pytest.mark.parametrize("case", CASES)
 def test_equal_to_diffusers(run_both, case):
-    from conftest import assert_real_image
+    from conftest import assert_case_equal
 
-    arguments, changes = CASES[case]
-    ours, theirs = run_both(**arguments)
-    assert_real_image(theirs)
-    assert ours.shape == theirs.shape
-    error = float(np.abs(ours - theirs).max())
-    print(f"qwen-image {case}: |ours - diffusers| {error:.1e}")
-    assert error <= IMAGE_ATOL
-    if changes:  # the feature did something (measured: by 0.006 to 0.015; a level of 255 is 0.004)
-        changed = float(np.abs(ours - run_both(**CASES[changes][0])[0]).max())
-        print(f"qwen-image {case}: changed the image by {changed:.3f}")
-        assert changed > 1 / 255
+    # a feature changes the image by 0.006 to 0.015 (measured); a level of 255 is 0.004
+    assert_case_equal(run_both, CASES, case, IMAGE_ATOL, "qwen-image", 1 / 255)
 
 
 def test_two_prompts_two_images_each_as_the_prompts_repeated(pair):

@@ -34,7 +34,7 @@ def _params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-class _LLMHiddenStates(torch.nn.Module):
+class LLMHiddenStates(torch.nn.Module):
     """input_ids, attention_mask -> the hidden states of `layers` (indices into `hidden_states`,
     negative from the end), concatenated on the feature axis in that order."""
 
@@ -104,8 +104,8 @@ def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module],
         inputs=(T("input_ids", "int64", ("batch", "text_length"), high=vocab),
                 T("attention_mask", "int64", ("batch", "text_length"), mask=True)),
         outputs=(T(output, "float32", ("batch", "text_length", width)),),
-        wrap=functools.partial(_LLMHiddenStates, layers=layers),
-        load_kwargs={"attn_implementation": "eager"},  # then ATTENTION: see _LLMHiddenStates
+        wrap=functools.partial(LLMHiddenStates, layers=layers),
+        load_kwargs={"attn_implementation": "eager"},  # then ATTENTION: see LLMHiddenStates
     )
 
 

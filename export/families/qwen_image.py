@@ -218,15 +218,15 @@ VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder)
 VAE_ENCODER = dataclasses.replace(parts.VAE_ENCODER, wrap=_Encoder)
 
 
-def _image_tokens(dims: dict[str, int]) -> int:
+def image_tokens(dims: dict[str, int]) -> int:
     return (dims["latent_height"] // PATCH) * (dims["latent_width"] // PATCH)
 
 
-def _scale(vae: dict) -> int:
+def scale(vae: dict) -> int:
     return 2 ** len(vae["temperal_downsample"])  # QwenImagePipeline's vae_scale_factor
 
 
-def _constants(src) -> dict[str, int]:
+def constants(src) -> dict[str, int]:
     tr, vae = src.config("transformer"), src.config("vae")
     return {
         **llm_constants(src.config("text_encoder"), TEXT_LAYERS),
@@ -234,17 +234,17 @@ def _constants(src) -> dict[str, int]:
         # a token holds a 2 x 2 patch of latent pixels; in_channels counts a pixel's, as for the other families
         "packed_channels": tr["in_channels"],
         "in_channels": tr["in_channels"] // PATCH**2,
-        "vae_scale_factor": _scale(vae),
+        "vae_scale_factor": scale(vae),
         "latent_multiple": PATCH,
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
         "inner_dim": tr["num_attention_heads"] * tr["attention_head_dim"],
     }
 
 
-def _runtime_constants(src) -> dict:
+def runtime_constants(src) -> dict:
     return {
         "vae_scaling_factor": 1.0, "vae_shift_factor": 0.0,  # the graphs normalise (the config's mean and std)
-        "vae_scale_factor": _scale(src.config("vae")),
+        "vae_scale_factor": scale(src.config("vae")),
         "denoiser": "transformer",
         "latent_multiple": PATCH,
         "patch_size": PATCH,
@@ -254,10 +254,13 @@ def _runtime_constants(src) -> dict:
     }
 
 
-def build_random(configs: dict, out_dir, seed: int = 0) -> None:
+def build_random(configs: dict, out_dir, seed: int = 0, prefix: str = PROMPT_TEMPLATE.split("{}")[0],
+                 drop: int = DROP_TOKENS, later: tuple[str, ...] = ()) -> None:
     """Write a QwenImagePipeline folder with random seeded weights from component configs (see the registry):
-    Qwen2.5-VL (its language model at the configs' widths, a one-layer vision tower beside it: loaded, never run)
-    and a Qwen2-kind tokenizer trained offline with Qwen2.5-VL's chat template."""
+    Qwen2.5-VL (its language model at the configs' widths, its vision tower beside it, which text to image
+    loads and never runs) and a Qwen2-kind tokenizer trained offline with Qwen2.5-VL's chat template, whose
+    vocabulary makes the template's `prefix` the `drop` tokens the pipeline drops. `later`: components the
+    caller writes afterwards (the Edit pipelines' processor), None in the pipeline saved."""
     import tempfile
     from pathlib import Path
 
@@ -270,16 +273,15 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
     template = (Path(__file__).parent.parent / "templates" / "qwen2_5_vl_chat_template.jinja").read_text()
     dtype = configs.get("weights_dtype")
     with tempfile.TemporaryDirectory() as tmp:
-        # Qwen's vocabulary has each word of the pipeline's template whole: its system turn is the 34 tokens
-        # the pipeline drops. The tiny tokenizer is trained to match, or the states kept would be the template's.
-        prefix = PROMPT_TEMPLATE.split("{}")[0]
+        # Qwen's vocabulary has each word of the pipeline's template whole: its system turn is the tokens the
+        # pipeline drops. The tiny tokenizer is trained to match, or the states kept would be the template's.
         vocab = write_qwen_tokenizer(Path(tmp, "tokenizer"), configs["vocab_pieces"], template, seed,
                                      special=QWEN_VL_SPECIAL_TOKENS, added=(), whole=prefix.replace("<|im_end|>", ""))
         tokenizer = AutoTokenizer.from_pretrained(Path(tmp, "tokenizer"))
         dropped = len(tokenizer(prefix).input_ids)
-        if dropped != DROP_TOKENS:
+        if dropped != drop:
             raise ValueError(f"the random tokenizer makes the template's system turn {dropped} tokens, not the "
-                             f"{DROP_TOKENS} QwenImagePipeline drops: raise vocab_pieces")
+                             f"{drop} the pipeline drops: raise vocab_pieces")
         ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
                (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
                 ("vision_end", "vision_end"))}
@@ -290,9 +292,10 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
             "vae": lambda: AutoencoderKLQwenImage(**configs["vae"]),
             "text_encoder": lambda: Qwen2_5_VLForConditionalGeneration(config),
         }, seed, streamed=dtype is not None)
-        save_pipeline(configs.get("pipeline_class", "QwenImagePipeline"), modules,
-                      {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), "tokenizer": tokenizer},
-                      out_dir, dtype, seed, configs.get("weights_for"))
+        others = {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), "tokenizer": tokenizer,
+                  **dict.fromkeys(later)}
+        save_pipeline(configs.get("pipeline_class", "QwenImagePipeline"), modules, others, out_dir, dtype, seed,
+                      configs.get("weights_for"))
 
 
 FAMILY = Family(
@@ -305,9 +308,9 @@ FAMILY = Family(
         VAE_DECODER,
         VAE_ENCODER,
     ),
-    constants=_constants,
-    runtime_constants=_runtime_constants,
-    derived_dims={**parts.VAE_DIMS, "image_tokens": _image_tokens},
+    constants=constants,
+    runtime_constants=runtime_constants,
+    derived_dims={**parts.VAE_DIMS, "image_tokens": image_tokens},
     tokenizers=("tokenizer",),
     build_random=build_random,
     # The pipeline's own template (no chat template), its first 34 tokens' states dropped; each prompt's own

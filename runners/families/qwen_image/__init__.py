@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,15 @@ from runners.prompts import Encoded, encode_prompts
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 log = logging.getLogger("runners")
+REFERENCE = "references"  # the conditions' entry of the Edit pipelines' input images (runners/families/qwen_image_edit)
+
+
+class References(NamedTuple):
+    """Input images' tokens after the image's: packed latents (1, n, 64), their rotary positions (n, 3), and
+    each image's token grid (rows, cols)."""
+    tokens: np.ndarray
+    ids: np.ndarray
+    shapes: list[tuple[int, int]]
 
 # QwenImagePipeline's and its Img2Img and Inpaint twins' signature defaults (the scale is true_cfg_scale's)
 DEFAULTS = {TEXT: Defaults(50, 4.0), IMAGE: Defaults(50, 4.0, 0.6), INPAINT: Defaults(50, 4.0, 0.6)}
@@ -35,16 +45,18 @@ DEFAULTS = {TEXT: Defaults(50, 4.0), IMAGE: Defaults(50, 4.0, 0.6), INPAINT: Def
 FRAME_AXIS = {"noise": 1, "encoder_noise": 2, "control_noise": 2}
 
 
-def positions(rows: int, cols: int) -> np.ndarray:
-    """(rows * cols, 3) float32: each packed token's rotary position (frame 0, row, column), the rows and columns
-    centred as QwenEmbedRope's scale_rope numbers them (-ceil(n / 2) to n // 2 - 1)."""
+def positions(rows: int, cols: int, frame: int = 0) -> np.ndarray:
+    """(rows * cols, 3) float32: each packed token's rotary position (frame, row, column), the rows and columns
+    centred as QwenEmbedRope's scale_rope numbers them (-ceil(n / 2) to n // 2 - 1). The image is frame 0; the
+    Edit pipelines' input images are frames 1, 2, ..."""
     r, c = np.meshgrid(np.arange(rows) - (rows - rows // 2), np.arange(cols) - (cols - cols // 2), indexing="ij")
-    return np.stack([np.zeros_like(r), r, c], axis=-1).reshape(-1, 3).astype(np.float32)
+    return np.stack([np.full_like(r, frame), r, c], axis=-1).reshape(-1, 3).astype(np.float32)
 
 
-def text_positions(length: int, rows: int, cols: int) -> np.ndarray:
-    """(length, 3) float32: the text's positions, on every axis after the image's largest half side."""
-    first = max(rows // 2, cols // 2)
+def text_positions(length: int, shapes) -> np.ndarray:
+    """(length, 3) float32: the text's positions, on every axis after the largest half side of the images'
+    token grids `shapes` ((rows, cols) each)."""
+    first = max(max(rows // 2, cols // 2) for rows, cols in shapes)
     return np.repeat(np.arange(first, first + length, dtype=np.float32)[:, None], 3, axis=1)
 
 
@@ -92,12 +104,7 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         QwenImagePipeline takes them: (N, h/2 * w/2, 64) for latent sides h, w. On an artifact exported with
         ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those of diffusers'
         QwenImageControlNetPipeline (runners/families/qwen_image/controlnet.py)."""
-        if guidance_scale is not None:
-            log.warning("guidance_scale=%s is ignored: Qwen-Image's transformer is not guidance-distilled (use "
-                        "true_cfg_scale with a negative_prompt)", guidance_scale)
-        if not 1 <= max_sequence_length <= self.constants["max_text"]:
-            raise ValueError(f"max_sequence_length={max_sequence_length} is not allowed: Qwen-Image keeps 1 to "
-                             f"{self.constants['max_text']} states per prompt")
+        self._check_text_options(guidance_scale, max_sequence_length)
         # the artifact's text range may hold fewer: a longer prompt is truncated there, with a warning
         max_sequence_length = min(max_sequence_length,
                                   self.dims["text_length"][2] - self.tokenizers["tokenizer"].drop_tokens)
@@ -118,17 +125,31 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
             control_guidance_end=control_guidance_end, control_noise=control_noise)
         return pack(result) if output_type == "latent" else result
 
+    def _check_text_options(self, guidance_scale, max_sequence_length) -> None:
+        """diffusers' warning for guidance_scale and its range for max_sequence_length."""
+        if guidance_scale is not None:
+            log.warning("guidance_scale=%s is ignored: Qwen-Image's transformer is not guidance-distilled (use "
+                        "true_cfg_scale with a negative_prompt)", guidance_scale)
+        if not 1 <= max_sequence_length <= self.constants["max_text"]:
+            raise ValueError(f"max_sequence_length={max_sequence_length} is not allowed: Qwen-Image keeps 1 to "
+                             f"{self.constants['max_text']} states per prompt")
+
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, max_length, control=None):
-        """Each prompt's states and mask, repeated for its images; with guidance, the negative prompts' after
-        (both padded to the longer: the padding is masked out); the call's ControlNets."""
-        encoded = self._encode(prompts, per_prompt, max_length)
+        """The prompts' states and masks (`_prompt_states`); the call's ControlNets."""
+        states = self._prompt_states(lambda texts: self._encode(texts, per_prompt, max_length), prompts,
+                                     negative_prompt, cfg)
+        return {**states, **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
+
+    def _prompt_states(self, encode, prompts, negative_prompt, cfg) -> dict:
+        """`encode`(texts) -> each prompt's states and mask, repeated for its images; with guidance, the negative
+        prompts' after (both padded to the longer: the padding is masked out)."""
+        encoded = encode(prompts)
         if cfg:
-            negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
+            negatives = encode(self._negatives(prompts, negative_prompt))
             length = max(encoded.embeds.shape[1], negatives.embeds.shape[1])
             encoded, negatives = _padded(encoded, length), _padded(negatives, length)
             encoded = Encoded(*(self.guidance.batch(p, n) for p, n in zip(encoded, negatives)))
-        return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask,
-                **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
+        return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask}
 
     def _encode(self, prompts: list[str], per_prompt: int, max_length: int) -> Encoded:
         """The states after the template's dropped tokens, at most `max_length` a prompt (the encoder is causal:
@@ -137,19 +158,28 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         encoded = encode_prompts(self, "text_encoder", "tokenizer", prompts, drop + max_length, post="repadded")
         return Encoded(*(np.repeat(a, per_prompt, axis=0) for a in encoded))
 
+    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+        """The image's tokens, and the Edit pipelines' input images' after them."""
+        references = conditions.get(REFERENCE)
+        return super().hidden_tokens(h, w, conditions) + (0 if references is None else len(references.ids))
+
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
-        """The transformer on the packed latents, its timestep divided by 1000 (as the pipeline feeds it), with the
-        image's and the text's rotary positions, the ControlNets' residuals: its outputs, `noise_pred` unpacked."""
+        """The transformer on the packed latents (the Edit pipelines' input images' tokens after them), its
+        timestep divided by 1000 (as the pipeline feeds it), with the tokens' and the text's rotary positions and
+        the ControlNets' residuals: its outputs, `noise_pred` the image's tokens' unpacked."""
         n, _, h, w = x.shape
         rows, cols = h // PACK, w // PACK
-        feeds = {k: v for k, v in conditions.items() if k != CONTROLNETS}
+        feeds = {k: v for k, v in conditions.items() if k not in (CONTROLNETS, REFERENCE)}
         tokens, timestep = pack(x), np.full(n, t, dtype=np.float32) / np.float32(1000)
-        ids = {"img_ids": positions(rows, cols),
-               "txt_ids": text_positions(feeds["encoder_hidden_states"].shape[1], rows, cols)}
+        img_ids, shapes = positions(rows, cols), [(rows, cols)]
+        references = conditions.get(REFERENCE)
+        if references is not None:
+            tokens = np.concatenate([tokens, np.repeat(references.tokens, n, axis=0)], axis=1)
+            img_ids, shapes = np.concatenate([img_ids, references.ids]), shapes + references.shapes
+        ids = {"img_ids": img_ids, "txt_ids": text_positions(feeds["encoder_hidden_states"].shape[1], shapes)}
         residuals = self._control_residuals(engine, tokens, timestep, feeds, release, conditions.get(CONTROLNETS), **ids)
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, **ids,
                        **feeds, **residuals, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
-
+        return {**out, "noise_pred": unpack(out["noise_pred"][:, :rows * cols], h, w)}
 
 register_key_spelling("qwen_image", lora_keys.to_diffusers_names)  # adapters in the trainers' module names
