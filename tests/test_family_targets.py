@@ -27,6 +27,8 @@ FAMILIES = ["sd15", "sdxl", "flux"]
 # 35.2), openvino int8 27.5, 28.1 (25.6, 25.0); sdxl int8 36.8, 36.5 (30.0, 27.2), openvino int8 29.2, 29.3
 # (26.4, 25.6); flux int8 45.6, 46.0 (45.0, 41.4), openvino int8 30.9, 31.1 (32.3, 28.9). Bounds 5 dB under.
 # (OpenVINO int8 calibrated on 128 of the recorded calls; on all of them it measured within 0.5 dB of these.)
+# sdxl runs fp16 and int8 only, for the suite's time: its fp8 and OpenVINO builds are sd15's U-Net code (their
+# numbers above were measured; bounds were 5 dB under), which sd15's cases hold.
 # flux-tiny, measured the same way (a packed 128x128 start, 5 steps): fp16 75.8, 75.8 dB, int8 68.2, 68.3,
 # fp8 65.9, 64.8, openvino fp32 132.0, 133.5, bf16 45.5, 45.9, int8 39.4, 39.4; image to image and
 # inpainting fp16 74.8, 74.8, int8 67.5, 65.9, fp8 62.7, 63.5, openvino fp32 132.8, 131.7, bf16 40.6,
@@ -36,22 +38,20 @@ FAMILIES = ["sd15", "sdxl", "flux"]
 TASK_MIN_PSNR = int8_bounds({
     "sd15": {"fp16": (68.5, 66.0), "int8": (47.5, 47.5), "fp8": (34.0, 33.5),
              "openvino-bf16": (42.5, 42.0), "openvino-int8": (25.0, 25.0)},
-    "sdxl": {"fp16": (67.5, 64.0), "int8": (44.5, 40.0), "fp8": (29.5, 26.5),
-             "openvino-bf16": (39.0, 35.0), "openvino-int8": (22.5, 23.0)},
+    "sdxl": {"fp16": (67.5, 64.0), "int8": (44.5, 40.0)},
     "flux": {"fp16": (69.5, 69.5), "int8": (62.5, 60.5), "fp8": (57.5, 58.5), "openvino-fp32": (100.0, 100.0),
              "openvino-bf16": (35.5, 36.5), "openvino-int8": (33.0, 26.5)},
 }, {"sd15": {"int8": (31.5, 30.0), "openvino-int8": (20.0, 19.5)},
-    "sdxl": {"int8": (25.0, 22.0), "openvino-int8": (21.0, 20.0)},
+    "sdxl": {"int8": (25.0, 22.0)},
     "flux": {"int8": (40.0, 36.0), "openvino-int8": (27.0, 23.5)}})
 MIN_PSNR = int8_bounds({
     "sd15": {"fp16": (71.0, 74.0), "int8": (53.0, 70.0), "fp8": (38.0, 53.0),
              "openvino-bf16": (45.5, 49.5), "openvino-int8": (34.0, 37.0)},
-    "sdxl": {"fp16": (69.0, 68.0), "int8": (50.0, 49.0), "fp8": (35.0, 36.0),
-             "openvino-bf16": (43.5, 43.5), "openvino-int8": (32.0, 32.5)},
+    "sdxl": {"fp16": (69.0, 68.0), "int8": (50.0, 49.0)},
     "flux": {"fp16": (70.5, 70.5), "int8": (63.0, 63.0), "fp8": (60.5, 59.5), "openvino-fp32": (100.0, 100.0),
              "openvino-bf16": (40.5, 40.5), "openvino-int8": (34.0, 34.0)},
 }, {"sd15": {"int8": (36.5, 43.0), "openvino-int8": (22.5, 23.0)},
-    "sdxl": {"int8": (31.5, 31.5), "openvino-int8": (24.0, 24.0)},
+    "sdxl": {"int8": (31.5, 31.5)},
     "flux": {"int8": (40.5, 41.0), "openvino-int8": (26.0, 26.0)}})
 
 

@@ -309,9 +309,11 @@ def test_inpainting_equal_to_diffusers(pairs, monkeypatch, case):
 # rounds differently with AMX (Z-Image's first image: 42.8 dB on CI's Xeon, 61.7 here; tests/test_z_image.py)
 # and CI failed these bounds there: its bf16 bounds are 5 dB under Z-Image's AMX loss added to each variant's own
 # here (bf16 and int8 weights 42.8, int4 weights 36.0).
-TARGET_MIN_PSNR = {"fp16": (68.5, 68.0), "int8": (30.5, 30.5), "fp8": (64.5, 65.0), "openvino-fp32": (100.0, 100.0),
+# The suite runs the variants whose numerics are the family's own, for its time; ort fp8, OpenVINO fp32 and bf16
+# with int8 weights (whose paths the other families' tests hold) were measured as above and are left out of it.
+TARGET_MIN_PSNR = {"fp16": (68.5, 68.0), "int8": (30.5, 30.5),
                    "openvino-bf16": (37.5, 37.5), "openvino-int8": (19.5, 19.5),
-                   "openvino-bf16-int8-weights": (37.5, 37.5), "openvino-bf16-int4-weights": (31.0, 31.0)}
+                   "openvino-bf16-int4-weights": (31.0, 31.0)}
 
 
 def _target_images(artifact):

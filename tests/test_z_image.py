@@ -179,9 +179,11 @@ def test_image_tasks_equal_to_diffusers(pair, monkeypatch, task):
 # OpenVINO's bf16 rounds differently with AMX: CI's Xeon gave 42.8 dB for the first image (this EPYC's
 # AVX512-BF16 61.7). Its bf16 bounds are 5 dB under AMX's loss added to each variant's own here (the second
 # image taken 3.6 dB under the first, as here): bf16 and int8 weights 42.7, 39.1, int4 weights 33.9, 30.0.
-TARGET_MIN_PSNR = {"fp16": (56.5, 53.0), "int8": (26.0, 22.5), "fp8": (35.0, 25.5), "openvino-fp32": (100.0, 100.0),
+# The suite runs the variants whose numerics are the family's own, for its time; ort fp8, OpenVINO fp32 and bf16
+# with int8 weights (whose paths the other families' tests hold) were measured as above and are left out of it.
+TARGET_MIN_PSNR = {"fp16": (56.5, 53.0), "int8": (26.0, 22.5),
                    "openvino-bf16": (37.5, 34.0), "openvino-int8": (24.0, 23.0),
-                   "openvino-bf16-int8-weights": (37.5, 34.0), "openvino-bf16-int4-weights": (28.5, 25.0)}
+                   "openvino-bf16-int4-weights": (28.5, 25.0)}
 
 
 def _target_images(artifact):

@@ -112,6 +112,9 @@ class _Transformer(GivenPositions):
     mask), its rotary positions as ids, and, exported beside ControlNets, a residual per block (`controlled`)."""
 
     def __init__(self, transformer):
+        if getattr(transformer.config, "zero_cond_t", False):  # its forward numbers tokens from img_shapes' tuples
+            raise NotImplementedError("this transformer modulates its input images' tokens at timestep 0 "
+                                      "(zero_cond_t: Qwen-Image-Edit-2511's), which the export does not take yet")
         super().__init__("transformer", transformer)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_ids, txt_ids,
