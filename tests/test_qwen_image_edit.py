@@ -207,3 +207,36 @@ def test_targets_within_their_bounds(qwen_image_edit_tiny_build):
     from conftest import assert_targets_within
 
     assert_targets_within(qwen_image_edit_tiny_build.folder, _target_images, TARGET_MIN_PSNR, "qwen-image-edit")
+
+
+def test_lora_in_lightnings_names_equal_to_diffusers(qwen_image_edit_tiny_build, qwen_image_tiny_build, tmp_path,
+                                                     monkeypatch):
+    """An adapter of the transformer in Qwen-Image-Edit-Lightning's names (the module paths, lora_down/up, alpha)
+    at load, against diffusers' QwenImageEditPipeline.load_lora_weights + fuse_lora; switched off, the plain image.
+    (Made on qwen-image-tiny's pipeline, whose transformer the Edit one is.)"""
+    from diffusers import QwenImagePipeline
+    from lora_adapters import make_adapter
+    from test_qwen_image import LORA_TARGETS, _trainer_named
+
+    from runners import Pipeline
+
+    peft = make_adapter(QwenImagePipeline, qwen_image_tiny_build.source.folder, tmp_path / "a", LORA_TARGETS,
+                        seed=5, rank=2, alpha=4.0)
+    adapter = _trainer_named(peft, tmp_path / "lightning.safetensors", "")
+    plain, reference = _reference(qwen_image_edit_tiny_build, "QwenImageEditPipeline", monkeypatch)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.fuse_lora(adapter_names=["a"])
+    latents = packed_noise(1, 64, 64, seed=5)
+    call = dict(prompt="make the sky red", image=input_image(200, 150, 1), height=64, width=64, num_inference_steps=2,
+                output_type="np")
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), **call).images
+    loaded = Pipeline.load(qwen_image_edit_tiny_build.folder / "ort-fp32", loras={adapter: 1.0})
+    got = loaded(latents=latents, **call)
+    print(f"qwen-image-edit LoRA (Lightning's names): |ours - diffusers| {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    loaded.set_loras({})
+    without = loaded(latents=latents, **call)
+    assert np.array_equal(without, plain(latents=latents, **call))
+    print(f"qwen-image-edit LoRA: changed the image by {np.abs(theirs - without).max():.3f}")
+    assert np.abs(theirs - without).max() > 0.05

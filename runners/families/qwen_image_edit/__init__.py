@@ -84,7 +84,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
         if latents is not None:
             latents = unpacked_latents(self, latents, height, width, output_type, "QwenImageEditPipeline")
         vae_images, vision_images = self._sized(images)
-        references = self._references(vae_images, vae_tiling)
+        with self._timed("vae_encode"):
+            references = self._references(vae_images, vae_tiling)
         result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
                                      true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt,
                                      seed, latents, output_type, vae_tiling, sigmas=sigmas,
