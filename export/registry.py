@@ -440,6 +440,8 @@ QWEN_IMAGE_EDIT_TINY = {
     "vocab_pieces": 800,  # the Edit template's 64-token system turn whole
     "pipeline_class": "QwenImageEditPipeline",
 }
+QWEN_IMAGE_EDIT_2511_TINY = {**QWEN_IMAGE_EDIT_TINY, "pipeline_class": "QwenImageEditPlusPipeline",
+                             "transformer": {**QWEN_IMAGE_TINY["transformer"], "zero_cond_t": True}}
 # The Edit pipelines' language-model sequence: the template, an input image's 1369 tokens at 1024 x 1024, the prompt
 QWEN_IMAGE_EDIT_TEXT = (1, 1536, 2560)
 
@@ -578,6 +580,10 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("qwen-image-edit-2509", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit-2509",
                    image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT,
                    description="Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline: one to three input images)"),
+        ModelEntry("qwen-image-edit-2511", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit-2511",
+                   image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT,
+                   description="Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline; its input images modulated at "
+                               "timestep 0: zero_cond_t)"),
         ModelEntry("qwen-image-edit-tiny", "qwen_image_edit", random_configs=QWEN_IMAGE_EDIT_TINY,
                    image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
                    description="Qwen-Image-Edit architecture (Qwen2.5-VL's vision tower and language model) at tiny "
@@ -588,6 +594,9 @@ MODELS: dict[str, ModelEntry] = {
                    image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
                    description="qwen-image-edit-tiny as Qwen-Image-Edit-2509's QwenImageEditPlusPipeline (several "
                                "input images)"),
+        ModelEntry("qwen-image-edit-2511-tiny", "qwen_image_edit", random_configs=QWEN_IMAGE_EDIT_2511_TINY,
+                   image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
+                   description="qwen-image-edit-plus-tiny with Qwen-Image-Edit-2511's zero_cond_t transformer"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

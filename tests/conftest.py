@@ -92,9 +92,9 @@ def _group(item: pytest.Item) -> str:
 # keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
 # group not listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 860, "test_z_image.py": 750, "test_family_targets.py::sdxl": 670,
+    "test_family_targets.py::sd15": 860, "test_z_image.py": 700, "test_family_targets.py::sdxl": 470,
     "test_family_targets.py::flux": 590, "test_flux2.py": 420, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
-    "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
+    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220, "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
     "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
     "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,
     "test_controlnet.py": 130, "test_serving.py": 120, "test_flux.py::flux": 100, "test_controlnet.py::sdxl": 100,
@@ -275,7 +275,8 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux-kontext-tiny": "flux-tiny", "z-image-tiny": "flux-tiny", "flux2-klein-tiny": None,
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
                "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
-               "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny"}
+               "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",
+               "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny"}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 

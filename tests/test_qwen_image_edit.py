@@ -142,23 +142,47 @@ def plus_pair(qwen_image_edit_plus_tiny_build, monkeymodule):
     return _reference(qwen_image_edit_plus_tiny_build, "QwenImageEditPlusPipeline", monkeymodule)
 
 
-def test_edit_plus_with_two_images_equal_to_diffusers(plus_pair):
-    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509) with two input images of different sizes and guidance;
-    the second image changes the result."""
-    from conftest import assert_real_image
+PLUS_CALL = dict(prompt="put the cat on the sofa", height=64, width=96, num_inference_steps=2, output_type="np", **CFG)
 
+
+def _plus_images():
+    return [input_image(200, 150, 1), input_image(120, 160, 2)]
+
+
+@pytest.fixture(scope="module")
+def plus_images(plus_pair):
+    """diffusers' and our QwenImageEditPlusPipeline with two input images of different sizes and guidance."""
     ours, reference = plus_pair
     latents = packed_noise(1, 64, 96)
-    call = dict(prompt="put the cat on the sofa", height=64, width=96, num_inference_steps=2, output_type="np", **CFG)
-    images = [input_image(200, 150, 1), input_image(120, 160, 2)]
     with torch.no_grad():
-        theirs = reference(image=images, latents=torch.from_numpy(latents), **call).images
-    got = ours(image=images, latents=latents, **call)
+        theirs = reference(image=_plus_images(), latents=torch.from_numpy(latents), **PLUS_CALL).images
+    return ours(image=_plus_images(), latents=latents, **PLUS_CALL), theirs
+
+
+def test_edit_plus_with_two_images_equal_to_diffusers(plus_pair, plus_images):
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509) with two input images; the second changes the result."""
+    from conftest import assert_real_image
+
+    got, theirs = plus_images
     assert_real_image(theirs)
     print(f"qwen-image-edit-plus two images: |ours - diffusers| {np.abs(got - theirs).max():.1e}")
     assert np.abs(got - theirs).max() <= IMAGE_ATOL
-    one = ours(image=images[:1], latents=latents, **call)
-    assert np.abs(got - one).max() > 1 / 255
+    one = plus_pair[0](image=_plus_images()[:1], latents=packed_noise(1, 64, 96), **PLUS_CALL)
+    assert np.abs(got - one).max() > 20 * IMAGE_ATOL
+
+
+def test_edit_2511_equal_to_diffusers(qwen_image_edit_2511_tiny_build, monkeypatch, plus_images):
+    """Qwen-Image-Edit-2511's transformer (zero_cond_t: the input images' tokens modulated at timestep 0) as
+    QwenImageEditPlusPipeline runs it, two input images; the modulation changes 2509's image (same weights)."""
+    ours, reference = _reference(qwen_image_edit_2511_tiny_build, "QwenImageEditPlusPipeline", monkeypatch)
+    latents = packed_noise(1, 64, 96)
+    with torch.no_grad():
+        theirs = reference(image=_plus_images(), latents=torch.from_numpy(latents), **PLUS_CALL).images
+    got = ours(image=_plus_images(), latents=latents, **PLUS_CALL)
+    print(f"qwen-image-edit-2511 two images: |ours - diffusers| {np.abs(got - theirs).max():.1e}, "
+          f"2509's image changed by {np.abs(got - plus_images[0]).max():.4f}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    assert np.abs(got - plus_images[0]).max() > 10 * IMAGE_ATOL  # measured 0.0008: 1000 times the parity error
 
 
 def test_export_parity_and_graphs(qwen_image_edit_tiny_build):

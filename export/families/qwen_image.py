@@ -112,19 +112,48 @@ class _Transformer(GivenPositions):
     mask), its rotary positions as ids, and, exported beside ControlNets, a residual per block (`controlled`)."""
 
     def __init__(self, transformer):
-        if getattr(transformer.config, "zero_cond_t", False):  # its forward numbers tokens from img_shapes' tuples
-            raise NotImplementedError("this transformer modulates its input images' tokens at timestep 0 "
-                                      "(zero_cond_t: Qwen-Image-Edit-2511's), which the export does not take yet")
         super().__init__("transformer", transformer)
+        self.__dict__["modulation"] = None  # zero_cond_t: the call's modulate_index, for _zero_conditioned's hooks
+        if getattr(transformer.config, "zero_cond_t", False):
+            self.__dict__["modulation"] = {}
+            _zero_conditioned(transformer, self.modulation)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_ids, txt_ids,
                 *block_residuals):
+        if self.modulation is not None:  # an Edit pipeline's input images' tokens are frames 1, 2, ...
+            self.modulation["index"] = (img_ids[:, 0] > 0).long()[None].expand(hidden_states.shape[0], -1)
         # one residual per block: diffusers adds sample i // ceil(blocks / samples) after block i, here sample i
         out = self.transformer(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                                encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep,
                                img_shapes=self.tables(img_ids, txt_ids),
                                controlnet_block_samples=list(block_residuals) or None, return_dict=False)
         return (out[0],)
+
+
+def _zero_conditioned(transformer, modulation: dict) -> None:
+    """Qwen-Image-Edit-2511's transformer (zero_cond_t): the input images' tokens are modulated by the embedding
+    of timestep 0, the image's by the step's. Its forward builds the per-token choice (`modulate_index`) from
+    `img_shapes`' Python tuples; here the flags are off and hooks do what they do: the timestep embedded for
+    [t, 0], each block given the choice (1 where a token's frame is an input image's, from `img_ids`), the text's
+    modulation and the final norm given the step's half (sliced: diffusers' chunk of the doubled batch exports as
+    a SplitToSequence that constant folding rejects)."""
+    def doubled(module, args):
+        return (torch.cat([args[0], args[0] * 0]), *args[1:])
+
+    def indexed(module, args, kwargs):
+        return args, {**kwargs, "modulate_index": modulation["index"]}
+
+    def step_half(module, args):
+        i = 1 if len(args) > 1 else 0  # norm_out(hidden, temb); txt_mod(temb)
+        return (*args[:i], args[i][: args[i].shape[0] // 2], *args[i + 1:])
+
+    transformer.zero_cond_t = False
+    transformer.time_text_embed.register_forward_pre_hook(doubled)
+    for block in transformer.transformer_blocks:
+        block.zero_cond_t = False
+        block.register_forward_pre_hook(indexed, with_kwargs=True)
+        block.txt_mod.register_forward_pre_hook(step_half)
+    transformer.norm_out.register_forward_pre_hook(step_half)
 
 
 def _single_frame_conv(self, x, cache_x=None):
