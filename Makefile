@@ -140,6 +140,8 @@ bench: venv optimum-venv optimum-intel-venv
 	  $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model qwen-image-bench --tables qwen-image \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model qwen-image-edit-bench --tables qwen-image-edit \
+	  $(BENCH_ARGS))
 
 # The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32

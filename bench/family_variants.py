@@ -24,11 +24,13 @@ PROMPT = ("a photo of an astronaut riding a horse on the moon at sunset, detaile
 @dataclass(frozen=True)
 class Workload:
     diffusers: str  # diffusers' pipeline class
-    optimum_intel: str  # optimum-intel's
+    optimum_intel: str | None  # optimum-intel's (None: it has none)
     options: dict = field(default_factory=dict)  # what every run sets beyond the prompt, size, steps and latents
     folder_options: Callable[[str], dict] = lambda folder: {}  # what a diffusers-style call needs of the folder
     # the run's starting latents (N, C, h, w) as the pipelines take them (Qwen-Image's: packed)
     given_latents: Callable[[np.ndarray], np.ndarray] = lambda latents: latents
+    # components diffusers' pipeline takes besides the folder's (Qwen-Image-Edit's processor, built from its parts)
+    components: Callable[[str], dict] = lambda folder: {}
 
 
 def _flux2_layers(folder: str) -> dict:
@@ -38,6 +40,13 @@ def _flux2_layers(folder: str) -> dict:
 
     config = json.loads((Path(folder) / "text_encoder" / "config.json").read_text())
     return {"text_encoder_out_layers": text_layers(config)}
+
+
+def _edit_processor(folder: str) -> dict:
+    """Qwen-Image-Edit's processor without its video processor (torchvision's: export.families.qwen_image_edit)."""
+    from export.families.qwen_image_edit import load_processor
+
+    return {"processor": load_processor(folder)}
 
 
 def _packed(latents: np.ndarray) -> np.ndarray:
@@ -55,6 +64,10 @@ WORKLOADS = {
     "qwen-image": Workload("QwenImagePipeline", "OVQwenImagePipeline",
                            {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
                            given_latents=_packed),
+    # Qwen-Image-Edit's the same, editing its input image; no optimum-intel pipeline runs it (#1934 is open)
+    "qwen-image-edit": Workload("QwenImageEditPipeline", None,
+                                {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
+                                given_latents=_packed, components=_edit_processor),
 }
 
 
@@ -97,8 +110,8 @@ class FamilyPipeline:
 
     def __init__(self, folder: str, workload: str, source: str, references: int = 0):
         w = WORKLOADS[workload]
-        self.pipe = pipeline_from(("diffusers", w.diffusers) if source == "diffusers" else
-                                  ("optimum.intel", w.optimum_intel), folder)
+        self.pipe = pipeline_from(("diffusers", w.diffusers), folder, **w.components(folder)) \
+            if source == "diffusers" else pipeline_from(("optimum.intel", w.optimum_intel), folder)
         self.options, self.references = {**w.options, **w.folder_options(folder)}, references
         self.given_latents = w.given_latents
         self.text_seconds, self.step_seconds, self.vae_seconds = [], [], []
@@ -122,7 +135,7 @@ class FamilyPipeline:
 
 def make_family_variant(kind: str, path: str, **options):
     """"<workload>-ours", "<workload>-diffusers" or "<workload>-optimum-intel" (WORKLOADS' names)."""
-    workload = next((w for w in WORKLOADS if kind.startswith(w + "-")), None)
+    workload = max((w for w in WORKLOADS if kind.startswith(w + "-")), key=len, default=None)  # qwen-image-edit-*
     runner = kind[len(workload) + 1:] if workload else None
     if runner == "ours":
         return FamilyOurs(path, workload, **options)

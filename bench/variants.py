@@ -41,16 +41,16 @@ def time_calls_of(owner, attr: str, seconds: list) -> None:
     setattr(owner, attr, timed)
 
 
-def pipeline_from(source: tuple[str, str], folder: str):
+def pipeline_from(source: tuple[str, str], folder: str, **components):
     """A diffusers-style pipeline, (module, class) `source` (diffusers' own in fp32, eager, or optimum-intel's
-    OpenVINO one at its defaults: CPU, dynamic shapes, every model compiled at load), from `folder`, without
-    gradients or a progress bar."""
+    OpenVINO one at its defaults: CPU, dynamic shapes, every model compiled at load), from `folder` (and
+    `components` given), without gradients or a progress bar."""
     import importlib
 
     import torch
 
     torch.set_grad_enabled(False)
-    pipe = getattr(importlib.import_module(source[0]), source[1]).from_pretrained(folder)
+    pipe = getattr(importlib.import_module(source[0]), source[1]).from_pretrained(folder, **components)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

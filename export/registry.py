@@ -442,6 +442,14 @@ QWEN_IMAGE_EDIT_TINY = {
 }
 QWEN_IMAGE_EDIT_2511_TINY = {**QWEN_IMAGE_EDIT_TINY, "pipeline_class": "QwenImageEditPlusPipeline",
                              "transformer": {**QWEN_IMAGE_TINY["transformer"], "zero_cond_t": True}}
+# Qwen-Image-Edit at qwen-image-bench's widths, with Qwen2.5-VL-7B's vision tower at its widths (1280 in 16 heads,
+# 3420, into 3584) at 2 blocks (one windowed, one whole) (benchmarks)
+QWEN_IMAGE_EDIT_BENCH = {
+    **QWEN_IMAGE_BENCH,
+    "vision": {**_QWEN_VL_VISION_TINY, "depth": 2, "fullatt_block_indexes": [1], "hidden_size": 1280,
+               "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584},
+    "pipeline_class": "QwenImageEditPipeline",
+}
 # The Edit pipelines' language-model sequence: the template, an input image's 1369 tokens at 1024 x 1024, the prompt
 QWEN_IMAGE_EDIT_TEXT = (1, 1536, 2560)
 
@@ -580,6 +588,10 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("qwen-image-edit-2509", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit-2509",
                    image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT,
                    description="Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline: one to three input images)"),
+        ModelEntry("qwen-image-edit-bench", "qwen_image_edit", random_configs=QWEN_IMAGE_EDIT_BENCH,
+                   image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT, batch=(1, 2, 4),
+                   description="Qwen-Image-Edit widths, 2 blocks, Qwen2.5-VL-7B's language model at 2 layers and its "
+                               "vision tower at 2 blocks, the real VAE, random weights (benchmarks)"),
         ModelEntry("qwen-image-edit-2511", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit-2511",
                    image_size=(256, 1024, 1536), text_length=QWEN_IMAGE_EDIT_TEXT,
                    description="Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline; its input images modulated at "

@@ -46,6 +46,7 @@ class FamilyTable:
     steps: int  # the model's own
     settings: str  # the title's words for the workload ("guidance 0")
     edits: tuple[int, ...] = ()  # the reference counts of its editing rows
+    text_to_image: bool = True  # whether its model makes images from text alone (an Edit model does not)
     # (size, task, {variant label: {"e2e", "first", "text", "step"}}, variants, every measured task's) -> a note
     goals: Callable[..., str | None] | None = None
 
@@ -64,6 +65,9 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
     variants += [Variant(f"ours {label}", f"{spec.name}-ours", path, options=options) for label, path in ours.items()]
     if references > 1:
         return variants, []
+    if w.optimum_intel is None:
+        return variants, [f"No peer runs {w.diffusers} on a CPU: optimum-intel and openvino.genai have no such "
+                          "pipeline; the goal is against diffusers eager."]
     peers, notes = openvino_peers(run, w.optimum_intel, f"{spec.name}-optimum-intel",
                                   [] if references else [("its defaults", {"prompt": PROMPT, **w.options})])
     return variants + [dataclasses.replace(v, options=options) if v.kind != "genai" else v for v in peers], notes
@@ -95,6 +99,11 @@ def _measure(spec: FamilyTable, run, variants: list[Variant], size: int, referen
     return measured
 
 
+def _tasks(spec: FamilyTable) -> tuple[int, ...]:
+    """The reference counts of its rows: 0 is text to image."""
+    return (0,) * spec.text_to_image + spec.edits
+
+
 def _arg(spec: FamilyTable) -> str:
     return spec.name.replace("-", "_")
 
@@ -108,14 +117,16 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
     rows, notes = [], []
     for size in sizes:
         measured = {}
-        for references in (0, *spec.edits):
+        for references in _tasks(spec):
             variants, peer_notes = _variants(spec, run, built, references)
             notes += [n for n in peer_notes if n not in notes]
             measured[references] = _measure(spec, run, variants, size, references, rows)
-            note = spec.goals and a.optimum_intel_python and spec.goals(size, references, measured, variants)
+            # the goals are against the peers where the model has any (run with --optimum-intel-python)
+            with_peers = a.optimum_intel_python or WORKLOADS[spec.name].optimum_intel is None
+            note = spec.goals and with_peers and spec.goals(size, references, measured, variants)
             if note:
                 notes.append(note)
-    tasks = " and ".join(_task(r) for r in (0, *spec.edits))
+    tasks = " and ".join(_task(r) for r in _tasks(spec))
     return [{
         "reps": reps,
         "title": f"{spec.title} ({steps} steps, {spec.settings}) at {' and '.join(f'{s}x{s}' for s in sizes)}, "
