@@ -43,10 +43,11 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
     scale = constants["vae_scale_factor"]
     latent = tuple(s // scale for s in entry.image_size)
     base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "text_length": entry.text_length}
-    if "reference_tokens" in constants:  # reference images' tokens: none at min and opt, up to the family's budget
-        base["reference_tokens"] = (0, 0, constants["reference_tokens"])
-    if "vision_windows" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)
-        base["vision_windows"] = (1, constants["vision_windows_opt"], constants["vision_windows"])
+    # (a constant of a dim's own name would be its every size, engines/targets: hence "_max")
+    if "reference_tokens_max" in constants:  # reference images' tokens: none at min and opt, up to the family's budget
+        base["reference_tokens"] = (0, 0, constants["reference_tokens_max"])
+    if "vision_windows_max" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)
+        base["vision_windows"] = (1, constants["vision_windows_opt"], constants["vision_windows_max"])
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
     return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 

@@ -9,6 +9,8 @@ text encoder gets the processor's mm_token_type_ids, which the pipelines drop wi
 change (test_diffusers_loses_the_image_positions shows by how much)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -264,3 +266,12 @@ def test_lora_in_lightnings_names_equal_to_diffusers(qwen_image_edit_tiny_build,
     assert np.array_equal(without, plain(latents=latents, **call))
     print(f"qwen-image-edit LoRA: changed the image by {np.abs(theirs - without).max():.3f}")
     assert np.abs(theirs - without).max() > 0.05
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
+def test_tensorrt_rtx_builds_every_submodule(qwen_image_edit_tiny_build, monkeypatch):
+    """Real TensorRT-RTX engines of every graph (the vision tower's windows and the language model's 3D positions
+    as profile axes); through the GPU stand-in, ONNX Runtime's images exactly."""
+    from conftest import assert_rtx_builds_every_submodule
+
+    assert_rtx_builds_every_submodule(qwen_image_edit_tiny_build.folder, _target_images, monkeypatch)

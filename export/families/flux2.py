@@ -174,7 +174,7 @@ def _constants(src) -> dict[str, int]:
         "latent_multiple": 1,
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
         "inner_dim": tr["num_attention_heads"] * tr["attention_head_dim"],
-        "reference_tokens": references * largest // scale**2,
+        "reference_tokens_max": references * largest // scale**2,
         **kv_constants(tr),
     }
 

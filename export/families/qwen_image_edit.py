@@ -139,8 +139,8 @@ def _constants(src) -> dict[str, int]:
     return {
         **qwen_image.constants(src),
         # an input image's tokens at the most elongated sizes calculate_dimensions gives: 5% above the area's
-        "reference_tokens": REFERENCES * image_area(src) // scale**2 * 105 // 100,
-        "vision_windows": REFERENCES * VISION_WINDOWS * 2,
+        "reference_tokens_max": REFERENCES * image_area(src) // scale**2 * 105 // 100,
+        "vision_windows_max": REFERENCES * VISION_WINDOWS * 2,
         "vision_windows_opt": VISION_WINDOWS,
         "window_rows": units**2 * merge**2,
         "window_tokens": units**2,
