@@ -113,7 +113,8 @@ def _refuse_undeclared(pipe, request: dict) -> None:
             owners = [f for f, cls in FAMILIES.items() if name in declared(cls)]
             option = declared(FAMILIES[owners[0]])[name]  # the first's words (a family may say its defaults)
             flag = "--control-image/--canny" if name == "control_image" else option.cli_flag
-            raise ValueError(f"{flag} is {' and '.join(owners)}'s ({option.help}); this artifact is {pipe.family}'s")
+            named = ", ".join(owners[:-1]) + f" and {owners[-1]}" if len(owners) > 1 else owners[0]
+            raise ValueError(f"{flag} is {named}'s ({option.help}); this artifact is {pipe.family}'s")
 
 
 def _thresholds(text: str) -> tuple[float, float]:
