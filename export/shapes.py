@@ -43,7 +43,6 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
     scale = constants["vae_scale_factor"]
     latent = tuple(s // scale for s in entry.image_size)
     base = {"batch": entry.batch, "latent_height": latent, "latent_width": latent, "text_length": entry.text_length}
-    # (a constant of a dim's own name would be its every size, engines/targets: hence "_max")
     if "reference_tokens_max" in constants:  # reference images' tokens: none at min and opt, up to the family's budget
         base["reference_tokens"] = (0, 0, constants["reference_tokens_max"])
     if "vision_windows_max" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)

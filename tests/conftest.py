@@ -94,7 +94,8 @@ def _group(item: pytest.Item) -> str:
 GROUP_SECONDS = {
     "test_family_targets.py::sd15": 860, "test_z_image.py": 700, "test_family_targets.py::sdxl": 470,
     "test_family_targets.py::flux": 590, "test_flux2.py": 420, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
-    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220, "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
+    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220,
+    "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
     "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
     "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,
     "test_controlnet.py": 130, "test_serving.py": 120, "test_flux.py::flux": 100, "test_controlnet.py::sdxl": 100,

@@ -16,8 +16,7 @@ import pytest
 import torch
 from conftest import qwen_packed_noise as packed_noise
 
-# Measured: at most 2e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3. At the real 1024 x 1024 area
-# (one run, not in the suite: 20 s of diffusers a call) 1.0e-4.
+# Measured: at most 2e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
 IMAGE_ATOL = 5e-5
 AREA = 192 * 192  # qwen-image-edit-tiny's input-image area (its registry entry's extra["image_area"])
 

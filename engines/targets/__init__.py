@@ -104,8 +104,9 @@ class BuildInput:
     def input_shapes(self) -> dict[str, tuple[list[int], list[int], list[int]]]:
         """{input: (min, opt, max) shape} from the entry's dims (a static build's are one value each)."""
         def at(shape, i):
-            return [d if isinstance(d, int) else self.constants[d] if d in self.constants else self.entry["dims"][d][i]
-                    for d in shape]
+            # a dim's range first: a constant of the same name must not fix its size
+            dims = self.entry["dims"]
+            return [d if isinstance(d, int) else dims[d][i] if d in dims else self.constants[d] for d in shape]
 
         return {t["name"]: tuple(at(t["shape"], i) for i in range(3)) for t in self.entry["inputs"]}
 

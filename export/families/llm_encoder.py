@@ -65,9 +65,11 @@ class LLMHiddenStates(torch.nn.Module):
                              "gflops_per_token_kept": float(f"{2 * _params(stack.layers) / 1e9:.3g}")}
 
     def forward(self, input_ids, attention_mask):
-        out = self.stack(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                         use_cache=False)
-        states = out.hidden_states
+        return self.read(input_ids=input_ids, attention_mask=attention_mask)
+
+    def read(self, **inputs) -> tuple[torch.Tensor]:
+        """The decoder stack on `inputs`: the layers read, side by side."""
+        states = self.stack(**inputs, output_hidden_states=True, use_cache=False).hidden_states
         return (torch.cat([states[k] for k in self.reads], dim=-1),)
 
 

@@ -100,9 +100,7 @@ class _VLHiddenStates(LLMHiddenStates):
     def forward(self, input_ids, attention_mask, position_ids, image_states):
         embeds = self.stack.embed_tokens(input_ids)
         embeds = torch.where((input_ids == self.image_token)[..., None], image_states.to(embeds.dtype), embeds)
-        out = self.stack(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                         output_hidden_states=True, use_cache=False)
-        return (torch.cat([out.hidden_states[k] for k in self.reads], dim=-1),)
+        return self.read(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids)
 
 
 IMAGE_ENCODER = SubmoduleSpec(

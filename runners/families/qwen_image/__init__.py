@@ -138,7 +138,8 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         """The prompts' states and masks (`_prompt_states`); the call's ControlNets."""
         states = self._prompt_states(lambda texts: self._encode(texts, per_prompt, max_length), prompts,
                                      negative_prompt, cfg)
-        return {**states, **self._control_conditions(control, height, width, len(prompts) * per_prompt, per_prompt, cfg)}
+        n_images = len(prompts) * per_prompt
+        return {**states, **self._control_conditions(control, height, width, n_images, per_prompt, cfg)}
 
     def _prompt_states(self, encode, prompts, negative_prompt, cfg) -> dict:
         """`encode`(texts) -> each prompt's states and mask, repeated for its images; with guidance, the negative
@@ -177,7 +178,8 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
             tokens = np.concatenate([tokens, np.repeat(references.tokens, n, axis=0)], axis=1)
             img_ids, shapes = np.concatenate([img_ids, references.ids]), shapes + references.shapes
         ids = {"img_ids": img_ids, "txt_ids": text_positions(feeds["encoder_hidden_states"].shape[1], shapes)}
-        residuals = self._control_residuals(engine, tokens, timestep, feeds, release, conditions.get(CONTROLNETS), **ids)
+        controlnets = conditions.get(CONTROLNETS)
+        residuals = self._control_residuals(engine, tokens, timestep, feeds, release, controlnets, **ids)
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, **ids,
                        **feeds, **residuals, **extra)
         return {**out, "noise_pred": unpack(out["noise_pred"][:, :rows * cols], h, w)}

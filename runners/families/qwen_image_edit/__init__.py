@@ -92,6 +92,10 @@ class QwenImageEditPipeline(QwenImagePipeline):
                                      vision_images=vision_images, references=references)
         return pack(result) if output_type == "latent" else result
 
+    @property
+    def vision_config(self) -> VisionConfig:
+        return VisionConfig(**self.constants["vision"])
+
     def calibration_reference(self, image, index: int) -> dict:
         """Every calibration call edits its picture: the Edit pipelines take no call without one."""
         from PIL import Image
@@ -124,6 +128,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         return References(np.concatenate(tokens, axis=1), np.concatenate(ids), shapes)
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width, vision_images, references):
+        """The prompts' states read with the input images (Qwen-Image's `_prompt_states`) and the images' tokens."""
         most = self.dims["image_tokens"][2]
         total = (height // self.constants["vae_scale_factor"] // 2) * (width // self.constants["vae_scale_factor"] // 2)
         if total + len(references.ids) > most:
@@ -136,12 +141,14 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def _vision(self, images) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """The vision tower's merged tokens of every image, in order (tokens, width), and each image's patch grid."""
-        config = VisionConfig(**self.constants["vision"])
+        config = self.vision_config
         patches = [pixel_patches(i, config) for i in images]
         layout = vision_layout(patches, config)
-        rows = self.manifest["constants"]["window_rows"]
-        out = self.run("image_encoder", pixel_values=layout.pixel_values.reshape(-1, rows, layout.pixel_values.shape[1]),
-                       positions=layout.positions.reshape(-1, rows, 2), segments=layout.segments.reshape(-1, rows))
+        rows = self.manifest["constants"]["window_rows"]  # a window's
+        windows = len(layout.segments) // rows
+        out = self.run("image_encoder", pixel_values=layout.pixel_values.reshape(windows, rows, -1),
+                       positions=layout.positions.reshape(windows, rows, 2),
+                       segments=layout.segments.reshape(windows, rows))
         merged = out["image_embeds"]
         return merged_in_order(merged.reshape(-1, merged.shape[-1]), layout), [grid for _, grid in patches]
 
@@ -149,7 +156,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         """Each prompt after its images' placeholders (one <|image_pad|> a merged patch) through the language
         model with the images' tokens and 3D positions: the states after the template's dropped tokens."""
         merged, grids = vision
-        config = VisionConfig(**self.constants["vision"])
+        config = self.vision_config
         pads = [IMAGE_PAD * image_tokens(g, config) for g in grids]
         section = "".join(PICTURE.format(i + 1) for i in range(len(grids))) if self.constants["several_images"] \
             else VISION_PAD

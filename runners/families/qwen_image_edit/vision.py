@@ -44,7 +44,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
