@@ -453,6 +453,44 @@ QWEN_IMAGE_EDIT_BENCH = {
 # The Edit pipelines' language-model sequence: the template, an input image's 1369 tokens at 1024 x 1024, the prompt
 QWEN_IMAGE_EDIT_TEXT = (1, 1536, 2560)
 
+# Qwen-Image 2.1: QwenImage21Transformer2DModel (single stream, block-causal; 32 heads of 128, rotary axes
+# 16 + 56 + 56, no 2 x 2 patches: 64 latent channels a token), the RGBA VAE (AutoencoderKLQwenImage21: 16x, 64
+# channels, per-channel mean and std), Qwen3-VL-8B (text 4096 in 36 layers, 32 heads and 8 key-value heads of 128,
+# 12288, rope theta 5e6 with interleaved mrope 24 + 20 + 20; vision 1152 in 27 blocks, patches of 16, deepstack
+# layers 8, 16, 24). The scheduler is Qwen-Image's.
+def _qwen3_vl_text(width: int, layers: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
+                   mrope: list[int]) -> dict:
+    return {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "intermediate_size": mlp, "rms_norm_eps": 1e-06,
+            "max_position_embeddings": 262144, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": mrope,
+                                "mrope_interleaved": True}}
+
+
+_QWEN3_VL_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+                    "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+                    "deepstack_visual_indexes": [8, 16, 24], "out_hidden_size": 4096}
+_QWEN_IMAGE_21_VAE = {"base_dim": 96, "decoder_base_dim": 144, "z_dim": 64, "dim_mult": [1, 2, 4, 8, 8],
+                      "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True, True],
+                      "is_residual": True, "in_channels": 4, "out_channels": 4}
+# Tiny widths: two heads of 32 (rotary axes 8 + 12 + 12), two blocks, 16 latent channels; the VAE's five levels
+# (16x, as the pipeline fixes it) at base width 8, one residual block a level, the real statistics' first 16;
+# Qwen3-VL's language model at width 64 (heads of 16, mrope 2 + 3 + 3), 2 layers; its vision tower at one block.
+QWEN_IMAGE_21_TINY = {
+    "transformer": {"patch_size": 1, "in_channels": 16, "out_channels": 16, "num_layers": 2, "attention_head_dim": 32,
+                    "num_attention_heads": 2, "context_in_dim": 64, "mlp_ratio": 3, "axes_dims_rope": [8, 12, 12]},
+    "vae": {**_QWEN_IMAGE_21_VAE, "base_dim": 8, "decoder_base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2, 2],
+            "num_res_blocks": 1, "latents_mean": [0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722,
+                                                  1.8873, -1.7177, -0.651, 0.2732, 0.7562, -0.6163, -1.0277, 3.8363],
+            "latents_std": [3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.791, 3.0785, 3.65, 3.9308,
+                            3.0904, 2.8778, 3.7675, 3.732, 5.0756]},
+    "text_encoder": _qwen3_vl_text(64, 2, 4, 2, 16, 128, [2, 3, 3]),
+    "vision": {**_QWEN3_VL_VISION, "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+               "num_position_embeddings": 64, "deepstack_visual_indexes": [0], "out_hidden_size": 64},
+    "vocab_pieces": 400,
+    "scheduler": _QWEN_IMAGE_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -609,6 +647,14 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("qwen-image-edit-2511-tiny", "qwen_image_edit", random_configs=QWEN_IMAGE_EDIT_2511_TINY,
                    image_size=(64, 128, 256), text_length=(1, 256, 1024), extra={"image_area": 192 * 192},
                    description="qwen-image-edit-plus-tiny with Qwen-Image-Edit-2511's zero_cond_t transformer"),
+        ModelEntry("qwen-image-2.1", "qwen_image21", hub_id="Qwen/Qwen-Image-2.1", image_size=(256, 1024, 1536),
+                   text_length=(1, 128, 1024),
+                   description="Qwen-Image 2.1 (text to image; 40 steps, no guidance by default; Qwen3-VL-8B encoder, "
+                               "RGBA images)"),
+        ModelEntry("qwen-image-2.1-tiny", "qwen_image21", random_configs=QWEN_IMAGE_21_TINY, image_size=(64, 128, 256),
+                   text_length=(1, 64, 256),
+                   description="Qwen-Image 2.1 architecture (Qwen3-VL encoder, block-causal transformer, RGBA VAE) at "
+                               "tiny widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

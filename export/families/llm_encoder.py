@@ -36,9 +36,10 @@ def _params(module: torch.nn.Module) -> int:
 
 class LLMHiddenStates(torch.nn.Module):
     """input_ids, attention_mask -> the hidden states of `layers` (indices into `hidden_states`,
-    negative from the end), concatenated on the feature axis in that order."""
+    negative from the end), concatenated on the feature axis in that order. `final_norm=False`: the last
+    entry before the final norm, as a pipeline that hooks the norm out reads it (Qwen-Image 2.1)."""
 
-    def __init__(self, model, layers):
+    def __init__(self, model, layers, final_norm: bool = True):
         super().__init__()
         _register_attention()
         model.set_attn_implementation(ATTENTION)  # loaded as eager (llm_encoder's load_kwargs)
@@ -51,7 +52,7 @@ class LLMHiddenStates(torch.nn.Module):
         deepest = max(self.reads)
         lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         dropped = _params(stack.layers[deepest:]) + (_params(lm_head) if lm_head is not None else 0)
-        if deepest < total:  # the norm applies to hidden_states[total] only
+        if deepest < total or not final_norm:  # the norm applies to hidden_states[total] only
             dropped += _params(stack.norm)
             stack.layers = stack.layers[:deepest]
             stack.norm = torch.nn.Identity()
@@ -97,7 +98,8 @@ def _register_attention() -> None:
 
 
 def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module], tuple[int, ...]],
-                width: str = "text_width", vocab: str = "text_vocab", output: str = "hidden_states") -> SubmoduleSpec:
+                width: str = "text_width", vocab: str = "text_vocab", output: str = "hidden_states",
+                final_norm: bool = True) -> SubmoduleSpec:
     """The LLM text encoder `name`, reading `layers` of `hidden_states` (or the model -> those layers, where
     its config says); its output's width is the constant `width` (the hidden size times the layers read)."""
     return SubmoduleSpec(
@@ -106,7 +108,7 @@ def llm_encoder(name: str, layers: tuple[int, ...] | Callable[[torch.nn.Module],
         inputs=(T("input_ids", "int64", ("batch", "text_length"), high=vocab),
                 T("attention_mask", "int64", ("batch", "text_length"), mask=True)),
         outputs=(T(output, "float32", ("batch", "text_length", width)),),
-        wrap=functools.partial(LLMHiddenStates, layers=layers),
+        wrap=functools.partial(LLMHiddenStates, layers=layers, final_norm=final_norm),
         load_kwargs={"attn_implementation": "eager"},  # then ATTENTION: see LLMHiddenStates
     )
 

@@ -36,8 +36,8 @@ MAX_TEXT = 1024  # the pipeline's tokenizer_max_length: the states it keeps afte
 
 
 def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """(S,) positions -> (S, dim / 2, 2) cos and sin: diffusers' table rows (float32 products)."""
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    """(..., S) positions -> (..., S, dim / 2, 2) cos and sin: diffusers' table rows (float32 products)."""
+    angles = positions.float()[..., None] * inv_freq
     return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
@@ -100,8 +100,10 @@ class GivenPositions(torch.nn.Module):
                 child.processor = _RealRopeAttention()
 
     def _table(self, ids):
-        """(S, 3) positions -> (1, S, head_dim / 2, 2): each axis's rows side by side, as diffusers' table."""
-        return torch.cat([_angles(ids[:, a], getattr(self, f"inv_freq{a}")) for a in range(self.axes)], dim=1)[None]
+        """(S, 3) positions -> (1, S, head_dim / 2, 2), each axis's rows side by side, as diffusers' table; (N, S, 3)
+        -> (N, S, head_dim / 2, 2), a table a sample."""
+        table = torch.cat([_angles(ids[..., a], getattr(self, f"inv_freq{a}")) for a in range(self.axes)], dim=-2)
+        return table if ids.dim() == 3 else table[None]
 
     def tables(self, img_ids, txt_ids):
         return self._table(img_ids), self._table(txt_ids)

@@ -164,27 +164,30 @@ def _runtime_constants(src) -> dict:
     }
 
 
-def processor(image_processor, tokenizer, chat_template=None):
-    """Qwen2VLProcessor of these parts and no video processor. transformers checks every part's class, and the
-    video processor's needs torchvision, which PyPI builds only against CUDA's torch; the Edit pipelines use
-    images alone. (A user's environment with torchvision loads the folder's processor as it is.)"""
-    from transformers import ProcessorMixin, Qwen2VLProcessor
+def processor(image_processor, tokenizer, chat_template=None, kind: str = "Qwen2VLProcessor"):
+    """transformers' processor class `kind` (Qwen2VLProcessor, Qwen3VLProcessor) of these parts and no video
+    processor. transformers checks every part's class, and the video processor's needs torchvision, which PyPI
+    builds only against CUDA's torch; the pipelines use images alone. (A user's environment with torchvision
+    loads the folder's processor as it is.)"""
+    import transformers
+    from transformers import ProcessorMixin
 
     check = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: arg is None or check(self, name, arg)
     try:
-        return Qwen2VLProcessor(image_processor, tokenizer, chat_template=chat_template)
+        return getattr(transformers, kind)(image_processor, tokenizer, chat_template=chat_template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def load_processor(folder):
-    """The folder's Edit processor (processor/), as `processor` builds it."""
+def load_processor(folder, kind: str = "Qwen2VLProcessor"):
+    """The folder's processor (processor/), as `processor` builds it."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = f"{folder}/processor"
-    return processor(Qwen2VLImageProcessorPil.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return processor(Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer, tokenizer.chat_template, kind)
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:
