@@ -26,6 +26,7 @@ import numpy as np
 from runners.caches import CONFIGS
 from runners.caches.base import GraphCacheConfig
 from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
+from runners.options import declared
 from runners.pipeline import VAE_ENGINES, Pipeline
 
 # The graphs a step cache runs beside the denoiser (runners/caches/), each with the denoiser output it takes:
@@ -131,9 +132,11 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
         started = time.monotonic()
+        # a family whose pipeline has no guidance_scale (Qwen-Image 2.1's) calibrates at its default guidance
+        guidance = {"guidance_scale": settings.guidance_scale} if "guidance_scale" in declared(pipe) else {}
         for i, prompt in enumerate(prompts):
-            image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps,
-                         guidance_scale=settings.guidance_scale, output_type="np", **_call_inputs(pipe, size, seed=i))
+            image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps, output_type="np",
+                         **guidance, **_call_inputs(pipe, size, seed=i))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
                 pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
             _log(f"prompt {i + 1}/{len(prompts)} recorded{time_left(time.monotonic() - started, i + 1, len(prompts))}")

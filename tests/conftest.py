@@ -94,7 +94,7 @@ def _group(item: pytest.Item) -> str:
 GROUP_SECONDS = {
     "test_family_targets.py::sd15": 860, "test_z_image.py": 700, "test_family_targets.py::sdxl": 470,
     "test_family_targets.py::flux": 590, "test_flux2.py": 420, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
-    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220,
+    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220, "test_qwen_image21.py": 150,
     "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
     "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
     "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,
@@ -277,9 +277,9 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
                "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
                "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",
-               "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny"}
+               "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny", "qwen-image-2.1-tiny": None}
 for _name, _shares_with in TINY_MODELS.items():
-    globals()[f"{_name.replace('-', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
+    globals()[f"{_name.replace('-', '_').replace('.', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 
 
 def with_controlnets(shared_root: Path, build, controlnets: list[str], name: str) -> Path:
@@ -331,6 +331,43 @@ def qwen_packed_noise(n: int, height: int, width: int, seed: int = 0):
     from runners.families.flux.conditions import pack
 
     return pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
+
+
+def paired_runs(pair, noise):
+    """run(prompt, height=64, width=64, steps=3, per_prompt=1, **options) -> (ours, diffusers') images of one
+    text-to-image request on `pair` (ours, the diffusers pipeline), both from the latents `noise(n, height,
+    width)`; each request runs once."""
+    import torch
+
+    ours, reference = pair
+    cache = {}
+
+    def run(prompt, height=64, width=64, steps=3, per_prompt=1, **options):
+        key = repr((prompt, height, width, steps, per_prompt, sorted(options.items())))
+        if key not in cache:
+            n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
+            latents = noise(n, height, width)
+            common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
+                          num_images_per_prompt=per_prompt)
+            with torch.no_grad():  # diffusers templates a list of prompts in place (Z-Image's): it gets copies
+                copies = {k: list(v) if isinstance(v, list) else v for k, v in dict(options, prompt=prompt).items()}
+                theirs = reference(latents=torch.from_numpy(latents), **common, **copies).images
+            cache[key] = (ours(prompt, latents=latents, **common, **options), theirs)
+        return cache[key]
+    return run
+
+
+def two_prompt_images(noise, cfg: dict):
+    """artifact -> its images of two 64x64 calls of 4 steps from the latents `noise(1, 64, 64, seed=1)`: a prompt
+    alone, and another with the guidance options `cfg` (the images the target tests compare)."""
+    def images(artifact):
+        from runners import Pipeline
+
+        pipe = Pipeline.load(artifact)
+        latents = noise(1, 64, 64, seed=1)
+        return [pipe(prompt, latents=latents, height=64, width=64, num_inference_steps=4, output_type="np",
+                     **options) for prompt, options in (("a photo of a cat", {}), ("a red fox", cfg))]
+    return images
 
 
 def assert_case_equal(run_both, cases: dict, case: str, atol: float, label: str, least_change: float) -> None:

@@ -75,7 +75,8 @@ def test_every_table_runs(family, tmp_path, request):
     names = [name for name in for_family(family) if TABLES[name].families[0] == family]
     for fixture in SHARED.get(family, []):  # made before the links
         request.getfixturevalue(fixture)
-    _linked_build(tmp_path / "build", model, request.getfixturevalue(f"{model.replace('-', '_')}_build"))
+    build = request.getfixturevalue(f"{model.replace('-', '_').replace('.', '_')}_build")
+    _linked_build(tmp_path / "build", model, build)
     out = tmp_path / "BENCHMARKS.md"
     args = ["--model", model, *COMMON, *_smoke_options(names), "--tables", ",".join(names),
             "--out", str(out), "--build-dir", str(tmp_path / "build")]

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import qwen_packed_noise as packed_noise
+from conftest import qwen_packed_noise as packed_noise, two_prompt_images
 
 # Measured: at most 1e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
 IMAGE_ATOL = 5e-5
@@ -24,21 +24,9 @@ def pair(qwen_image_tiny_build):
 
 @pytest.fixture(scope="module")
 def run_both(pair):
-    ours, reference = pair
-    cache = {}
+    from conftest import paired_runs
 
-    def run(prompt, height=64, width=64, steps=3, per_prompt=1, **options):
-        key = repr((prompt, height, width, steps, per_prompt, sorted(options.items())))
-        if key not in cache:
-            n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
-            latents = packed_noise(n, height, width)
-            common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
-                          num_images_per_prompt=per_prompt)
-            with torch.no_grad():
-                theirs = reference(prompt=prompt, latents=torch.from_numpy(latents), **common, **options).images
-            cache[key] = (ours(prompt, latents=latents, **common, **options), theirs)
-        return cache[key]
-    return run
+    return paired_runs(pair, packed_noise)
 
 
 CFG = dict(negative_prompt="blurry, dark", true_cfg_scale=4.0)
@@ -172,13 +160,7 @@ TARGET_MIN_PSNR = {"fp16": (71.5, 71.5), "int8": (45.0, 40.0), "openvino-bf16": 
                    "openvino-int8": (31.0, 31.0), "openvino-bf16-int4-weights": (31.0, 31.0)}
 
 
-def _target_images(artifact):
-    from runners import Pipeline
-
-    pipe = Pipeline.load(artifact)
-    latents = packed_noise(1, 64, 64, seed=1)
-    return [pipe(prompt, latents=latents, height=64, width=64, num_inference_steps=4, output_type="np", **options)
-            for prompt, options in (("a photo of a cat", {}), ("a red fox", CFG))]
+_target_images = two_prompt_images(packed_noise, CFG)
 
 
 def test_every_target_and_precision_within_its_bound(qwen_image_tiny_build):

@@ -26,22 +26,10 @@ def pair(z_image_tiny_build):
 
 @pytest.fixture(scope="module")
 def run_both(pair):
-    ours, reference = pair
-    cache = {}
+    from conftest import paired_runs
 
-    def run(prompt, height=64, width=64, steps=3, per_prompt=1, **options):
-        key = repr((prompt, height, width, steps, per_prompt, sorted(options.items())))
-        if key not in cache:
-            n = (len(prompt) if isinstance(prompt, list) else 1) * per_prompt
-            latents = np.random.default_rng(0).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
-            common = dict(height=height, width=width, num_inference_steps=steps, output_type="np",
-                          num_images_per_prompt=per_prompt)
-            with torch.no_grad():  # diffusers templates a list of prompts in place: it gets copies
-                copies = {k: list(v) if isinstance(v, list) else v for k, v in dict(options, prompt=prompt).items()}
-                theirs = reference(latents=torch.from_numpy(latents), **common, **copies).images
-            cache[key] = (ours(prompt, latents=latents, **common, **options), theirs)
-        return cache[key]
-    return run
+    return paired_runs(pair, lambda n, height, width: np.random.default_rng(0).standard_normal(
+        (n, 16, height // 8, width // 8), dtype=np.float32))
 
 
 CFG = dict(guidance_scale=4.0, negative_prompt="blurry, dark")
