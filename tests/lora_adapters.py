@@ -15,14 +15,15 @@ CLIP_ATTENTION = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 
 def make_adapter(pipeline_cls, folder, out: Path, targets: dict[str, list[str]], seed: int, rank: int = 4,
-                 alpha: float = 8.0) -> Path:
-    """An adapter for `targets` ({component: target modules}) of the tiny pipeline in `folder`,
-    saved with `pipeline_cls.save_lora_weights` (diffusers/PEFT format, with its adapter metadata)."""
+                 alpha: float = 8.0, **components) -> Path:
+    """An adapter for `targets` ({component: target modules}) of the tiny pipeline in `folder` (with
+    `components` given to from_pretrained: a processor it cannot load), saved with
+    `pipeline_cls.save_lora_weights` (diffusers/PEFT format, with its adapter metadata)."""
     import torch
     from peft import LoraConfig, get_peft_model_state_dict
 
     torch.manual_seed(seed)
-    pipe = pipeline_cls.from_pretrained(folder)
+    pipe = pipeline_cls.from_pretrained(folder, **components)
     layers, metadata = {}, {}
     for component, modules in targets.items():
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, init_lora_weights=False)

@@ -21,17 +21,24 @@ def packed_noise(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, (height // 16) * (width // 16), 16), dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def pair(qwen_image_2_1_tiny_build):
+def _reference(folder):
+    """diffusers' pipeline of the folder, given its processor (transformers loads Qwen3VLProcessor only with its
+    video processor, which needs torchvision)."""
     from diffusers import QwenImage21Pipeline
 
     from export.families.qwen_image_edit import load_processor
-    from runners import Pipeline
 
-    folder = qwen_image_2_1_tiny_build.source.folder
     reference = QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder, "Qwen3VLProcessor"))
     reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(qwen_image_2_1_tiny_build.folder / "ort-fp32"), reference
+    return reference
+
+
+@pytest.fixture(scope="module")
+def pair(qwen_image_2_1_tiny_build):
+    from runners import Pipeline
+
+    build = qwen_image_2_1_tiny_build
+    return Pipeline.load(build.folder / "ort-fp32"), _reference(build.source.folder)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,42 @@ def test_export_parity_and_the_prefix_graph(qwen_image_2_1_tiny_build):
     assert [t["name"] for t in subs["transformer_prefix"]["outputs"]] == ["prefix_keys", "prefix_values"]
     assert {"prefix_keys", "prefix_values"} <= {t["name"] for t in subs["transformer"]["inputs"]}
     assert subs["text_encoder"]["export"]["graph"]["layers_kept"] == 2  # the last layer, before the final norm
+
+
+# Every kind of linear layer in the transformer: both graphs' (the prefix's and the step's), the modulation's too
+LORA_TARGETS = {"transformer": ["to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.out", "txt_in.in_layer",
+                                "modulation.1", "img_in", "proj_out"]}
+
+
+def test_lora_equal_to_diffusers_fuse_lora(pair, qwen_image_2_1_tiny_build, tmp_path):
+    """An adapter on every kind of the transformer's linear layers (so on both its graphs) against diffusers'
+    load_lora_weights + fuse_lora of the same file, with true CFG; switched off, the plain image exactly. (Measured:
+    the modulation's adapter was lost while the prefix graph's timestep was a constant that folded its weights.)"""
+    from diffusers import QwenImage21Pipeline
+
+    from export.families.qwen_image_edit import load_processor
+    from lora_adapters import make_adapter
+    from runners import Pipeline
+
+    folder = qwen_image_2_1_tiny_build.source.folder
+    adapter = make_adapter(QwenImage21Pipeline, folder, tmp_path / "a", LORA_TARGETS, seed=5, rank=2, alpha=4.0,
+                           processor=load_processor(folder, "Qwen3VLProcessor"))
+    reference = _reference(folder)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, output_type="np", **CFG)
+    latents = packed_noise(1, 64, 64, seed=5)
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), **call).images
+    loaded = Pipeline.load(qwen_image_2_1_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
+    got = loaded(latents=latents, **call)
+    print(f"qwen-image-2.1 LoRA: max abs error {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    loaded.set_loras({})
+    plain = loaded(latents=latents, **call)
+    assert np.abs(theirs - plain).max() > 0.05  # the adapter changes the image
+    assert np.array_equal(plain, pair[0](latents=latents, **call))
 
 
 def test_refusals(pair):

@@ -96,11 +96,13 @@ class _Blocks(GivenPositions):
 
 
 class _Prefix(_Blocks):
-    """The prompt's tokens at timestep 0, causal, the padding's keys masked -> every block's keys and values."""
+    """The prompt's tokens at `timestep` (0, the runner's: an input, not a constant, so that the modulation's
+    weights stay weights that an adapter changes), causal, the padding's keys masked -> every block's keys and
+    values."""
 
-    def forward(self, encoder_hidden_states, encoder_hidden_states_mask, txt_ids):
+    def forward(self, encoder_hidden_states, encoder_hidden_states_mask, txt_ids, timestep):
         hidden = self.transformer.txt_in(encoder_hidden_states)
-        _, modulation = self.modulation(encoder_hidden_states.new_zeros(1), hidden)
+        _, modulation = self.modulation(timestep, hidden)
         length = hidden.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
         mask = _additive(causal[None, None] & encoder_hidden_states_mask.bool()[:, None, None, :], hidden.dtype)
@@ -155,7 +157,7 @@ PREFIX = SubmoduleSpec(
     name="transformer_prefix",
     component="transformer",
     inputs=(T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")), TEXT_MASK,
-            T("txt_ids", "float32", ("text_length", 3), high=64)),
+            T("txt_ids", "float32", ("text_length", 3), high=64), T("timestep", "float32", (1,), high=1)),
     outputs=(T("prefix_keys", "float32", KV_SHAPE), T("prefix_values", "float32", KV_SHAPE)),
     wrap=_Prefix,
     quantization={"keep_scopes": ("txt_in", "time_text_embed", "transformer.modulation")},

@@ -86,7 +86,7 @@ class QwenImage21Pipeline(TextToImage):
         embeds, mask = (np.concatenate(parts) for parts in zip(*(_padded(b, length) for b in branches)))
         txt_ids = np.repeat(np.arange(length, dtype=np.float32)[:, None], 3, axis=1)
         prefix = self.run("transformer_prefix", release=True, encoder_hidden_states=embeds,
-                          encoder_hidden_states_mask=mask, txt_ids=txt_ids)
+                          encoder_hidden_states_mask=mask, txt_ids=txt_ids, timestep=np.zeros(1, np.float32))
         return {"prefix_keys": prefix["prefix_keys"], "prefix_values": prefix["prefix_values"],
                 "encoder_hidden_states_mask": mask, "frames": frames}
 
