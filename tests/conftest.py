@@ -483,13 +483,15 @@ def assert_targets_within(folder, images, bounds: dict, name: str) -> None:
 def assert_rtx_builds_every_submodule(folder, images, monkeypatch) -> None:
     """Real TensorRT-RTX fp16 engines for every submodule of the export in `folder`, the export's ranges as their
     profiles; `images(artifact)` on them through the GPU stand-in (tests/gpu_double.py) are ONNX Runtime's
-    exactly."""
+    exactly. fp16's calibration is the target tests' (4 prompts x 4 steps: recorded once for both)."""
     import numpy as np
 
     from engines.api import build_artifact
+    from engines.calibration import CalibrationSettings
     from gpu_double import SharedBuffers
 
-    built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options())
+    built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options(),
+                           calibration=CalibrationSettings(prompts=4, steps=4))
     m = manifest(built)
     assert sorted(m["submodules"]) == sorted(manifest(folder / "onnx")["submodules"])
     for name, sub in m["submodules"].items():
