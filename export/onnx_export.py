@@ -256,7 +256,7 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
     table.save(table_path(out_path))
     notes = model.meta["export_notes"]
     del model
-    gc.collect()  # the graph's nodes and values refer to each other: free it (and its maps) now
+    _collect(src, spec)  # the graph's nodes and values refer to each other: free it (and its maps) now
     export_seconds = time.perf_counter() - t0
     parity = check_parity(spec, src, dtype, constants, probes, out_path)
     bad = [p for p in parity if not p.ok]
@@ -274,6 +274,16 @@ def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyna
         **({"graph": notes} if notes else {}),
         "parity": [{"dims": p.dims, "max_abs_err": p.max_abs_err, "max_abs_ref": p.max_abs_ref} for p in parity],
     }
+
+
+# Weights above which an export frees a graph's or a reference's reference cycles at once: a collection takes
+# about half a second in an exporting process, which a tiny model's graphs (a few MiB) would pay for nothing.
+COLLECT_MIN_BYTES = 256 << 20
+
+
+def _collect(src, spec: SubmoduleSpec) -> None:
+    if sum(t["length"] for t in checkpoint_index(src.folder / spec.component).values()) > COLLECT_MIN_BYTES:
+        gc.collect()
 
 
 # Weights above which the parity check holds no component whole (export/streamed_parity.py): the
@@ -304,7 +314,7 @@ def check_parity(spec, src, dtype, constants, probes, onnx_path,
         with torch.no_grad():
             refs = [[r.numpy() for r in module(*[torch.from_numpy(a) for a in inputs])] for inputs in feeds]
         del module
-    gc.collect()
+    _collect(src, spec)
     named = [{t.name: a for t, a in zip(spec.inputs, inputs)} for inputs in feeds]
     options = _parity_session_options()
     if streamed:

@@ -82,29 +82,32 @@ def _family(item: pytest.Item) -> str | None:
 
 
 def _group(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    if item.path.name in RUN_LAST and callspec:  # each family's smoke run its own group: the last groups of
+        return f"{item.path.name}::{callspec.id}"  # the run spread over the workers (one held 5 minutes of them)
     family = _family(item)
     return f"{item.path.name}::{family}" if family else item.path.name
 
 
-# Seconds each group took in a whole run on two workers (`--junitxml`, setup included: a group that waits for
-# a build another worker makes pays the wait), on a 2-core AMD EPYC without AVX-512 (2026-12-02: 7807 s of
-# test time, 68 minutes). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
-# keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A
-# group not listed goes after these, as short.
+# Seconds each group took in a whole run on two workers (`--durations=0`, setup included: a group that waits for
+# a build another worker makes pays the wait), on a 2-core AMD EPYC (2026-12-04: 3839 s of test time, 38 minutes).
+# They only order the groups, longest first (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own
+# is by test count), so that both workers end together; rough numbers do. A group not listed goes after these,
+# as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 860, "test_z_image.py": 700, "test_family_targets.py::sdxl": 470,
-    "test_family_targets.py::flux": 590, "test_flux2.py": 420, "test_trt.py": 530, "test_openvino.py": 400, "test_bench_smoke.py": 390,
-    "test_qwen_image.py": 330, "test_qwen_image_edit.py": 220, "test_qwen_image21.py": 150,
-    "test_controlnet.py::flux": 360, "test_controlnet.py::sd15": 290, "test_precision.py": 280,
-    "test_family_targets.py": 250, "test_flux_conditioned.py::flux": 220, "test_lazy_export.py": 190,
-    "test_passes.py": 180, "test_image_to_image.py": 170, "test_lora_openvino.py": 150, "test_tiny_vae.py": 140,
-    "test_controlnet.py": 130, "test_serving.py": 120, "test_flux.py::flux": 100, "test_controlnet.py::sdxl": 100,
-    "test_lora_openvino.py::sd15": 80, "test_lora_openvino.py::sdxl": 80, "test_bench_smoke.py::sd15": 70,
-    "test_streamed_parity.py": 55, "test_lora.py": 45, "test_bench_smoke.py::flux": 45, "test_tiny_vae.py::sd15": 45,
-    "test_export.py": 40, "test_tiny_vae.py::flux": 35, "test_tiny_vae.py::sdxl": 35, "test_memory.py": 30,
-    "test_runner_errors.py": 25, "test_engines.py": 25, "test_docs_commands.py": 20, "test_lora.py::flux": 20,
-    "test_scale.py": 20, "test_image_to_image.py::sdxl": 15, "test_image_to_image.py::sd15": 15,
-    "test_passes.py::sdxl": 15,
+    "test_family_targets.py::sd15": 450, "test_flux2.py": 290, "test_family_targets.py::flux": 220,
+    "test_family_targets.py::sdxl": 220, "test_trt.py": 210, "test_openvino.py": 210, "test_z_image.py": 200,
+    "test_bench_smoke.py::sd3": 170, "test_controlnet.py::flux": 160, "test_qwen_image_edit.py": 150,
+    "test_controlnet.py::sd15": 130, "test_precision.py": 120, "test_qwen_image.py": 110, "test_passes.py": 80,
+    "test_controlnet.py": 70, "test_image_to_image.py::sdxl": 70, "test_flux_conditioned.py::flux": 70,
+    "test_serving.py": 60, "test_qwen_image21.py": 60, "test_tiny_vae.py": 50,
+    "test_bench_smoke.py::qwen_image_edit": 50, "test_lazy_export.py": 50, "test_bench_smoke.py::flux2": 50,
+    "test_flux.py::flux": 50, "test_controlnet.py::sdxl": 40, "test_bench_smoke.py::sd15": 40,
+    "test_bench_smoke.py::qwen_image": 30, "test_lora_openvino.py::sdxl": 30, "test_streamed_parity.py::flux": 30,
+    "test_export.py": 20, "test_bench_smoke.py::flux": 20, "test_lora_openvino.py::sd15": 20,
+    "test_tiny_vae.py::sdxl": 20, "test_tiny_vae.py::sd15": 20, "test_lora.py::flux": 20,
+    "test_lora_openvino.py": 20, "test_bench_smoke.py::z_image": 20, "test_memory.py": 20,
+    "test_tiny_vae.py::flux": 20, "test_lora.py": 20,
 }
 
 

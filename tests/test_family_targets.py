@@ -32,15 +32,15 @@ FAMILIES = ["sd15", "sdxl", "flux"]
 # flux-tiny, measured the same way (a packed 128x128 start, 5 steps): fp16 75.8, 75.8 dB, int8 68.2, 68.3,
 # fp8 65.9, 64.8, openvino fp32 132.0, 133.5, bf16 45.5, 45.9, int8 39.4, 39.4; image to image and
 # inpainting fp16 74.8, 74.8, int8 67.5, 65.9, fp8 62.7, 63.5, openvino fp32 132.8, 131.7, bf16 40.6,
-# 41.5, int8 38.0, 31.9. Bounds 5 dB under each; OpenVINO's fp32 (rounding apart, the same numbers)
-# at 100 dB, which any numeric change falls far below. (fp16 with Flux's timestep embedding in fp16
-# too, before its fp32_scopes: 58.3, 58.6 and 51.3, 50.4 dB.)
+# 41.5, int8 38.0, 31.9. Bounds 5 dB under each. (fp16 with Flux's timestep embedding in fp16
+# too, before its fp32_scopes: 58.3, 58.6 and 51.3, 50.4 dB.) flux runs fp16, int8 and OpenVINO bf16 and int8, for
+# the suite's time: its fp8 (the shared quantize_fp8 pass, which sd15 and sd3-tiny's tests run, and Flux's keep
+# scopes, test_flux.py's) and OpenVINO fp32 (the conversion every OpenVINO precision makes) were measured above.
 TASK_MIN_PSNR = int8_bounds({
     "sd15": {"fp16": (68.5, 66.0), "int8": (47.5, 47.5), "fp8": (34.0, 33.5),
              "openvino-bf16": (42.5, 42.0), "openvino-int8": (25.0, 25.0)},
     "sdxl": {"fp16": (67.5, 64.0), "int8": (44.5, 40.0)},
-    "flux": {"fp16": (69.5, 69.5), "int8": (62.5, 60.5), "fp8": (57.5, 58.5), "openvino-fp32": (100.0, 100.0),
-             "openvino-bf16": (35.5, 36.5), "openvino-int8": (33.0, 26.5)},
+    "flux": {"fp16": (69.5, 69.5), "int8": (62.5, 60.5), "openvino-bf16": (35.5, 36.5), "openvino-int8": (33.0, 26.5)},
 }, {"sd15": {"int8": (31.5, 30.0), "openvino-int8": (20.0, 19.5)},
     "sdxl": {"int8": (25.0, 22.0)},
     "flux": {"int8": (40.0, 36.0), "openvino-int8": (27.0, 23.5)}})
@@ -48,8 +48,7 @@ MIN_PSNR = int8_bounds({
     "sd15": {"fp16": (71.0, 74.0), "int8": (53.0, 70.0), "fp8": (38.0, 53.0),
              "openvino-bf16": (45.5, 49.5), "openvino-int8": (34.0, 37.0)},
     "sdxl": {"fp16": (69.0, 68.0), "int8": (50.0, 49.0)},
-    "flux": {"fp16": (70.5, 70.5), "int8": (63.0, 63.0), "fp8": (60.5, 59.5), "openvino-fp32": (100.0, 100.0),
-             "openvino-bf16": (40.5, 40.5), "openvino-int8": (34.0, 34.0)},
+    "flux": {"fp16": (70.5, 70.5), "int8": (63.0, 63.0), "openvino-bf16": (40.5, 40.5), "openvino-int8": (34.0, 34.0)},
 }, {"sd15": {"int8": (36.5, 43.0), "openvino-int8": (22.5, 23.0)},
     "sdxl": {"int8": (31.5, 31.5)},
     "flux": {"int8": (40.5, 41.0), "openvino-int8": (26.0, 26.0)}})

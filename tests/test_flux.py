@@ -234,8 +234,8 @@ def test_true_cfg_scale_on_the_command_line(builds, tmp_path, tiny_artifact):
     refused = subprocess.run(run + [str(tiny_artifact), "--out", str(tmp_path / "sd3.png")], capture_output=True,
                              text=True)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert "--true-cfg-scale is flux, qwen_image and qwen_image_edit's (classifier-free guidance with a negative " \
-           "prompt, as diffusers' true_cfg_scale (default 1" in refused.stderr
+    assert "--true-cfg-scale is flux, qwen_image, qwen_image21 and qwen_image_edit's (classifier-free guidance with a " \
+           "negative prompt, as diffusers' true_cfg_scale (default 1" in refused.stderr
     assert "; this artifact is sd3's" in refused.stderr
 
 
