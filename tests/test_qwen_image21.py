@@ -59,6 +59,7 @@ CASES = {  # name: (arguments, the case whose image it must change)
                                         per_prompt=2), None),
     "non-square": (dict(prompt="a red cat", width=128), None),
     "empty prompt": (dict(prompt=""), "no guidance"),
+    "empty negative prompt": (dict(prompt="a red cat", negative_prompt="", true_cfg_scale=4.0), "true cfg"),
     "turbo sigmas": (dict(prompt="a red cat", sigmas=TURBO_SIGMAS, steps=8), "no guidance"),
 }
 

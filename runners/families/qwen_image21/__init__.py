@@ -55,10 +55,8 @@ class QwenImage21Pipeline(TextToImage):
             sigmas = self.constants.get("sample_sigmas")
         if latents is not None:
             latents = self._unpacked(latents, height, width)
-        if isinstance(prompt, (list, tuple)):  # diffusers reads an empty prompt as " " (Qwen has no start token)
-            prompt = [p or " " for p in prompt]
         result = self._text_to_image(
-            prompt or " ", negative_prompt, height, width, num_inference_steps,
+            prompt, negative_prompt, height, width, num_inference_steps,
             true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt, seed, latents,
             output_type, vae_tiling, sigmas=sigmas)
         return pack(result) if output_type == "latent" else result
@@ -91,8 +89,10 @@ class QwenImage21Pipeline(TextToImage):
                 "encoder_hidden_states_mask": mask, "frames": frames}
 
     def _encode(self, prompts: list[str], per_prompt: int) -> Encoded:
-        """The states after the template's system turn, padded to the longest prompt, repeated for its images."""
+        """The states after the template's system turn, padded to the longest prompt, repeated for its images. An
+        empty prompt (a negative one too) is read as " ", as diffusers reads it (Qwen has no start token)."""
         longest = self.dims["text_length"][2]  # diffusers never truncates; the artifact's range holds the prompt
+        prompts = [p or " " for p in prompts]
         encoded = encode_prompts(self, "text_encoder", "processor", prompts, longest, post="repadded")
         return Encoded(*(np.repeat(a, per_prompt, axis=0) for a in encoded))
 
