@@ -140,9 +140,14 @@ def test_lora_equal_to_diffusers_fuse_lora(pair, qwen_image_2_1_tiny_build, tmp_
     assert np.array_equal(plain, pair[0](latents=latents, **call))
 
 
-def test_refusals(pair):
+def test_refusals_and_warnings(pair, caplog):
     ours, _ = pair
     call = dict(height=64, width=64, num_inference_steps=2, output_type="np")
+    with caplog.at_level("WARNING", logger="runners"):
+        ours("a cat", true_cfg_scale=3.0, latents=packed_noise(1, 64, 64), **call)
+        ours("a cat", negative_prompt="blurry", latents=packed_noise(1, 64, 64), **call)
+    assert "true_cfg_scale=3.0 does nothing without a negative_prompt" in caplog.text
+    assert "negative_prompt does nothing with true_cfg_scale <= 1" in caplog.text
     with pytest.raises(ValueError, match=r"latents have shape \(1, 4, 16\); a 64x64 image takes packed latents "
                                          r"\(N, 16, 16\)"):
         ours("a cat", latents=np.zeros((1, 4, 16), np.float32), **call)

@@ -10,6 +10,8 @@ The loop works on the latents unpacked, (N, 64, h, w) for an image of 16h x 16w 
 pixel); `latents=` are packed, as diffusers takes them: (N, h * w, 64). The images are RGBA."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from runners.families.qwen_image import positions
@@ -17,6 +19,9 @@ from runners.guidance import TRUE_CFG
 from runners.options import REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
 from runners.text_to_image import TEXT, Defaults, TextToImage
+
+
+log = logging.getLogger("runners")
 
 
 def pack(latents: np.ndarray) -> np.ndarray:
@@ -51,6 +56,11 @@ class QwenImage21Pipeline(TextToImage):
         `negative_prompt` and `true_cfg_scale` above 1, as in diffusers (the model is meant to run without).
         `latents` are packed, as QwenImage21Pipeline takes them: (N, h * w, 64) for an image of 16h x 16w
         pixels. `sigmas` (or the folder's sample_sigmas) set the steps, as there."""
+        if true_cfg_scale > 1 and negative_prompt is None:  # diffusers' warnings
+            log.warning("true_cfg_scale=%s does nothing without a negative_prompt: classifier-free guidance is off",
+                        true_cfg_scale)
+        elif true_cfg_scale <= 1 and negative_prompt is not None:
+            log.warning("negative_prompt does nothing with true_cfg_scale <= 1: classifier-free guidance is off")
         if sigmas is None:
             sigmas = self.constants.get("sample_sigmas")
         if latents is not None:
