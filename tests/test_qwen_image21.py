@@ -73,6 +73,34 @@ def test_equal_to_diffusers(run_both, case):
     assert_case_equal(run_both, CASES, case, IMAGE_ATOL, "qwen-image-2.1", 1e-3)
 
 
+def test_a_folders_sample_sigmas_are_the_default(pair, qwen_image_2_1_tiny_build, monkeypatch):
+    """A folder whose model_index.json sets sample_sigmas (Qwen-Image-2.1-Turbo's) runs them when sigmas= is not
+    given, as diffusers does: the export records them, and the runner reads them."""
+    import json
+    import types
+
+    from export.families.qwen_image21 import runtime_constants
+
+    ours, reference = pair
+    folder = qwen_image_2_1_tiny_build.source.folder
+    index = {**json.loads((folder / "model_index.json").read_text()), "sample_sigmas": TURBO_SIGMAS}
+    assert runtime_constants(types.SimpleNamespace(config=qwen_image_2_1_tiny_build.source.config,
+                                                   model_index=lambda: index))["sample_sigmas"] == TURBO_SIGMAS
+    monkeypatch.setitem(ours.constants, "sample_sigmas", TURBO_SIGMAS)
+    latents = packed_noise(1, 64, 64, seed=2)
+    call = dict(prompt="a red cat", height=64, width=64, output_type="np")
+    reference.register_to_config(sample_sigmas=TURBO_SIGMAS)  # the pipeline's own, as from_pretrained sets it
+    try:
+        with torch.no_grad():
+            theirs = reference(latents=torch.from_numpy(latents), **call).images
+    finally:
+        reference.register_to_config(sample_sigmas=None)
+    got = ours(latents=latents, **call)
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    monkeypatch.setitem(ours.constants, "sample_sigmas", None)
+    assert np.abs(got - ours(latents=latents, num_inference_steps=8, **call)).max() > 1e-3  # not linspace's 8
+
+
 def test_rgba_images_and_packed_latents(run_both, pair):
     """The images are RGBA as diffusers' (PIL mode too); output_type="latent" gives its packed latents."""
     ours, reference = pair
