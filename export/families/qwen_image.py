@@ -182,7 +182,7 @@ def _one_frame(vae):
     return vae
 
 
-def _statistics(vae):
+def statistics(vae):
     """The config's per-channel latent mean and standard deviation, (1, z, 1, 1)."""
     mean, std = (torch.tensor(vae.config[k], dtype=torch.float32).view(1, -1, 1, 1) for k in ("latents_mean",
                                                                                                "latents_std"))
@@ -197,7 +197,7 @@ class _Decoder(torch.nn.Module):
         self.vae = _one_frame(vae)
 
     def forward(self, latent):
-        mean, std = _statistics(self.vae)
+        mean, std = statistics(self.vae)
         # diffusers: latents / (1 / std) + mean
         z = latent / (1.0 / std) + mean
         return (self.vae.decode(z[:, :, None], return_dict=False)[0][:, :, 0],)
@@ -213,7 +213,7 @@ class _Encoder(torch.nn.Module):
 
     def forward(self, image):
         posterior = self.vae.encode(image[:, :, None], return_dict=False)[0]
-        mean, std = _statistics(self.vae)
+        mean, std = statistics(self.vae)
         inverse = 1.0 / std  # diffusers: (latents - mean) * (1 / std)
         return (posterior.mean[:, :, 0] - mean) * inverse, posterior.logvar[:, :, 0] + 2 * torch.log(inverse)
 
@@ -288,6 +288,13 @@ def runtime_constants(src) -> dict:
     }
 
 
+def vl_token_ids(tokenizer) -> dict[str, int]:
+    """A Qwen VLM config's image, video and vision-boundary token ids, as `tokenizer` numbers them."""
+    return {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
+            (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
+             ("vision_end", "vision_end"))}
+
+
 def build_random(configs: dict, out_dir, seed: int = 0, prefix: str = PROMPT_TEMPLATE.split("{}")[0],
                  drop: int = DROP_TOKENS, later: tuple[str, ...] = ()) -> None:
     """Write a QwenImagePipeline folder with random seeded weights from component configs (see the registry):
@@ -316,11 +323,8 @@ def build_random(configs: dict, out_dir, seed: int = 0, prefix: str = PROMPT_TEM
         if dropped != drop:
             raise ValueError(f"the random tokenizer makes the template's system turn {dropped} tokens, not the "
                              f"{drop} the pipeline drops: raise vocab_pieces")
-        ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
-               (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
-                ("vision_end", "vision_end"))}
         config = Qwen2_5_VLConfig(text_config={"vocab_size": vocab, **configs["text_encoder"]},
-                                  vision_config=configs["vision"], **ids)
+                                  vision_config=configs["vision"], **vl_token_ids(tokenizer))
         modules = build_modules({
             "transformer": lambda: QwenImageTransformer2DModel(**configs["transformer"]),
             "vae": lambda: AutoencoderKLQwenImage(**configs["vae"]),

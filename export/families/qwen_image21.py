@@ -26,7 +26,7 @@ import torch
 
 from export.families import parts
 from export.families.llm_encoder import llm_constants, llm_encoder
-from export.families.qwen_image import GivenPositions
+from export.families.qwen_image import GivenPositions, statistics, vl_token_ids
 from export.families.z_image import rotated
 from export.prompt_formats import load_tokenizer
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -48,7 +48,7 @@ def drop_tokens(folder) -> int:
 
 class _Attention:
     """QwenImage21AttnProcessor's projections, norms and rotary embedding, the rotation in real arithmetic
-    (`rotary_emb`: (1, S, head dim / 2, 2) cos and sin), the mask additive. `layer_cache` is a `_Keys`: the
+    (`rotary_emb`: (1 or N, S, head dim / 2, 2) cos and sin), the mask additive. `layer_cache` is a `_Keys`: the
     prefix graph records each block's keys and values into it; the image's graph reads the prefix's from it and
     attends over [prefix, image] keys, as diffusers' cached mode."""
 
@@ -145,8 +145,7 @@ class _Decoder(torch.nn.Module):
         self.vae = _one_frame(vae)
 
     def forward(self, latent):
-        mean, std = (torch.tensor(self.vae.config[k], dtype=torch.float32).view(1, -1, 1, 1)
-                     for k in ("latents_mean", "latents_std"))
+        mean, std = statistics(self.vae)
         z = latent * std + mean
         return (self.vae.decode(z[:, :, None], return_dict=False)[0][:, :, 0],)
 
@@ -242,11 +241,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
         vocab = write_qwen_tokenizer(Path(tmp), configs["vocab_pieces"], template, seed,
                                      special=QWEN_VL_SPECIAL_TOKENS, added=(), whole=SYSTEM)
         tokenizer = AutoTokenizer.from_pretrained(tmp)
-    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for name, token in
-           (("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"),
-            ("vision_end", "vision_end"))}
     config = Qwen3VLConfig(text_config={"vocab_size": vocab, **configs["text_encoder"]},
-                           vision_config=configs["vision"], **ids)
+                           vision_config=configs["vision"], **vl_token_ids(tokenizer))
     modules = build_modules({
         "transformer": lambda: QwenImage21Transformer2DModel(**configs["transformer"]),
         "vae": lambda: AutoencoderKLQwenImage21(**configs["vae"]),
@@ -255,9 +251,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
     vision = configs["vision"]  # Qwen3-VL-8B-Instruct's preprocessor_config.json: patches of 16, merged 2 x 2
     images = Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
                                       temporal_patch_size=vision["temporal_patch_size"])
-    parts = processor(images, tokenizer, template, "Qwen3VLProcessor")
     pipeline = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
-                                   processor=parts, **modules)
+                                   processor=processor(images, tokenizer, template, "Qwen3VLProcessor"), **modules)
     pipeline.register_modules(processor=None)  # written part by part below
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir / "processor")

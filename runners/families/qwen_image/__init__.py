@@ -73,7 +73,8 @@ def _without_frame(name: str, value, axis: int):
     return value
 
 
-def _padded(encoded: Encoded, length: int) -> Encoded:
+def padded(encoded: Encoded, length: int) -> Encoded:
+    """The states and mask padded with zeros to `length` tokens."""
     extra = length - encoded.embeds.shape[1]
     return Encoded(np.pad(encoded.embeds, ((0, 0), (0, extra), (0, 0))), np.pad(encoded.mask, ((0, 0), (0, extra))))
 
@@ -148,7 +149,7 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         if cfg:
             negatives = encode(self._negatives(prompts, negative_prompt))
             length = max(encoded.embeds.shape[1], negatives.embeds.shape[1])
-            encoded, negatives = _padded(encoded, length), _padded(negatives, length)
+            encoded, negatives = padded(encoded, length), padded(negatives, length)
             encoded = Encoded(*(self.guidance.batch(p, n) for p, n in zip(encoded, negatives)))
         return {"encoder_hidden_states": encoded.embeds, "encoder_hidden_states_mask": encoded.mask}
 

@@ -14,7 +14,8 @@ import logging
 
 import numpy as np
 
-from runners.families.qwen_image import positions
+from runners.families.flux2.tokens import pack, unpack  # a plain flatten, as FLUX.2's
+from runners.families.qwen_image import padded, positions
 from runners.guidance import TRUE_CFG
 from runners.options import REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
@@ -22,22 +23,6 @@ from runners.text_to_image import TEXT, Defaults, TextToImage
 
 
 log = logging.getLogger("runners")
-
-
-def pack(latents: np.ndarray) -> np.ndarray:
-    """(N, C, h, w) -> (N, h * w, C): QwenImage21Pipeline's _pack_latents (a plain flatten)."""
-    n, c, h, w = latents.shape
-    return np.ascontiguousarray(latents.reshape(n, c, h * w).transpose(0, 2, 1))
-
-
-def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
-    n, _, c = tokens.shape
-    return np.ascontiguousarray(tokens.transpose(0, 2, 1).reshape(n, c, h, w))
-
-
-def _padded(encoded: Encoded, length: int) -> Encoded:
-    extra = length - encoded.embeds.shape[1]
-    return Encoded(np.pad(encoded.embeds, ((0, 0), (0, extra), (0, 0))), np.pad(encoded.mask, ((0, 0), (0, extra))))
 
 
 class QwenImage21Pipeline(TextToImage):
@@ -91,7 +76,7 @@ class QwenImage21Pipeline(TextToImage):
             branches = [self._encode(self._negatives(prompts, negative_prompt), per_prompt), *branches]
         length = max(b.embeds.shape[1] for b in branches)
         frames = np.concatenate([np.full(len(b.mask), b.embeds.shape[1], np.float32) for b in branches])
-        embeds, mask = (np.concatenate(parts) for parts in zip(*(_padded(b, length) for b in branches)))
+        embeds, mask = (np.concatenate(parts) for parts in zip(*(padded(b, length) for b in branches)))
         txt_ids = np.repeat(np.arange(length, dtype=np.float32)[:, None], 3, axis=1)
         prefix = self.run("transformer_prefix", release=True, encoder_hidden_states=embeds,
                           encoder_hidden_states_mask=mask, txt_ids=txt_ids, timestep=np.zeros(1, np.float32))
