@@ -7,12 +7,14 @@ OUT       ?= out.png
 IMAGE_ARGS ?=
 ENGINES_ARGS ?=
 IMAGE_SIZE ?=
+FRAMES    ?=
 PYTHON    ?= python3
 
 VENV := .venv
 PY   := $(VENV)/bin/python
 # Registry names build into build/<name>; a folder path builds into build/<folder's basename>.
-# IMAGE_SIZE=MIN,OPT,MAX (pixels) overrides the image range the engines are built for.
+# IMAGE_SIZE=MIN,OPT,MAX (pixels) overrides the image range the engines are built for; FRAMES=MIN,OPT,MAX a
+# video model's frame range.
 NAME := $(notdir $(patsubst %/,%,$(MODEL)))
 BUILD := build/$(NAME)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -65,7 +67,8 @@ upgrade-lock: lock
 	$(MAKE) test
 
 export: venv
-	$(PY) -m export $(MODEL) --out $(BUILD) --reuse-from $(dir $(BUILD)) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE))
+	$(PY) -m export $(MODEL) --out $(BUILD) --reuse-from $(dir $(BUILD)) $(if $(IMAGE_SIZE),--image-size $(IMAGE_SIZE)) \
+		$(if $(FRAMES),--frames $(FRAMES))
 
 ENGINES := $(PY) -m engines $(BUILD) --target $(TARGET) --precision $(PRECISION) $(ENGINES_ARGS)
 engines: export
@@ -123,8 +126,9 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
-# batch, the Flux, Z-Image and FLUX.2 tables against optimum-intel and openvino.genai, and FLUX.2's reference
-# table on klein KV (all skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
+# batch, the Flux, Z-Image and FLUX.2 tables against optimum-intel and openvino.genai, FLUX.2's reference
+# table on klein KV, the Qwen-Image tables and the Wan video table (all skipped when BENCH_ARGS picks --tables: that
+# names the sd3-bench tables to re-measure).
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
@@ -142,6 +146,7 @@ bench: venv optimum-venv optimum-intel-venv
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model qwen-image-edit-bench --tables qwen-image-edit \
 	  $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model wan-bench --tables wan,wan-vae $(BENCH_ARGS))
 
 # The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32

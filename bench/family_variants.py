@@ -64,6 +64,8 @@ WORKLOADS = {
     "qwen-image": Workload("QwenImagePipeline", "OVQwenImagePipeline",
                            {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
                            given_latents=_packed),
+    # Wan 2.1's: guidance 5 with a negative prompt (WanPipeline's defaults); no CPU peer runs it
+    "wan": Workload("WanPipeline", None, {"negative_prompt": "blurry, static, low quality", "guidance_scale": 5.0}),
     # Qwen-Image-Edit's the same, editing its input image; no optimum-intel pipeline runs it (#1934 is open)
     "qwen-image-edit": Workload("QwenImageEditPipeline", None,
                                 {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
@@ -88,20 +90,29 @@ def _edit(references: int, height: int, width: int) -> dict:
     return {"image": reference_images(references, height, width)} if references else {}
 
 
+def _video(latents: np.ndarray, temporal: int | None) -> dict:
+    """A video's frame count, from its latents (1, C, f, h, w): the first frame alone, then `temporal` frames a
+    latent frame."""
+    return {"num_frames": 1 + temporal * (latents.shape[2] - 1)} if latents.ndim == 5 else {}
+
+
 class FamilyOurs(Ours):
-    def __init__(self, artifact: str, workload: str, references: int = 0):
-        super().__init__(artifact)
+    """Our artifact on the workload; `cache`: a step cache for every run (Pipeline.__call__'s)."""
+
+    def __init__(self, artifact: str, workload: str, references: int = 0, cache: str | None = None):
+        super().__init__(artifact, cache=cache)
         self.workload, self.references = WORKLOADS[workload], references
 
     def timed_run(self, latents: np.ndarray, height: int, width: int, steps: int, out: str | None) -> dict:
         edit = _edit(self.references, height, width)
         t0 = time.perf_counter()
         image = self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps,
-                          latents=self.workload.given_latents(latents), output_type="np", **self.workload.options,
-                          **edit)[0]
+                          latents=self.workload.given_latents(latents), output_type="np", cache=self.cache,
+                          **_video(latents, self.pipe.constants.get("vae_temporal_scale")),
+                          **self.workload.options, **edit)[0]
         seconds, timings = time.perf_counter() - t0, self.pipe.timings
         return timed_result(seconds, steps, timings["denoise"], timings["vae_decode"], image, out,
-                            text=timings["text_encoders"])
+                            text=timings["text_encoders"], cache=self.pipe.cache_stats)
 
 
 class FamilyPipeline:
@@ -127,19 +138,60 @@ class FamilyPipeline:
         edit = _edit(self.references, height, width)
         t0 = time.perf_counter()
         image = self.pipe(prompt=PROMPT, height=height, width=width, num_inference_steps=steps,
-                          latents=torch.from_numpy(self.given_latents(latents)), output_type="np", **self.options,
-                          **edit).images[0]
+                          latents=torch.from_numpy(self.given_latents(latents)), output_type="np",
+                          **_video(latents, getattr(self.pipe, "vae_scale_factor_temporal", None)),
+                          **self.options, **edit)[0][0]  # the output's images (a video pipeline's frames)
         return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out,
                             text=sum(self.text_seconds))
 
 
+class VideoDecoderOurs:
+    """A video artifact's chunked VAE decoder alone (its two graphs, looped over the latent frames)."""
+
+    def __init__(self, artifact: str):
+        from runners import Pipeline
+
+        self.pipe = Pipeline.load(artifact, submodules=["vae_decoder_first", "vae_decoder"])
+
+    def vae_decode(self, z: np.ndarray, tiling: bool, tile: int | None) -> float:
+        t0 = time.perf_counter()
+        self.pipe.decode_video(z)
+        return time.perf_counter() - t0
+
+
+class VideoDecoderDiffusers:
+    """diffusers' AutoencoderKLWan of the folder, eager fp32, decoding the pipeline's latents as WanPipeline does."""
+
+    def __init__(self, folder: str):
+        import torch
+        from diffusers import AutoencoderKLWan
+
+        torch.set_grad_enabled(False)
+        self.torch, self.vae = torch, AutoencoderKLWan.from_pretrained(Path(folder) / "vae")
+
+    def vae_decode(self, z: np.ndarray, tiling: bool, tile: int | None) -> float:
+        config = self.vae.config
+        mean = self.torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+        std = self.torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+        t0 = time.perf_counter()
+        self.vae.decode(self.torch.from_numpy(z) / (1.0 / std) + mean, return_dict=False)
+        return time.perf_counter() - t0
+
+
+# a video workload's VAE decoder alone (the video table's memory rows)
+RUNNERS = {"vae-ours": VideoDecoderOurs, "vae-diffusers": VideoDecoderDiffusers}
+
+
 def make_family_variant(kind: str, path: str, **options):
-    """"<workload>-ours", "<workload>-diffusers" or "<workload>-optimum-intel" (WORKLOADS' names)."""
+    """"<workload>-ours", "<workload>-diffusers" or "<workload>-optimum-intel" (WORKLOADS' names); a video
+    workload's VAE decoder alone, "<workload>-vae-ours" or "-vae-diffusers"."""
     workload = max((w for w in WORKLOADS if kind.startswith(w + "-")), key=len, default=None)  # qwen-image-edit-*
     runner = kind[len(workload) + 1:] if workload else None
     if runner == "ours":
         return FamilyOurs(path, workload, **options)
+    if runner in RUNNERS:
+        return RUNNERS[runner](path, **options)
     if runner in ("diffusers", "optimum-intel"):
         return FamilyPipeline(path, workload, runner, **options)
-    raise ValueError(f"unknown variant kind {kind!r}: <workload>-ours, -diffusers or -optimum-intel, of "
-                     f"{', '.join(WORKLOADS)}")
+    raise ValueError(f"unknown variant kind {kind!r}: <workload>-ours, -diffusers, -optimum-intel, -vae-ours or "
+                     f"-vae-diffusers, of {', '.join(WORKLOADS)}")

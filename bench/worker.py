@@ -47,11 +47,12 @@ def main() -> None:
             feeds, calls = make_inputs(job["inputs"]), job.get("calls", 1)
             _reply({name: statistics.median(variant.call(name, feeds[name]) for _ in range(calls)) for name in feeds})
         elif job["job"] == "timed_run":  # a whole run, its denoiser and VAE times, and its first image
-            _reply(variant.timed_run(start_latents(constants, h, w), h, w, job["steps"], job.get("out")))
+            _reply(variant.timed_run(start_latents(constants, h, w, job.get("frames")), h, w, job["steps"],
+                                     job.get("out")))
         elif job["job"] == "e2e":
             _reply({"seconds": variant.e2e(start_latents(constants, h, w), h, w, job["steps"])})
         elif job["job"] == "vae_decode":
-            z = start_latents(constants, h, w)
+            z = start_latents(constants, h, w, job.get("frames"))
             _reply({"seconds": variant.vae_decode(z, job["tiling"], job.get("tile"))})
         elif job["job"] == "loaded":
             _reply({"seconds": loaded})

@@ -76,7 +76,9 @@ def make_inputs(specs: dict[str, dict[str, dict]]) -> dict[str, dict[str, np.nda
     return out
 
 
-def start_latents(constants: dict, height: int, width: int) -> np.ndarray:
+def start_latents(constants: dict, height: int, width: int, frames: int | None = None) -> np.ndarray:
+    """The run's starting latents (1, C, h, w); a video's of `frames` frames (1, C, (frames - 1) / 4 + 1, h, w)."""
     scale = constants["vae_scale_factor"]
-    shape = (1, constants["latent_channels"], height // scale, width // scale)
+    video = () if frames is None else ((frames - 1) // constants["vae_temporal_scale"] + 1,)
+    shape = (1, constants["latent_channels"], *video, height // scale, width // scale)
     return np.random.default_rng(42).standard_normal(shape, dtype=np.float32)

@@ -138,7 +138,7 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
             image = pipe(prompt, seed=i, height=size, width=size, num_inference_steps=settings.steps, output_type="np",
                          **guidance, **_call_inputs(pipe, size, seed=i))
             if "vae_encoder" in pipe.sessions and not inpainting:  # inpainting fed it already
-                pipe.vae_encode(np.ascontiguousarray(image.transpose(0, 3, 1, 2)) * 2 - 1)
+                pipe.calibration_encode(image)
             _log(f"prompt {i + 1}/{len(prompts)} recorded{time_left(time.monotonic() - started, i + 1, len(prompts))}")
         calls = store.finish()
         write_manifest(tmp, {"stage": "calibration", "cache_key": key,
@@ -151,12 +151,13 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
 def _call_inputs(pipe, size: int, seed: int) -> dict:
     """What a calibration call gives besides the prompt: an image and a mask to an inpainting denoiser, control
     images to ControlNets or FLUX.1 Canny/Depth, a reference image at the calibration size where the family asks
-    for one (`calibration_reference`: FLUX.1 Kontext's at every call, FLUX.2 klein KV's at every other)."""
+    for one, a video's frame count (`calibration_options`: FLUX.1 Kontext's reference at every call, FLUX.2 klein
+    KV's at every other)."""
     inputs = _inpainting_inputs(size, seed) if pipe.inpainting_denoiser() else {}
     control_images = pipe.control_images()
     if control_images:
         inputs.update(control_inputs(size, control_images, seed))
-    inputs.update(pipe.calibration_reference(_inpainting_inputs(size, seed)["image"], seed))
+    inputs.update(pipe.calibration_options(_inpainting_inputs(size, seed)["image"], seed))
     return inputs
 
 

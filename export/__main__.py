@@ -15,6 +15,9 @@ def main(argv=None) -> int:
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     p.add_argument("--image-size", default=None, metavar="MIN,OPT,MAX",
                    help="image side range in pixels the engines are built for (default: the model's entry)")
+    p.add_argument("--frames", default=None, metavar="MIN,OPT,MAX",
+                   help="a video model's frame range the engines are built for, each 4k + 1 (default: the model's "
+                        "entry; Wan's 5,81,81)")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default=None,
                    help="weights and computation of the graphs (default: the model's entry; float32 for most); "
                         "float16 halves the memory the export needs and builds fp16 engines only")
@@ -41,7 +44,8 @@ def main(argv=None) -> int:
     sizes = args.image_size.split(",") if args.image_size else None
     return run_cli(lambda: export_model(args.model, args.out, opset=args.opset, force=args.force, image_size=sizes,
                                                  dtype=args.dtype, tiny_vae=args.tiny_vae,
-                                                 controlnets=args.controlnet, reuse_from=args.reuse_from),
+                                                 controlnets=args.controlnet, reuse_from=args.reuse_from,
+                                                 frames=args.frames.split(",") if args.frames else None),
                    (SourceError, ValueError), "nothing was written")
 
 

@@ -79,13 +79,28 @@ def _check_sizes(sizes, multiple: int) -> tuple[int, int, int]:
     return sizes
 
 
+def _check_frames(frames, constants: dict, name: str) -> tuple[int, int, int]:
+    temporal = constants.get("vae_temporal_scale")
+    if not temporal:
+        raise ValueError(f"--frames: {name} makes images, not videos; leave it out")
+    try:
+        frames = tuple(int(f) for f in frames)
+    except ValueError:
+        frames = ()
+    if len(frames) != 3 or not 0 < frames[0] <= frames[1] <= frames[2] or any(f % temporal != 1 for f in frames):
+        raise ValueError(f"frame range {frames}: give MIN,OPT,MAX with MIN <= OPT <= MAX, each {temporal}k + 1 "
+                         f"(1, {1 + temporal}, {1 + 2 * temporal}, ...)")
+    return frames
+
+
 def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET, force: bool = False,
                  image_size: tuple[int, int, int] | None = None, dtype: str | None = None,
                  tiny_vae: str | None = None, controlnets: list[str] | tuple[str, ...] = (),
-                 reuse_from: Path | None = None) -> Path:
+                 reuse_from: Path | None = None, frames: tuple[int, int, int] | None = None) -> Path:
     """Export `model` (registry name or folder) into `out`/onnx and return that folder.
 
-    `image_size` (min, opt, max pixels) overrides the range the engines are built for. `dtype`
+    `image_size` (min, opt, max pixels) overrides the range the engines are built for; `frames` (min, opt, max)
+    a video model's frame range. `dtype`
     (float32, float16; default: the registry entry's) is the weights' and the computation's: an
     fp16 export never holds fp32 weights, and builds only fp16 engines. `tiny_vae` (an AutoencoderTiny
     folder, hub id or random test name, export/families/tiny_vae.py) adds `vae_decoder_tiny` and
@@ -96,10 +111,10 @@ def export_model(model: str | ModelSource, out: Path, opset: int = DEFAULT_OPSET
     in `reuse_from` (a folder of builds: its */onnx) whose component is the same (FLUX.1 Fill's text
     encoders and VAE, after FLUX.1 dev's)."""
     with exclusive(Path(out) / "onnx"):  # a second export into `out` waits, then reuses this one
-        return _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from)
+        return _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from, frames)
 
 
-def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from) -> Path:
+def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, controlnets, reuse_from, frames) -> Path:
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype '{dtype}': use one of {', '.join(EXPORT_DTYPES)}")
     _quiet_libraries()
@@ -109,6 +124,9 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     if image_size:
         sizes = _check_sizes(image_size, image_multiple(constants))
         src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, image_size=sizes))
+    if frames:
+        frames = _check_frames(frames, constants, src.entry.name)
+        src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, frames=frames))
     family, entry = src.family, src.entry
     ranges = dim_ranges(entry, family, constants)
     probes = probe_dims(entry, family, constants)

@@ -19,6 +19,8 @@ class ModelEntry:
     image_size: tuple[int, int, int] = (256, 1024, 1536)
     batch: tuple[int, int, int] = (1, 2, 8)  # transformer batch is 2x the images (guidance)
     text_length: tuple[int, int, int] = (1, 256, 512)
+    # A video model's frames (min, opt, max), each 4k + 1 for Wan; None for an image model.
+    frames: tuple[int, int, int] | None = None
     # The weights' and the graphs' dtype: float16 halves the export's memory, and its engines are fp16.
     export_dtype: str = "float32"
     description: str = ""
@@ -491,6 +493,45 @@ QWEN_IMAGE_21_TINY = {
     "scheduler": _QWEN_IMAGE_SCHEDULER,
 }
 
+# Wan 2.1's configs (Wan-AI/Wan2.1-T2V-1.3B-Diffusers): the transformer's, its UMT5-XXL encoder's and its
+# scheduler's (UniPC on flow sigmas, shift 3)
+def _wan(heads: int, head_dim: int, ffn: int, layers: int, text: int) -> dict:
+    return {"patch_size": [1, 2, 2], "num_attention_heads": heads, "attention_head_dim": head_dim, "in_channels": 16,
+            "out_channels": 16, "text_dim": text, "freq_dim": 256, "ffn_dim": ffn, "num_layers": layers,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None,
+            "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
+
+
+def _umt5(width: int, head_dim: int, heads: int, mlp: int, layers: int) -> dict:
+    return {"d_model": width, "d_kv": head_dim, "d_ff": mlp, "num_layers": layers, "num_heads": heads,
+            "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+            "relative_attention_max_distance": 128, "is_encoder_decoder": False, "use_cache": False}
+
+
+_WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "num_train_timesteps": 1000,
+                  "flow_shift": 3.0}
+_WAN_VAE = {"z_dim": 16, "dim_mult": [1, 2, 4, 4], "attn_scales": [], "temperal_downsample": [False, True, True]}
+WAN_TINY = {
+    # head_dim 24: Wan's rotary split (frames 8, height 8, width 8 of it) at a tiny width
+    "transformer": _wan(heads=2, head_dim=24, ffn=64, layers=2, text=32),
+    "vae": {**_WAN_VAE, "base_dim": 8, "num_res_blocks": 1},
+    "text_encoder": _umt5(32, 8, 4, 64, 2),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _WAN_SCHEDULER,
+}
+
+# Wan 2.1 1.3B's real widths (12 heads of 128, feed-forward 8960, text 4096) at 2 blocks; UMT5-XXL's real widths
+# (4096, 64 heads of 64, 10240) at 2 layers; Wan 2.1's real VAE (base 96, 2 residual blocks a level): benchmarks
+WAN_BENCH = {
+    "transformer": _wan(heads=12, head_dim=128, ffn=8960, layers=2, text=4096),
+    "vae": {**_WAN_VAE, "base_dim": 96, "num_res_blocks": 2},
+    "text_encoder": _umt5(4096, 64, 64, 10240, 2),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _WAN_SCHEDULER,
+}
+# Wan 2.2 A14B's layout: a second (low-noise) transformer below the boundary (its model_index.json's 0.875)
+WAN22_A14B_TINY = {**WAN_TINY, "transformer_2": WAN_TINY["transformer"], "boundary_ratio": 0.875}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -655,6 +696,26 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 64, 256),
                    description="Qwen-Image 2.1 architecture (Qwen3-VL encoder, block-causal transformer, RGBA VAE) at "
                                "tiny widths, built offline"),
+        ModelEntry("wan2.1-t2v-1.3b", "wan", hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", image_size=(256, 832, 1280),
+                   frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
+                   description="Wan 2.1 text to video, 1.3B (480p; UMT5-XXL encoder)"),
+        ModelEntry("wan2.1-t2v-14b", "wan", hub_id="Wan-AI/Wan2.1-T2V-14B-Diffusers", image_size=(256, 832, 1280),
+                   frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
+                   description="Wan 2.1 text to video, 14B (480p and 720p; UMT5-XXL encoder)"),
+        ModelEntry("wan-tiny", "wan", random_configs=WAN_TINY, image_size=(64, 64, 256), frames=(1, 9, 17),
+                   text_length=(1, 64, 512),
+                   description="Wan 2.1 architecture (UMT5 encoder, causal 3D VAE) at tiny widths, built offline"),
+        ModelEntry("wan-bench", "wan", random_configs=WAN_BENCH, image_size=(128, 480, 832), frames=(5, 33, 81),
+                   text_length=(1, 128, 512), batch=(1, 2, 2),
+                   description="Wan 2.1 1.3B's widths at 2 blocks, UMT5-XXL's at 2 layers, the real VAE, random "
+                               "weights (benchmarks)"),
+        ModelEntry("wan2.2-t2v-a14b", "wan", hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers", image_size=(256, 832, 1280),
+                   frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
+                   description="Wan 2.2 text to video, A14B (two 14B transformers: high noise, then low noise)"),
+        ModelEntry("wan22-tiny", "wan", random_configs=WAN22_A14B_TINY, image_size=(64, 64, 256), frames=(1, 9, 17),
+                   text_length=(1, 64, 512),
+                   description="Wan 2.2 A14B architecture (two transformers handing over at the boundary) at tiny "
+                               "widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),
         ModelEntry("sd15-inpaint-tiny", "sd15", random_configs=SD15_INPAINT_TINY, image_size=(64, 128, 256),

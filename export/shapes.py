@@ -47,6 +47,8 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
         base["reference_tokens"] = (0, 0, constants["reference_tokens_max"])
     if "vision_windows_max" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)
         base["vision_windows"] = (1, constants["vision_windows_opt"], constants["vision_windows_max"])
+    if entry.frames:  # a video's latent frames: the first frame alone, then one a temporal scale of frames
+        base["latent_frames"] = tuple((f - 1) // constants["vae_temporal_scale"] + 1 for f in entry.frames)
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
     return {k: (per_bound[0][k], per_bound[1][k], per_bound[2][k]) for k in per_bound[0] if k in _used(family)}
 
@@ -101,6 +103,10 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
         probes[0]["reference_tokens"], probes[1]["reference_tokens"] = 4, 2
     if "vision_windows" in _used(family):
         probes[0]["vision_windows"], probes[1]["vision_windows"] = 3, 2
+    if "latent_frames" in _used(family):  # at most 3 latent frames (a video's graphs cost in frames)
+        frames_lo, _, frames_hi = dim_ranges(entry, family, constants)["latent_frames"]
+        probes[0]["latent_frames"] = max(2, min(3, frames_hi))
+        probes[1]["latent_frames"] = frames_lo if frames_lo != probes[0]["latent_frames"] else frames_lo + 1
     return [{k: v for k, v in _derive(family, p, constants).items() if k in _used(family)} for p in probes]
 
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from runners.video import VIDEO_SUFFIXES, write_video
+
 
 def _read_image(path: Path, option: str):
     """An --image or --mask file, read whole now, so that a missing or unreadable file is one line."""
@@ -24,14 +26,20 @@ def _read_image(path: Path, option: str):
         raise ValueError(f"{option} {path} is not an image file Pillow can read ({type(e).__name__})") from None
 
 
-def _check_out(out: str) -> None:
-    """Before any engine runs: an --out whose extension names no format Pillow writes."""
+def _check_out(out: str, video: bool) -> None:
+    """Before any engine runs: an --out an image (or, for a video model, a video) cannot be written to: an image
+    format Pillow writes; a video's .mp4, or a folder for its frames as PNGs."""
     from PIL import Image
 
     suffix = Path(out).suffix.lower()
-    if Image.registered_extensions().get(suffix) not in Image.SAVE:
-        raise ValueError(f"--out {out}: Pillow writes no image format with the extension {suffix or '(none)'!r}; "
-                         "use .png, .jpg or .webp")
+    if video:
+        if suffix and suffix not in VIDEO_SUFFIXES:
+            raise ValueError(f"--out {out}: this artifact makes videos; use a .mp4 path, or a folder (no extension) "
+                             "for its frames as PNGs")
+    elif Image.registered_extensions().get(suffix) not in Image.SAVE:
+        hint = "; this artifact makes images" if suffix in VIDEO_SUFFIXES else ""
+        raise ValueError(f"--out {out}: Pillow writes no image format with the extension {suffix or '(none)'!r}"
+                         f"{hint}; use .png, .jpg or .webp")
 
 
 def _save_all(images, paths: list[Path]) -> None:
@@ -162,7 +170,8 @@ def main(argv=None) -> int:
                         "--control-image; needs the canny extra (pip install 'diffusion-aot[canny]')")
     p.add_argument("--canny-thresholds", default="100,200", metavar="LOW,HIGH",
                    help="the canny map's hysteresis thresholds (default 100,200)")
-    p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added")
+    p.add_argument("--out", default="out.png", help="PNG path; with several images, _0, _1 ... are added; a video "
+                        "model's: a .mp4 path (H.264) or a folder for its frames as PNGs")
     args = p.parse_args(argv)
 
     from runners import Pipeline
@@ -173,7 +182,8 @@ def main(argv=None) -> int:
     from runners.manifest import ManifestError
 
     def generate():
-        _check_out(args.out)
+        if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:  # a video's is checked once the artifact is read
+            _check_out(args.out, video=not Path(args.out).suffix)
         if args.mask_image and not (args.image or args.control_image or args.canny):
             raise ValueError("--mask needs --image: inpainting repaints the mask's white part of an image (or, "
                              "for SD3's inpainting ControlNets, --control-image)")
@@ -185,16 +195,21 @@ def main(argv=None) -> int:
                              device_map=parse_device_map(args.device_map), vae="tiny" if args.tiny_vae else "full",
                              loras=loras)
         _refuse_undeclared(pipe, request)
+        _check_out(args.out, pipe.video)
         pipe.enable_cache(cache)
         previews = {} if args.preview_dir is None else {
             "preview_every": args.preview_every,
             "on_preview": lambda step, images: _save_all(images, _numbered(args.preview_dir / f"step_{step:03d}.png",
                                                                           len(images)))}
         timings = {"load": time.perf_counter() - t0}
-        images = pipe(profile=args.profile, **previews, **request)
+        outputs = pipe(profile=args.profile, **previews, **request)
         timings.update(pipe.timings)
-        paths = _numbered(Path(args.out), len(images))
-        _save_all(images, paths)
+        paths = _numbered(Path(args.out), len(outputs))
+        if pipe.video:  # each video's frames (F, H, W, 3): an mp4 or a folder of PNGs, each written whole
+            for frames, path in zip(outputs, paths):
+                write_video(frames, path, pipe.constants["fps"])
+        else:
+            _save_all(outputs, paths)
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
         stats = pipe.cache_stats
         evaluated = f"; denoiser {stats['full']} full, {stats['cached']} cached" if stats.get("cached") else ""

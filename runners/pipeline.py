@@ -33,6 +33,7 @@ VAE_ENGINES = {"full": ("vae_decoder", "vae_encoder"), "tiny": ("vae_decoder_tin
 class Pipeline:
     family = ""
     options: tuple = ()  # the request options a call takes (runners/options.py), declared by the family's steps
+    video = False  # a family that makes videos: a call returns each video's frames (runners/video.py writes them)
 
     def __init_subclass__(cls, **kwargs):
         # A family module registers itself by defining its class: `load` never imports the
@@ -230,11 +231,13 @@ class Pipeline:
             config.check(self.manifest)
         return config
 
-    def _evaluate(self, step: int, num_steps: int, x, t, conditions: dict, context: str = "batch") -> np.ndarray:
+    def _evaluate(self, step: int, num_steps: int, x, t, conditions: dict, context: str = "batch",
+                  engine: str | None = None) -> np.ndarray:
         """The denoiser's prediction at `step` of `num_steps` for latents `x` at timestep `t`: the family's
         `_predict` in full, or the running call's cache's answer. Every denoising loop calls the
         denoiser through this (`context` as diffusers' cache_context: one name per stream of
-        evaluations a step makes, "cond" and "uncond" when guidance runs them apart)."""
+        evaluations a step makes, "cond" and "uncond" when guidance runs them apart); `engine`: another denoiser
+        graph of the same inputs (a handover's: runners/text_to_image.py)."""
         call = self._calls.current
         if call.step_cache is None:
             config = call.cache_config
@@ -242,7 +245,8 @@ class Pipeline:
         last = step == num_steps - 1  # the engine's working memory is released after the last step (or
         # after the last that runs in full, when the cache knows it: `run_full(release=True)`)
         return call.step_cache(step, context, (x, t, conditions),
-                                lambda release=last: self._predict(x, t, conditions, release=release)["noise_pred"])
+                                lambda release=last: self._predict(x, t, conditions, release=release,
+                                                                   engine=engine)["noise_pred"])
 
     @contextmanager
     def _profiling(self, out_dir):
@@ -283,12 +287,12 @@ class Pipeline:
         timings = self._calls.current.timings
         timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - t0
 
-    def _progress(self, i: int, n: int) -> None:
+    def _progress(self, i: int, n: int, what: str = "denoising") -> None:
         # A redrawn bar on a terminal; only the final line in a log file.
         if self.progress and (sys.stderr.isatty() or i == n):
             bar = "#" * (30 * i // n)
             end = "\n" if i == n else ""
-            print(f"\rdenoising [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
+            print(f"\r{what} [{bar:<30}] {i}/{n}", end=end, file=sys.stderr, flush=True)
 
 
 def _vae_submodules(folder, manifest: dict, vae: str, submodules: list[str] | None) -> list[str] | None:

@@ -1,7 +1,7 @@
 """Live previews: every N steps, the current estimate of the final latents (the scheduler's x0
-prediction) made visible, through the artifact's tiny decoder when it has one (`vae_decoder_tiny`),
-else through a fixed linear map of the latent channels to RGB. The time they take is the call's
-`timings["previews"]`; they never touch the latents the loop carries on with.
+prediction; a video's middle latent frame) made visible, through the artifact's tiny decoder when it has
+one (`vae_decoder_tiny`), else through a fixed linear map of the latent channels to RGB. The time they
+take is the call's `timings["previews"]`; they never touch the latents the loop carries on with.
 
 The latent-to-RGB matrices (channels x RGB, and a bias; each family's `latent_rgb`) are ComfyUI's `latent_rgb_factors` and
 `latent_rgb_factors_bias` (comfy/latent_formats.py, fitted by its authors on real images); they
@@ -43,6 +43,8 @@ class Previews:
         """After step `step` (0-based) with `x0`, the predicted clean latents (as the denoiser sees them)."""
         if (step + 1) % self.every:
             return
+        if x0.ndim == 5:  # a video's latents (N, C, frames, h, w): its middle frame
+            x0 = x0[:, :, x0.shape[2] // 2]
         t0 = time.perf_counter()
         self.on_preview(step + 1, to_output(self._pixels(x0), "pil"))
         timings = self.pipe._calls.current.timings

@@ -62,6 +62,14 @@ def task_of(image, mask_image) -> str:
     return INPAINT if mask_image is not None else IMAGE if image is not None else TEXT
 
 
+class Handover(NamedTuple):
+    """A second denoiser that takes over the loop's steps below a timestep (Wan 2.2 A14B's low-noise `transformer_2`,
+    from `boundary_ratio` x the training timesteps), with its own guidance scale."""
+    timestep: float
+    engine: str
+    guidance_scale: float
+
+
 class Defaults(NamedTuple):
     """What a request leaves unset takes the default of the diffusers pipeline of its task."""
     num_inference_steps: int
@@ -190,10 +198,15 @@ class TextToImage(Pipeline):
         channels = self.manifest["constants"]
         return channels["in_channels"] != channels["latent_channels"]
 
-    def calibration_reference(self, image: np.ndarray, index: int) -> dict:
-        """The options with which calibration call `index` edits from a reference, `image` ((H, W, 3) in [0, 1],
-        the calibration's size): none where the family edits from none or needs none to run every graph."""
+    def calibration_options(self, image: np.ndarray, index: int) -> dict:
+        """The options calibration call `index` adds for the family: a reference to edit from, `image` ((H, W, 3)
+        in [0, 1], the calibration's size), where it edits from one or needs one to run every graph (a video's
+        frame count: runners/families/wan/); none here."""
         return {}
+
+    def calibration_encode(self, output: np.ndarray) -> None:
+        """Calibration: the VAE encoder on a call's output ("np"), so that its graphs are recorded too."""
+        self.vae_encode(np.ascontiguousarray(output.transpose(0, 3, 1, 2)) * 2 - 1)
 
     def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
         """A transformer's hidden stream length for latents of sides h, w: its patches (First-Block Cache's
@@ -277,13 +290,18 @@ class TextToImage(Pipeline):
                         timestep=np.full(x.shape[0], t, dtype=np.float32))
 
     def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None,
-                 guide: dict | None = None):
-        """The loop. `guide`: the guidance rule's per-step options (Z-Image's truncation and normalization)."""
+                 guide: dict | None = None, handover: Handover | None = None):
+        """The loop. `guide`: the guidance rule's per-step options (Z-Image's truncation and normalization);
+        `handover`: a second denoiser for the steps below its timestep. Guidance is on by the first scale for both,
+        as diffusers' WanPipeline decides it."""
         guidance, guide = self.guidance, guide or {}
         cfg, n = guidance.on(guidance_scale), len(schedule.timesteps)
         previews = self._calls.current.previews
         alone = None  # the prompt's half of the conditions, for the steps the rule runs without guidance
+        first_scale = guidance_scale
         for i, t in enumerate(schedule.timesteps):
+            second = handover is not None and t < handover.timestep
+            guidance_scale = handover.guidance_scale if second else first_scale
             t_norm = (np.float32(1000) - np.float32(t)) / np.float32(1000)
             both = cfg and guidance.active(guidance_scale, t_norm, **guide)
             feeds = conditions
@@ -294,7 +312,8 @@ class TextToImage(Pipeline):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if both else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._evaluate(i, n, x, t, feeds, context=guidance.contexts if both else "batch")
+            noise = self._evaluate(i, n, x, t, feeds, context=guidance.contexts if both else "batch",
+                                   engine=handover.engine if second else None)
             if both:
                 noise = guidance.combine(noise, guidance_scale, **guide)
             if previews is not None:

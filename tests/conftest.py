@@ -100,10 +100,11 @@ GROUP_SECONDS = {
     "test_bench_smoke.py::sd3": 170, "test_controlnet.py::flux": 160, "test_qwen_image_edit.py": 150,
     "test_controlnet.py::sd15": 130, "test_precision.py": 120, "test_qwen_image.py": 110, "test_passes.py": 80,
     "test_controlnet.py": 70, "test_image_to_image.py::sdxl": 70, "test_flux_conditioned.py::flux": 70,
-    "test_serving.py": 60, "test_qwen_image21.py": 60, "test_tiny_vae.py": 50,
+    "test_wan.py": 80, "test_serving.py": 60, "test_qwen_image21.py": 60, "test_tiny_vae.py": 50,
     "test_bench_smoke.py::qwen_image_edit": 50, "test_lazy_export.py": 50, "test_bench_smoke.py::flux2": 50,
     "test_flux.py::flux": 50, "test_controlnet.py::sdxl": 40, "test_bench_smoke.py::sd15": 40,
-    "test_bench_smoke.py::qwen_image": 30, "test_lora_openvino.py::sdxl": 30, "test_streamed_parity.py::flux": 30,
+    "test_bench_smoke.py::wan": 70, "test_bench_smoke.py::qwen_image": 30, "test_lora_openvino.py::sdxl": 30,
+    "test_streamed_parity.py::flux": 30,
     "test_export.py": 20, "test_bench_smoke.py::flux": 20, "test_lora_openvino.py::sd15": 20,
     "test_tiny_vae.py::sdxl": 20, "test_tiny_vae.py::sd15": 20, "test_lora.py::flux": 20,
     "test_lora_openvino.py": 20, "test_bench_smoke.py::z_image": 20, "test_memory.py": 20,
@@ -280,7 +281,8 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
                "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
                "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",
-               "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny", "qwen-image-2.1-tiny": None}
+               "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny", "qwen-image-2.1-tiny": None,
+               "wan-tiny": None, "wan22-tiny": "wan-tiny"}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_').replace('.', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 
@@ -713,7 +715,7 @@ def with_diffusers_first_block_cache(reference_pipeline, threshold: float, **cal
     apply = lambda transformer: apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))  # noqa: E731
     with diffusers_cache_hooks(reference_pipeline.transformer, apply, ("fbc_leader_block_hook", "fbc_block_hook")), \
             diffusers_fbc_decisions() as seen, torch.no_grad():
-        return reference_pipeline(**call).images, seen
+        return reference_pipeline(**call)[0], seen
 
 
 def first_block_cache_against_diffusers(pair, threshold: float, latents, name: str, contexts=("batch",),
@@ -753,4 +755,13 @@ def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
         taylor_factors_dtype=torch.float32, cache_identifiers=[f"^{re.escape(module)}$"])
     with diffusers_cache_hooks(reference_pipeline.transformer, lambda t: apply_taylorseer_cache(t, reference),
                                ("taylorseer_cache",)) as calls, torch.no_grad():
-        return reference_pipeline(**call).images, len(calls)
+        return reference_pipeline(**call)[0], len(calls)
+
+
+def server_for(repository: Path, **kwargs):
+    """A tritonserver for `repository` on free ports of 127.0.0.1 (a context manager: stopped on exit)."""
+    from runners.serving.server import Server, free_ports
+
+    http, grpc, metrics = free_ports(3)
+    # A client's idle keep-alive connection holds Triton's exit for the whole exit timeout: keep it short.
+    return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout=2, **kwargs)

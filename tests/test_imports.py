@@ -73,7 +73,9 @@ DISTRIBUTION = {"PIL": "pillow", "onnx_ir": "onnx-ir", "onnx_graphsurgeon": "onn
                 "optimum": None,  # optimum: imported only in the peer's own venv (bench/optimum.py)
                 "triton_python_backend_utils": None,  # Triton's Python backend provides it to its models
                 "google": "protobuf", "cv2": "opencv-python-headless",
-                "openvino_genai": None}  # openvino.genai: imported only in the optimum-intel venv (bench/flux_variants.py)
+                # openvino.genai: imported only in the optimum-intel venv (bench/flux_variants.py)
+                "openvino_genai": None,
+                "ftfy": None}  # ftfy: used where it is installed, as diffusers' WanPipeline uses it (runners/families/wan)
 
 
 def test_every_import_is_declared():

@@ -46,6 +46,20 @@ def test_sd15_bench_is_the_real_sd15_architecture():
     assert _parameters(lambda: AutoencoderKL(**cfg["vae"])) == 83_653_863
 
 
+def test_wan_bench_has_wan21_13bs_widths_and_its_real_vae():
+    """wan-bench's transformer is Wan 2.1 1.3B's at 2 of its 30 blocks (at 30, its 1,418,996,800 parameters); its VAE
+    is Wan 2.1's whole (Wan2.1_VAE's 127 M: 508 MB in fp32)."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    cfg = MODELS["wan-bench"].random_configs
+    with torch.device("meta"):
+        two, three = (_parameters(lambda n=n: WanTransformer3DModel(**{**cfg["transformer"], "num_layers": n}))
+                      for n in (2, 3))
+        assert two + 28 * (three - two) == 1_418_996_800
+        assert _parameters(lambda: AutoencoderKLWan(**cfg["vae"])) == 126_892_531
+
+
 @pytest.mark.parametrize("name, blocks, cross", [("sd15-tiny", 4, ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]),
                                                  ("sdxl-tiny", 3, ["DownBlock2D"] + ["CrossAttnDownBlock2D"] * 2)])
 def test_unet_tiny_entries_keep_the_real_block_structure(name, blocks, cross):

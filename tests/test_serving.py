@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tritonclient_grpc
 import tritonclient.http as tritonclient_http
+from conftest import server_for
 from tritonclient.utils import InferenceServerException
 
 from runners import Pipeline
 from runners.serving.repository import write_repository
-from runners.serving.server import Server, free_port_block, free_ports
+from runners.serving.server import free_port_block
 
 SIZE, STEPS = 64, 2  # the smallest sd3-tiny image, so that a request takes tens of ms
 RAISE = "raise inside execute"
@@ -36,12 +37,6 @@ class TritonPythonModel(_Model):
                 raise RuntimeError("the test's fault")
         return super().execute(requests)
 '''
-
-
-def server_for(repository: Path, **kwargs) -> Server:
-    http, grpc, metrics = free_ports(3)
-    # A client's idle keep-alive connection holds Triton's exit for the whole exit timeout: keep it short.
-    return Server(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, exit_timeout=2, **kwargs)
 
 
 @pytest.fixture(scope="module")

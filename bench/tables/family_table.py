@@ -47,12 +47,22 @@ class FamilyTable:
     settings: str  # the title's words for the workload ("guidance 0")
     edits: tuple[int, ...] = ()  # the reference counts of its editing rows
     text_to_image: bool = True  # whether its model makes images from text alone (an Edit model does not)
-    # (size, task, {variant label: {"e2e", "first", "text", "step"}}, variants, every measured task's) -> a note
+    # ("HxW", task, {variant label: {"e2e", "first", "text", "step"}}, variants, every measured task's) -> a note
     goals: Callable[..., str | None] | None = None
+    sizes: str = "512,1024"  # the default --<name>-sizes: sides, or HxW
+    frames: int | None = None  # a video model's default --<name>-frames (its rows are videos of that many frames)
+    caches: tuple[str, ...] = ()  # step caches (the CLI's --cache spelling) each of our artifacts runs with too
+    task: str = "text to image"  # what its rows without references make
 
 
-def _task(references: int) -> str:
-    return "text to image" if not references else f"editing, {references} reference{'s' * (references > 1)}"
+def _sides(text: str) -> tuple[int, int]:
+    """A --<name>-sizes entry: "512" (square) or "480x832" (height x width)."""
+    height, _, width = text.partition("x")
+    return int(height), int(width or height)
+
+
+def _task(spec: FamilyTable, references: int) -> str:
+    return spec.task if not references else f"editing, {references} reference{'s' * (references > 1)}"
 
 
 def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) -> tuple[list[Variant], list[str]]:
@@ -63,6 +73,8 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
     variants = [Variant(f"(a) diffusers {w.diffusers}, eager fp32", f"{spec.name}-diffusers", str(run.src.folder),
                         options=options)]
     variants += [Variant(f"ours {label}", f"{spec.name}-ours", path, options=options) for label, path in ours.items()]
+    variants += [Variant(f"ours {label} + {cache.split(':')[0]}", f"{spec.name}-ours", path,
+                         options={**options, "cache": cache}) for cache in spec.caches for label, path in ours.items()]
     if references > 1:
         return variants, []
     if w.optimum_intel is None:
@@ -73,17 +85,19 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
     return variants + [dataclasses.replace(v, options=options) if v.kind != "genai" else v for v in peers], notes
 
 
-def _measure(spec: FamilyTable, run, variants: list[Variant], size: int, references: int, rows: list) -> dict:
+def _measure(spec: FamilyTable, run, variants: list[Variant], size: tuple[int, int], references: int,
+             rows: list) -> dict:
     """One size and task's rows; returns what each variant measured."""
     a = run.args
     reps, steps = getattr(a, f"{_arg(spec)}_reps"), getattr(a, f"{_arg(spec)}_steps")
+    frames = getattr(a, f"{_arg(spec)}_frames", None)
     with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-") as images:
-        job = {"height": size, "width": size}
+        job = {"height": size[0], "width": size[1], **({"frames": frames} if frames else {})}
         jobs = [{"job": "loaded", **job}, {"job": "timed_run", "steps": 1, **job},  # cold: the first call
                 {"job": "timed_run", "steps": steps, "out": images, **job}]
         samples, peaks, failed = interleaved_fresh(variants, run.constants, jobs, reps, log)
         if failed:
-            raise RuntimeError(f"{spec.name} table at {size}, {_task(references)}: {'; '.join(failed.values())}")
+            raise RuntimeError(f"{spec.name} table at {size}, {_task(spec, references)}: {'; '.join(failed.values())}")
         reference = np.load(samples[REFERENCE][0][2]["image"])
         psnr = {v.label: accuracy.psnr(reference, np.load(samples[v.label][0][2]["image"])) for v in variants
                 if v.label != REFERENCE}
@@ -93,7 +107,7 @@ def _measure(spec: FamilyTable, run, variants: list[Variant], size: int, referen
         first, text, step = (med(r[0]["seconds"] + r[1]["seconds"] for r in s), med(r[2]["text"] for r in s),
                              med(r[2]["step"] for r in s))
         measured[v.label] = {"e2e": st.median, "first": first, "text": text, "step": step}
-        rows.append([f"{size}x{size}", _task(references), v.label, f"{text:.3f}", f"{step:.2f}",
+        rows.append([f"{size[0]}x{size[1]}", _task(spec, references), v.label, f"{text:.3f}", f"{step:.2f}",
                      f"{med(r[2]['vae'] for r in s):.2f}", f"{st.median:.1f}", ratio, f"{first:.1f}",
                      f"{peaks[v.label]:.0f}", "reference" if v.label == REFERENCE else f"{psnr[v.label]:.1f}"])
     return measured
@@ -110,10 +124,11 @@ def _arg(spec: FamilyTable) -> str:
 
 def _measure_table(spec: FamilyTable, run) -> list[dict]:
     a, prefix = run.args, _arg(spec)
-    sizes = [int(s) for s in getattr(a, f"{prefix}_sizes").split(",")]
+    sizes = [_sides(s) for s in getattr(a, f"{prefix}_sizes").split(",")]
     names = [n for n in getattr(a, f"{prefix}_artifacts").split(",") if n]
     reps, steps = getattr(a, f"{prefix}_reps"), getattr(a, f"{prefix}_steps")
-    built = in_child(build_openvino, run.build, accuracy.calibration(a), sizes[0], names)
+    frames = getattr(a, f"{prefix}_frames", None)
+    built = in_child(build_openvino, run.build, accuracy.calibration(a), sizes[0][0], names)
     rows, notes = [], []
     for size in sizes:
         measured = {}
@@ -123,14 +138,15 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
             measured[references] = _measure(spec, run, variants, size, references, rows)
             # the goals are against the peers where the model has any (run with --optimum-intel-python)
             with_peers = a.optimum_intel_python or WORKLOADS[spec.name].optimum_intel is None
-            note = spec.goals and with_peers and spec.goals(size, references, measured, variants)
+            note = spec.goals and with_peers and spec.goals(f"{size[0]}x{size[1]}", references, measured, variants)
             if note:
                 notes.append(note)
-    tasks = " and ".join(_task(r) for r in _tasks(spec))
+    tasks = " and ".join(_task(spec, r) for r in _tasks(spec))
+    clip = f", {frames} frames" if frames else ""
     return [{
         "reps": reps,
-        "title": f"{spec.title} ({steps} steps, {spec.settings}) at {' and '.join(f'{s}x{s}' for s in sizes)}, "
-                 f"{tasks}: text encoder, step, VAE decode, end to end, load, image error against ort-fp32",
+        "title": f"{spec.title} ({steps} steps, {spec.settings}) at {' and '.join(f'{h}x{w}' for h, w in sizes)}"
+                 f"{clip}, {tasks}: text encoder, step, VAE decode, end to end, load, image error against ort-fp32",
         "columns": ["size", "task", "variant", "text encoder s", "step s", "VAE decode s", "end to end s",
                     "speed-up vs (a)", "load + first call s (a 1-step image)", "peak RSS MiB",
                     "image PSNR dB vs ort-fp32"],
@@ -149,8 +165,11 @@ def make_table(spec: FamilyTable) -> Table:
     prefix = f"--{spec.name}"
 
     def arguments(group) -> None:
-        group.add_argument(f"{prefix}-sizes", default="512,1024", help=f"comma-separated image sides of the {spec.name} "
-                           "table")
+        group.add_argument(f"{prefix}-sizes", default=spec.sizes, help=f"comma-separated image sides (or HxW) of the "
+                           f"{spec.name} table")
+        if spec.frames:
+            group.add_argument(f"{prefix}-frames", type=int, default=spec.frames, help=f"frames of the {spec.name} "
+                               "table's videos")
         group.add_argument(f"{prefix}-steps", type=int, default=spec.steps, help=f"steps of the {spec.name} table "
                            f"(the model's {spec.steps})")
         group.add_argument(f"{prefix}-reps", type=int, default=3, help=f"repetitions of the {spec.name} table")
@@ -162,4 +181,4 @@ def make_table(spec: FamilyTable) -> Table:
     return Table(spec.name, spec.title, "openvino bf16, int8 (calibrated) and bf16 with int4 weights; optimum-intel's "
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
                  smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", "1", f"{prefix}-sizes", "64",
-                        f"{prefix}-artifacts", "openvino-bf16"))
+                        f"{prefix}-artifacts", "openvino-bf16", *((f"{prefix}-frames", "5") if spec.frames else ())))

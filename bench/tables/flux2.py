@@ -6,13 +6,13 @@ from bench.tables.family_table import FamilyTable, make_table
 from bench.tables.z_image import OURS_INT8
 
 
-def goals(size: int, references: int, measured: dict, variants) -> str | None:
+def goals(size: str, references: int, measured: dict, variants) -> str | None:
     """Issue 56's goals at one size and task, as measured: openvino-int8 end to end against the peers (text to
     image and one reference), the step with two references against one's, our load plus first call."""
     rows = measured[references]
     if OURS_INT8 not in rows:
-        return f"Goals at {size}x{size}: not measured (openvino-int8 is not among this run's artifacts)."
-    ours, where = rows[OURS_INT8], f"at {size}x{size}, {'text to image' if not references else 'editing'}"
+        return f"Goals at {size}: not measured (openvino-int8 is not among this run's artifacts)."
+    ours, where = rows[OURS_INT8], f"at {size}, {'text to image' if not references else 'editing'}"
     if references == 2:
         said = [f"with two references the step of {label} takes {rows[label]['step'] / measured[1][label]['step']:.2f}x "
                 "its step with one" for label in rows if label.startswith("ours")]

@@ -6,10 +6,10 @@ from __future__ import annotations
 from bench.tables.family_table import FamilyTable, int8_against_peers, make_table
 
 
-def goals(size: int, references: int, measured: dict, variants) -> str:
+def goals(size: str, references: int, measured: dict, variants) -> str:
     """Issue 57's goal at one size, as measured: openvino-int8's end-to-end medians against the peers'."""
     said = int8_against_peers(measured[references], variants)
-    return f"Goals at {size}x{size}: {'; '.join(said) if said else 'not measured (no openvino-int8 artifact)'}."
+    return f"Goals at {size}: {'; '.join(said) if said else 'not measured (no openvino-int8 artifact)'}."
 
 
 TABLE = make_table(FamilyTable("qwen-image", "qwen_image", "Qwen-Image", steps=50,

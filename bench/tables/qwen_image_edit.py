@@ -8,12 +8,12 @@ from bench.tables.family_table import OURS_INT8, FamilyTable, make_table
 GOAL = 4.0  # openvino-int8 end to end against diffusers eager
 
 
-def goals(size: int, references: int, measured: dict, variants) -> str:
+def goals(size: str, references: int, measured: dict, variants) -> str:
     rows, diffusers = measured[references], variants[0].label
     if OURS_INT8 not in rows:
-        return f"Goal at {size}x{size}: not measured (no openvino-int8 artifact)."
+        return f"Goal at {size}: not measured (no openvino-int8 artifact)."
     ratio = rows[diffusers]["e2e"] / rows[OURS_INT8]["e2e"]
-    return (f"Goal at {size}x{size}: openvino-int8 edits {ratio:.2f}x as fast as diffusers eager end to end "
+    return (f"Goal at {size}: openvino-int8 edits {ratio:.2f}x as fast as diffusers eager end to end "
             f"(goal {GOAL:.0f}x).")
 
 

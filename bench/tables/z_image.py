@@ -5,18 +5,18 @@ from __future__ import annotations
 from bench.tables.family_table import OURS_INT8, FamilyTable, int8_against_peers, make_table
 
 
-def goals(size: int, references: int, measured: dict, variants) -> str:
+def goals(size: str, references: int, measured: dict, variants) -> str:
     """Issue 55's goals at one size, as measured: ratios of end-to-end and text-encoder medians."""
     rows = measured[references]
     genai = variants[-1].label
     said = int8_against_peers(rows, variants)
     if not said:
-        return f"Goals at {size}x{size}: not measured (openvino-int8 is not among this run's artifacts)."
+        return f"Goals at {size}: not measured (openvino-int8 is not among this run's artifacts)."
     ours = rows[OURS_INT8]
     said.append(f"its text encoder {rows[genai]['text'] / ours['text']:.1f}x as fast as openvino.genai's "
                 f"({ours['text']:.3f} s against {rows[genai]['text']:.3f} s; goal 3x)")
     first = max(r["first"] for label, r in rows.items() if label.startswith("ours"))
-    return (f"Goals at {size}x{size}: {'; '.join(said)}; our slowest load + first call is {first:.1f} s "
+    return (f"Goals at {size}: {'; '.join(said)}; our slowest load + first call is {first:.1f} s "
             "(goal under 10 s).")
 
 

@@ -3,6 +3,7 @@ reads, and the VAE's decoder and encoder. The wrappers return only what the runn
 graphs carry nothing it throws away (the hidden states of every layer, the posterior object...)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -69,6 +70,26 @@ def t5_encoder(name: str) -> SubmoduleSpec:
         # T5's default (sdpa) attention does not export under dynamo; eager does.
         load_kwargs={"attn_implementation": "eager"},
     )
+
+
+class _MaskedT5Encoder(torch.nn.Module):
+    def __init__(self, t5):
+        super().__init__()
+        self.t5 = t5
+
+    def forward(self, input_ids, attention_mask):
+        return (self.t5(input_ids, attention_mask=attention_mask).last_hidden_state,)
+
+
+def masked_t5_encoder(name: str) -> SubmoduleSpec:
+    """A T5 (or UMT5) encoder that reads an attention mask (Wan's UMT5): the last hidden states of a call's
+    prompts padded to its longest, the padding masked. A real token's state does not depend on the padding (its
+    keys are masked, the relative position bias depends on distances only), so the runner can run it on the
+    call's longest prompt rather than the pipeline's padded length."""
+    return dataclasses.replace(
+        t5_encoder(name), inputs=(*t5_encoder(name).inputs, T("attention_mask", "int64", ("batch", "text_length"),
+                                                             mask=True)),
+        wrap=_MaskedT5Encoder)
 
 
 def t5_constants(config: dict) -> dict[str, int]:

@@ -305,10 +305,10 @@ class ControlNets:
         image = np.repeat(image, repeat, axis=0)
         return np.concatenate([image, image]) if double else image
 
-    def _evaluate(self, step, num_steps, x, t, conditions, context="batch"):
+    def _evaluate(self, step, num_steps, x, t, conditions, context="batch", engine=None):
         if CONTROLNETS in conditions:  # the ControlNets' guidance window is counted in steps
             conditions[CONTROLNETS].step = (step, num_steps)
-        return super()._evaluate(step, num_steps, x, t, conditions, context)
+        return super()._evaluate(step, num_steps, x, t, conditions, context, engine)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         # an inpainting UNet's extra channels are not the ControlNets'

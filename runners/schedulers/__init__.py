@@ -11,12 +11,14 @@ from runners.schedulers.ddim import DDIM
 from runners.schedulers.euler import EulerDiscrete
 from runners.schedulers.flow_match import FlowMatchEulerDiscrete
 from runners.schedulers.pndm import PNDM
+from runners.schedulers.unipc import UniPCMultistep
 
 SCHEDULERS = {
     "FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscrete,
     "EulerDiscreteScheduler": EulerDiscrete,
     "DDIMScheduler": DDIM,
     "PNDMScheduler": PNDM,
+    "UniPCMultistepScheduler": UniPCMultistep,
 }
 
 

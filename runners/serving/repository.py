@@ -16,7 +16,7 @@ from pathlib import Path
 
 from runners.backends import backend_of, get_backend
 from runners.manifest import atomic_folder, link_or_copy, read_manifest, write_manifest
-from runners.serving.requests import OUTPUT, Tensor, inputs_for
+from runners.serving.requests import Tensor, inputs_for, outputs_for
 
 LAYOUTS = ("python", "native")
 ARTIFACT_DIR = "artifact"  # inside the version folder
@@ -60,10 +60,11 @@ def _kind(gpu: bool) -> str:
 
 def pipeline_config(name: str, manifest: dict, max_batch_size: int, instances: int, queue_delay_us: int,
                     params: dict[str, str]) -> str:
-    """The pipeline model's config.pbtxt: the request's fields as inputs, the images as output."""
+    """The pipeline model's config.pbtxt: the request's fields as inputs, the images (a video's frames and mp4 files)
+    as outputs."""
     kind = _kind(runs_on_gpu(manifest))
     return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
-            + _io(inputs_for(manifest), [OUTPUT])
+            + _io(inputs_for(manifest), outputs_for(manifest))
             + f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
             + f"instance_group [ {{ kind: {kind} count: {instances} }} ]\n"
             + _parameters(params))

@@ -33,8 +33,11 @@ SERVER_INPUTS = (
     # LoRA adapters of the server's --lora-dir for this request, as JSON: '[{"name": "style", "scale": 0.8}]'.
     Tensor("loras", "TYPE_STRING"),
 )
-# Per prompt: its images, (num_images_per_prompt, height, width, RGB).
+# Per prompt: its images, (num_images_per_prompt, height, width, RGB); a video model's, its videos' frames
+# (num_videos_per_prompt, frames, height, width, RGB) and, when the request asks for that output, each as mp4 bytes.
 OUTPUT = Tensor("images", "TYPE_UINT8", (-1, -1, -1, 3), optional=False)
+VIDEO_OUTPUTS = (Tensor("frames", "TYPE_UINT8", (-1, -1, -1, -1, 3), optional=False),
+                 Tensor("mp4", "TYPE_STRING", (-1,), optional=False))
 _BEFORE_THE_RUN = ("loras",)  # what the model applies to its Pipeline before a run: not an argument of the call
 
 
@@ -55,6 +58,11 @@ def inputs_for(manifest: dict) -> tuple[Tensor, ...]:
     return tuple(Tensor(o.name, "TYPE_INT64" if o.wide else TRITON_TYPES[o.kind],
                         ((-1,) if o.repeat else ()) + _DIMS.get(o.kind, () if o.repeat else (1,)),
                         optional=o.name != "prompt") for o in options) + SERVER_INPUTS
+
+
+def outputs_for(manifest: dict) -> tuple[Tensor, ...]:
+    """The Triton model's outputs for an artifact: its images, or a video model's frames and mp4 files."""
+    return VIDEO_OUTPUTS if FAMILIES[manifest["model"]["family"]].video else (OUTPUT,)
 
 
 def _text(name: str, row: int, value) -> str:
@@ -146,11 +154,14 @@ def groups(all_calls: list[dict], max_images: int, batched: bool) -> list[list[i
 
 
 def run(pipe, group: list[dict]) -> list[np.ndarray]:
-    """Each call's images as uint8 (num_images_per_prompt, H, W, 3). One call runs as itself, so its
+    """Each call's images as uint8 (num_images_per_prompt, H, W, 3) (a video model's frames, (num_videos_per_prompt,
+    F, H, W, 3)). One call runs as itself, so its
     image is exactly the Pipeline's for its seed; several (one batch key) run as one Pipeline call,
     each prompt's starting latents drawn from its own seed as it would be alone. The adapters a call
     names are the model's to apply before (`AdapterSets.activate`)."""
     group = [{k: v for k, v in call.items() if k not in _BEFORE_THE_RUN} for call in group]
+    if pipe.video:  # each call alone (the model batches no video requests): its frames, rounded as PIL's are
+        return [(pipe(**call) * 255).round().astype(np.uint8) for call in group]
     if len(group) == 1:
         return [np.stack([np.asarray(image) for image in pipe(**group[0], output_type="pil")])]
     first = group[0]

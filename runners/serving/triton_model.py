@@ -1,5 +1,6 @@
 """The Python-backend model of a Triton repository (`python -m runners triton`): it opens the
-artifact as a `Pipeline` once per instance, and answers each request with its images. Only
+artifact as a `Pipeline` once per instance, and answers each request with its images (a video model's frames,
+and its mp4 files when the request asks for that output). Only
 Triton's Python backend stub imports this (its `triton_python_backend_utils` exists nowhere else);
 what a request means is `runners.serving.requests`'s, which the tests drive without Triton.
 
@@ -21,6 +22,7 @@ from runners import Pipeline
 from runners.manifest import ManifestError, read_manifest
 from runners.serving import requests as rq
 from runners.serving.adapters import AdapterSets
+from runners.video import mp4_bytes
 
 
 class TritonPythonModel:
@@ -37,7 +39,7 @@ class TritonPythonModel:
         self.pipe = Pipeline.load(artifact, threads=threads, device_map=device_map)
         self.adapters = AdapterSets(params.get("lora_dir"), int(params.get("max_loras", "4")),
                                     int(params.get("lora_cache_mib", "2048")) * 2**20, log=lambda m: print(m, flush=True))
-        self.batched = params.get("batch_requests", "false") == "true"
+        self.batched = params.get("batch_requests", "false") == "true" and not self.pipe.video
         self.names = [t.name for t in rq.inputs_for(self.pipe.manifest)]
         guidance_batch = self.pipe.dims["batch"][2]
         self.max_images = max(1, guidance_batch // 2)  # guidance doubles the denoiser's batch
@@ -80,7 +82,8 @@ class TritonPythonModel:
             attempt(run)
         for r in range(len(requests)):
             if answers[r] is None:
-                answers[r] = _images([images[r][i] for i in sorted(images[r])])
+                per_prompt = [images[r][i] for i in sorted(images[r])]
+                answers[r] = _videos(per_prompt, requests[r], self.pipe) if self.pipe.video else _images(per_prompt)
         return answers
 
     def finalize(self):
@@ -94,6 +97,21 @@ def _images(per_prompt: list[np.ndarray]):
                                  "height, width and num_images_per_prompt (send separate requests)"),
                       pb_utils.TritonError.INVALID_ARG)
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(rq.OUTPUT.name, np.stack(per_prompt))])
+
+
+def _videos(per_prompt: list[np.ndarray], request, pipe):
+    """Each row's videos' frames, and their mp4 files where the request asks for that output."""
+    shapes = {frames.shape for frames in per_prompt}
+    if len(shapes) > 1:
+        return _error(ValueError(f"the rows of one request made videos of shapes {sorted(shapes)}: rows must share "
+                                 "num_frames, height, width and num_videos_per_prompt (send separate requests)"),
+                      pb_utils.TritonError.INVALID_ARG)
+    frames, mp4 = rq.VIDEO_OUTPUTS
+    outputs = [pb_utils.Tensor(frames.name, np.stack(per_prompt))]
+    if mp4.name in request.requested_output_names():
+        files = [[mp4_bytes(video, pipe.constants["fps"]) for video in row] for row in per_prompt]
+        outputs.append(pb_utils.Tensor(mp4.name, np.array(files, dtype=object)))
+    return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
 def _error(e: Exception, code):

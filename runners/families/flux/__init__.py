@@ -175,7 +175,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                                      controlnets=controlnets)
         return pack(result) if output_type == "latent" else result
 
-    def calibration_reference(self, image, index: int) -> dict:
+    def calibration_options(self, image, index: int) -> dict:
         """Kontext's transformer runs on a reference only: one at every call, at the calibration's size."""
         side = len(image)
         return dict(image=image, max_area=side * side, auto_resize=False) if self.reads_reference_image else {}

@@ -118,7 +118,7 @@ class Flux2Pipeline(TextToImage):
                                      max_length=max_sequence_length, reference=reference, embedded=embedded)
         return self._as_diffusers_latents(result) if output_type == "latent" else result
 
-    def calibration_reference(self, image, index: int) -> dict:
+    def calibration_options(self, image, index: int) -> dict:
         """KV's transformer_kv_extract runs on references only: every other calibration call edits from one."""
         from PIL import Image
 

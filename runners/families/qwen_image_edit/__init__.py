@@ -96,7 +96,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def vision_config(self) -> VisionConfig:
         return VisionConfig(**self.constants["vision"])
 
-    def calibration_reference(self, image, index: int) -> dict:
+    def calibration_options(self, image, index: int) -> dict:
         """Every calibration call edits its picture: the Edit pipelines take no call without one."""
         from PIL import Image
 

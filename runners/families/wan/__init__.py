@@ -1,0 +1,245 @@
+"""Wan 2.1 text to video, with the semantics of diffusers' WanPipeline: each prompt cleaned (ftfy where it is
+installed, HTML entities, whitespace) through UMT5 with a mask, its states zeroed past its tokens and padded with
+zeros to `max_sequence_length` (runners/prompts.py's "zeroed"; the encoder runs on the call's longest prompt,
+which its output does not depend on); the transformer on 5-D latents (N, 16, (F - 1) / 4 + 1, H / 8, W / 8) with
+classifier-free guidance above 1 (the negative prompt "" by default); UniPC on flow sigmas (the folder's
+scheduler); and the causal VAE decoded one latent frame at a time, its feature cache carried between the chunk
+graphs (export/families/wan.py), so the decoder's memory does not grow with the clip.
+
+Outputs as diffusers' `.frames`: "np" (N, F, H, W, 3) floats in [0, 1] (the default), "pil" a list of frame lists,
+"latent" the latents; runners/video.py writes an mp4 or a folder of PNGs."""
+from __future__ import annotations
+
+import html
+import logging
+import re
+from dataclasses import replace
+
+import numpy as np
+
+from runners.adapters.lora import register_key_spelling
+from runners.families.wan import lora_keys
+from runners.guidance import ClassifierFree
+from runners.options import REQUEST, Option, options
+from runners.prompts import encode_prompts
+from runners.schedulers.schedule import check_steps
+from runners.text_to_image import TEXT, Defaults, Handover, TextToImage, _is_int, _prompts, given_or_drawn
+
+log = logging.getLogger("runners")
+
+OUTPUT_TYPES = ("np", "pil", "latent")
+
+
+def prompt_clean(text: str) -> str:
+    """WanPipeline's prompt_clean: ftfy's fix_text where ftfy is installed (as there), HTML entities unescaped
+    twice, whitespace collapsed."""
+    try:
+        import ftfy
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
+
+
+def _video_option(option: Option) -> Option:
+    """The image loop's request options, worded for a video."""
+    words = {"height": "frame height in pixels (default: 480 where the artifact's range holds it, else its opt "
+                       "size; rounded down to the grid with a warning, as diffusers does)",
+             "width": "frame width in pixels (default: 832 where the artifact's range holds it)",
+             "negative_prompt": "what the video should not show (one, or one per prompt; default \"\"); used "
+                                "with guidance",
+             "output_type": "np (N, F, H, W, 3) in [0, 1], pil (lists of frames) or latent"}
+    if option.name not in words:
+        return option
+    return replace(option, help=words[option.name], default="np" if option.name == "output_type" else option.default)
+
+
+class WanPipeline(TextToImage):
+    family = "wan"
+    video = True
+    # WanPipeline runs the prompt's and the negative prompt's predictions as two calls ("cond", "uncond")
+    guidance = ClassifierFree(contexts="uncond,cond")
+    defaults = {TEXT: Defaults(50, 5.0)}
+    # ComfyUI's latent_rgb_factors and bias for Wan 2.1's latents (runners/preview.py: the middle latent frame)
+    latent_rgb = ([[-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
+                   [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
+                   [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975], [-0.0412, 0.0267, -0.1364],
+                   [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
+                   [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
+                   [0.1984, 0.0913, 0.1861]], [-0.1835, -0.0868, -0.3360])
+    options = options(
+        (_video_option(o) for o in REQUEST if o.name not in ("num_images_per_prompt", "vae_tiling")),
+        guidance.options,
+        (Option("num_frames", "int", "frames of the video: 4k + 1 (others are rounded down with a warning, as "
+                "diffusers does; default 81 where the artifact's range holds it)", within=lambda v: v >= 1,
+                allowed="an integer >= 1 (4k + 1: 5, 9, ..., 81)"),
+         Option("num_videos_per_prompt", "int", "videos per prompt", default=1, within=lambda v: v >= 1,
+                allowed="an integer >= 1", flag="--num-videos"),
+         Option("max_sequence_length", "int", "UMT5 tokens of a prompt (WanPipeline's 512)", default=512,
+                within=lambda v: v >= 1, allowed="an integer >= 1"),
+         Option("guidance_scale_2", "float", "Wan 2.2 A14B: the guidance scale of the low-noise transformer, below "
+                "the boundary step (default: guidance_scale)", allowed="a finite number")))
+
+    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_frames=None,
+                 num_inference_steps=None, guidance_scale=None, num_videos_per_prompt=1, seed=None, latents=None,
+                 output_type="np", max_sequence_length=512, guidance_scale_2=None):
+        """Generate videos (call the pipeline: `pipe(prompt, ...)`). `latents` as WanPipeline takes them:
+        (N, 16, (num_frames - 1) / 4 + 1, height / 8, width / 8). On a Wan 2.2 A14B artifact, `transformer_2` runs
+        the steps below its boundary, with `guidance_scale_2`."""
+        c = self.constants
+        handover = self._handover(guidance_scale, guidance_scale_2)
+        defaults = self.defaults[TEXT]
+        steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
+        guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
+        prompts = _prompts("prompt", prompt)
+        check_steps(steps, self.manifest["constants"]["num_train_timesteps"])
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r}; allowed: {', '.join(OUTPUT_TYPES)}")
+        num_frames = self._num_frames(num_frames)
+        height, width = self._on_grid(c["default_height"] if height is None else height,
+                                      c["default_width"] if width is None else width)
+        lo, _, hi = self.dims["text_length"]
+        if not lo <= max_sequence_length <= hi:
+            raise ValueError(f"max_sequence_length={max_sequence_length} is outside this artifact's range {lo}..{hi}")
+        n_videos = len(prompts) * num_videos_per_prompt
+        cfg = self.guidance.on(guidance_scale)
+        self._check(height, width, n_videos * (2 if cfg else 1), "np")
+        with self._timed("text_encoders"):
+            conditions = self._conditions(prompts, negative_prompt, num_videos_per_prompt, cfg, max_sequence_length)
+        scale, temporal = c["vae_scale_factor"], c["vae_temporal_scale"]
+        shape = (n_videos, self.manifest["constants"]["latent_channels"], (num_frames - 1) // temporal + 1,
+                 height // scale, width // scale)
+        latents = given_or_drawn("latents", latents, shape, np.random.default_rng(seed))
+        schedule = self.scheduler.start(steps)
+        latents = latents * np.float32(schedule.init_noise_sigma)
+        with self._timed("denoise"):
+            latents = self._denoise(latents, schedule, guidance_scale, conditions, handover=handover)
+        if output_type == "latent":
+            return latents
+        with self._timed("vae_decode"):
+            video = self.decode_video(latents)
+        if output_type == "np":
+            return video
+        from PIL import Image
+
+        return [[Image.fromarray(f) for f in (v * 255).round().astype(np.uint8)] for v in video]
+
+    def _handover(self, guidance_scale, guidance_scale_2) -> Handover | None:
+        """Wan 2.2 A14B's: `transformer_2` below boundary_ratio x the training timesteps, its guidance scale
+        `guidance_scale_2` (default the first's, as diffusers'). Refused as diffusers refuses it without a boundary;
+        and with a step cache, which would keep one denoiser's steps for the other's."""
+        ratio = self.constants.get("boundary_ratio")
+        if ratio is None:
+            if guidance_scale_2 is not None:
+                raise ValueError("guidance_scale_2 is Wan 2.2 A14B's (its transformer_2 after the boundary step); this "
+                                 "artifact has one transformer: leave it out")
+            return None
+        if self._calls.current.cache_config is not None:
+            raise ValueError("a step cache runs on one transformer; this Wan 2.2 artifact hands over to transformer_2 "
+                             "at its boundary: run it without cache=")
+        first = self.defaults[TEXT].guidance_scale if guidance_scale is None else guidance_scale
+        return Handover(ratio * self.manifest["constants"]["num_train_timesteps"], "transformer_2",
+                        first if guidance_scale_2 is None else guidance_scale_2)
+
+    def calibration_options(self, image, index: int) -> dict:
+        """Calibration's clips: 9 frames (3 latent frames: both decoder and encoder graphs run, the transformer's
+        statistics per token are those of longer clips) where the artifact's range holds them."""
+        lo, hi = self._frame_range()
+        return {"num_frames": max(lo, min(1 + 2 * self.constants["vae_temporal_scale"], hi))}
+
+    def calibration_encode(self, output: np.ndarray) -> None:
+        self.encode_video(np.ascontiguousarray(output.transpose(0, 4, 1, 2, 3)) * 2 - 1)
+
+    def _num_frames(self, num_frames) -> int:
+        """The request's frame count as diffusers takes it (4k + 1, others rounded down with its warning), within
+        the artifact's range."""
+        temporal = self.constants["vae_temporal_scale"]
+        if num_frames is None:
+            num_frames = self.constants["default_num_frames"]
+        if not _is_int(num_frames) or num_frames < 1:
+            raise ValueError(f"num_frames={num_frames!r} is not allowed: use an integer >= 1 of the form "
+                             f"{temporal}k + 1")
+        if num_frames % temporal != 1:
+            rounded = num_frames // temporal * temporal + 1
+            log.warning("num_frames - 1 has to be divisible by %d: %d frames rounded to %d, as diffusers does",
+                        temporal, num_frames, rounded)
+            num_frames = rounded
+        lo, hi = self._frame_range()
+        if not lo <= num_frames <= hi:
+            raise ValueError(f"num_frames={num_frames} is outside this artifact's range {lo}..{hi} (4k + 1): ask for "
+                             "fewer frames, or export the model with a wider --frames range")
+        return num_frames
+
+    def _frame_range(self) -> tuple[int, int]:
+        """The fewest and most frames the artifact's latent frame range holds."""
+        lo, _, hi = self.dims["latent_frames"]
+        temporal = self.constants["vae_temporal_scale"]
+        return (lo - 1) * temporal + 1, (hi - 1) * temporal + 1
+
+    def hidden_tokens(self, f: int, h: int, w: int, conditions: dict) -> int:
+        """The blocks' stream for latents of f frames of h x w: a token per 1 x 2 x 2 patch."""
+        patch = self.constants["patch_size"]
+        return f * (h // patch) * (w // patch)
+
+    def _on_grid(self, height, width) -> tuple:
+        """Sides rounded down to the transformer's patches in latent pixels, with diffusers' warning."""
+        multiple = self.constants["vae_scale_factor"] * self.constants["latent_multiple"]
+        if not (_is_int(height) and _is_int(width)) or height % multiple == 0 and width % multiple == 0:
+            return height, width
+        rounded = height // multiple * multiple, width // multiple * multiple
+        log.warning("height and width must be multiples of %d: (%d, %d) adjusted to (%d, %d), as diffusers does",
+                    multiple, height, width, *rounded)
+        return rounded
+
+    def _conditions(self, prompts, negative_prompt, per_prompt, cfg, max_length) -> dict:
+        states = self._encode(prompts, per_prompt, max_length)
+        if cfg:
+            states = self.guidance.batch(states, self._encode(self._negatives(prompts, negative_prompt), per_prompt,
+                                                              max_length))
+        return {"encoder_hidden_states": states}
+
+    def _encode(self, prompts: list[str], per_prompt: int, max_length: int) -> np.ndarray:
+        """UMT5's states of each prompt, zero past its tokens and to `max_length`, repeated for its videos."""
+        encoded = encode_prompts(self, "text_encoder", "tokenizer", [prompt_clean(p) for p in prompts], max_length,
+                                 post="zeroed")
+        states = np.zeros((len(prompts), max_length, encoded.embeds.shape[2]), dtype=np.float32)
+        states[:, :encoded.embeds.shape[1]] = encoded.embeds
+        return np.repeat(states, per_prompt, axis=0)
+
+    def _chunks(self, part: str, name: str, inputs: list[np.ndarray], what: str):
+        """The outputs of the VAE `part`'s chunk graphs, chunk by chunk: the first input (fed as `name`) through
+        `{part}_first`, each later one through `part` with the cache the call before returned."""
+        cache = None
+        for i, x in enumerate(inputs):
+            feeds = {name: np.ascontiguousarray(x)}
+            out = self.run(f"{part}_first", **feeds) if i == 0 else self.run(part, **feeds, cache=cache)
+            cache = out["next_cache"].copy()  # fed back in: the backend may reuse its output buffers
+            yield out
+            self._progress(i + 1, len(inputs), what)
+
+    def decode_video(self, latents: np.ndarray) -> np.ndarray:
+        """The pipeline's latents (N, z, f, h, w) -> frames (N, F, H, W, 3) in [0, 1]: a latent frame a call (the
+        first gives 1 frame, each later one 4), the output written in place as the chunks come."""
+        n, _, f, h, w = latents.shape
+        temporal, scale = self.constants["vae_temporal_scale"], self.constants["vae_scale_factor"]
+        video = np.empty((n, 1 + (f - 1) * temporal, h * scale, w * scale, 3), dtype=np.float32)
+        start = 0
+        for out in self._chunks("vae_decoder", "latent", [latents[:, :, i] for i in range(f)], "decoding"):
+            frames = out["frames"]
+            video[:, start:start + frames.shape[2]] = np.clip(frames / 2 + 0.5, 0, 1).transpose(0, 2, 3, 4, 1)
+            start += frames.shape[2]
+        return video
+
+    def encode_video(self, video: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Frames (N, 3, F, H, W) in [-1, 1], F = 4k + 1 -> the posterior (mean, log-variance), each (N, z, f, h,
+        w), in the pipeline's latent space: the first frame, then 4 at a time, a latent frame a call."""
+        temporal = self.constants["vae_temporal_scale"]
+        frames = video.shape[2]
+        if frames % temporal != 1:
+            raise ValueError(f"a video of {frames} frames cannot be encoded: its frames must be {temporal}k + 1")
+        parts = [video[:, :, :1]] + [video[:, :, i:i + temporal] for i in range(1, frames, temporal)]
+        outs = [(o["latent_mean"].copy(), o["latent_logvar"].copy())
+                for o in self._chunks("vae_encoder", "frames", parts, "encoding")]
+        return tuple(np.stack(a, axis=2) for a in zip(*outs))
+
+register_key_spelling("wan", lora_keys.to_diffusers_names)  # adapters in the original checkpoint's names
