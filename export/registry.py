@@ -532,6 +532,42 @@ WAN_BENCH = {
 # Wan 2.2 A14B's layout: a second (low-noise) transformer below the boundary (its model_index.json's 0.875)
 WAN22_A14B_TINY = {**WAN_TINY, "transformer_2": WAN_TINY["transformer"], "boundary_ratio": 0.875}
 
+# LTX-Video's configs (Lightricks/LTX-Video-0.9.5): the 2B transformer's (32 heads of 64, cross-attention 2048,
+# captions from T5-XXL's 4096, 128 latent channels, patches of one latent pixel), the 0.9.5 VAE's layout (spatial
+# and temporal down blocks, 32x8 compression, a timestep-conditioned decoder that injects no noise) and 0.9.1's
+# scheduler (shifted by the clip's tokens, stretched to a terminal 0.1; 0.9.5's is unshifted).
+def _ltx(heads: int, head_dim: int, layers: int, text: int) -> dict:
+    return {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+            "num_attention_heads": heads, "attention_head_dim": head_dim, "cross_attention_dim": heads * head_dim,
+            "num_layers": layers, "activation_fn": "gelu-approximate", "qk_norm": "rms_norm_across_heads",
+            "norm_elementwise_affine": False, "norm_eps": 1e-06, "caption_channels": text, "attention_bias": True,
+            "attention_out_bias": True}
+
+
+def _ltx_vae(widths: list[int], decoder_widths: list[int], layers: int) -> dict:
+    return {"in_channels": 3, "out_channels": 3, "latent_channels": 128, "block_out_channels": widths,
+            "down_block_types": ["LTXVideo095DownBlock3D"] * 4,
+            "downsample_type": ["spatial", "temporal", "spatiotemporal", "spatiotemporal"],
+            "layers_per_block": [layers] * 5, "spatio_temporal_scaling": [True] * 4,
+            "decoder_block_out_channels": decoder_widths, "decoder_layers_per_block": [layers] * 4,
+            "decoder_spatio_temporal_scaling": [True] * 3, "decoder_inject_noise": [False] * 4,
+            "upsample_residual": [True] * 3, "upsample_factor": [2] * 3, "timestep_conditioning": True,
+            "patch_size": 4, "patch_size_t": 1, "resnet_norm_eps": 1e-06, "scaling_factor": 1.0,
+            "encoder_causal": True, "decoder_causal": False, "spatial_compression_ratio": 32,
+            "temporal_compression_ratio": 8}
+
+
+_LTX_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.95,
+                  "max_shift": 2.05, "base_image_seq_len": 1024, "max_image_seq_len": 4096, "shift_terminal": 0.1}
+LTX_TINY = {
+    # inner width 64: the rotary tables' padding (64 % 6 = 4 channels, as 13B's 4096) at a tiny width
+    "transformer": _ltx(heads=2, head_dim=32, layers=2, text=32),
+    "vae": _ltx_vae([8, 16, 32, 64, 128], [16, 32, 64], layers=1),  # widths doubling as the real ones
+    "text_encoder": _t5(32, 8, 4, 64),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _LTX_SCHEDULER,
+}
+
 MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in (
@@ -715,6 +751,13 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("wan22-tiny", "wan", random_configs=WAN22_A14B_TINY, image_size=(64, 64, 256), frames=(1, 9, 17),
                    text_length=(1, 64, 512),
                    description="Wan 2.2 A14B architecture (two transformers handing over at the boundary) at tiny "
+                               "widths, built offline"),
+        ModelEntry("ltx-video", "ltx", hub_id="Lightricks/LTX-Video-0.9.5", image_size=(256, 512, 1024),
+                   frames=(9, 161, 257), text_length=(1, 128, 256), batch=(1, 2, 4),
+                   description="LTX-Video 0.9.5 text and image to video (2B; T5-XXL encoder)"),
+        ModelEntry("ltx-video-tiny", "ltx", random_configs=LTX_TINY, image_size=(64, 64, 256), frames=(9, 17, 25),
+                   text_length=(1, 128, 128),
+                   description="LTX-Video architecture (T5 encoder, 0.9.5's VAE, 0.9.1's shifted schedule) at tiny "
                                "widths, built offline"),
         ModelEntry("sd15-tiny", "sd15", random_configs=SD15_TINY, image_size=(64, 128, 256),
                    description="SD1.5 architecture at tiny widths, random seeded weights, built offline"),

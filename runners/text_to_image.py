@@ -276,7 +276,9 @@ class TextToImage(Pipeline):
             extra["sigmas"] = PIPELINE_SIGMAS[rule["sigmas"]](num_inference_steps)
         mu = None
         if rule.get("mu"):
-            mu = PIPELINE_MU[rule["mu"]](self.scheduler, latent_shape[2], latent_shape[3], self.constants["patch_size"],
+            *frames, h, w = latent_shape[2:]  # a video's latent frames, each patched alike
+            patch = self.constants["patch_size"]
+            mu = PIPELINE_MU[rule["mu"]](self.scheduler, int(np.prod(frames)) * (h // patch) * (w // patch),
                                          num_inference_steps)
         return self.scheduler.start(len(extra["sigmas"]) if "sigmas" in extra else num_inference_steps, mu, **extra)
 

@@ -127,9 +127,8 @@ def test_flux_sigmas_are_diffusers(config, steps, tokens):
     reference = FlowMatchEulerDiscreteScheduler(**config)
     reference.set_timesteps(sigmas=sigmas, mu=calculate_shift(tokens, *(config[k] for k in (
         "base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift"))))
-    side = int(np.sqrt(tokens)) * 2  # latent side: tokens are 2x2 patches
-    timesteps, ours = FlowMatchEulerDiscrete(config).timesteps(steps, FlowMatchEulerDiscrete(config).mu_for(
-        side, side, 2), sigmas=sigmas)
+    timesteps, ours = FlowMatchEulerDiscrete(config).timesteps(steps, FlowMatchEulerDiscrete(config).mu_for(tokens),
+                                                               sigmas=sigmas)
     assert np.array_equal(ours, reference.sigmas.numpy()) and np.array_equal(timesteps, reference.timesteps.numpy())
 
 

@@ -31,15 +31,16 @@ class FlowMatchEulerDiscrete:
             sigmas = s * sigmas / (1 + (s - 1) * sigmas)
         self.sigma_min, self.sigma_max = float(sigmas[-1]), float(sigmas[0])
 
-    def mu_for(self, latent_height: int, latent_width: int, patch_size: int) -> float | None:
-        """The resolution-dependent shift of SD3.5-style configs (None when not configured)."""
+    def mu_for(self, tokens: int) -> float | None:
+        """The resolution-dependent shift of SD3.5-style configs for latents of `tokens` patches (None when not
+        configured)."""
         if not self.config.get("use_dynamic_shifting"):
             return None
         c = self.config
         base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
         base_shift, max_shift = c.get("base_shift", 0.5), c.get("max_shift", 1.16)
         m = (max_shift - base_shift) / (max_len - base_len)
-        return (latent_height // patch_size) * (latent_width // patch_size) * m + base_shift - m * base_len
+        return tokens * m + base_shift - m * base_len
 
     def timesteps(self, num_inference_steps: int, mu: float | None = None,
                   sigmas: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

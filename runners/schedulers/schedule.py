@@ -24,12 +24,12 @@ def empirical_mu(image_tokens: int, num_steps: int) -> float:
 
 
 # A pipeline's shift of its schedule by the image's size ("mu"), by the rule the manifest names
-# (`pipeline.schedule.mu`; none: no shift): (scheduler, latent height, latent width, patch size, steps) -> mu.
-# "linear": the scheduler config's, in the image's tokens (None where the config has no dynamic shifting:
+# (`pipeline.schedule.mu`; none: no shift): (scheduler, the latents' tokens, steps) -> mu. "linear": the scheduler
+# config's, in the image's (a video's: all its frames') tokens (None where the config has no dynamic shifting:
 # SD3-medium, FLUX.1 schnell); "empirical": FLUX.2's, in its tokens and the step count.
 PIPELINE_MU = {
-    "linear": lambda scheduler, h, w, patch, steps: scheduler.mu_for(h, w, patch),
-    "empirical": lambda scheduler, h, w, patch, steps: empirical_mu((h // patch) * (w // patch), steps),
+    "linear": lambda scheduler, tokens, steps: scheduler.mu_for(tokens),
+    "empirical": lambda scheduler, tokens, steps: empirical_mu(tokens, steps),
 }
 
 
