@@ -13,21 +13,19 @@ from __future__ import annotations
 import html
 import logging
 import re
-from dataclasses import replace
 
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.families.wan import lora_keys
 from runners.guidance import ClassifierFree
-from runners.options import REQUEST, Option, options
+from runners.options import Option, options
 from runners.prompts import encode_prompts
 from runners.schedulers.schedule import check_steps
-from runners.text_to_image import TEXT, Defaults, Handover, TextToImage, _is_int, _prompts, given_or_drawn
+from runners.text_to_image import TEXT, Defaults, Handover, _is_int, _prompts, given_or_drawn
+from runners.text_to_video import NUM_VIDEOS, TextToVideo, frames_option, video_request_options
 
 log = logging.getLogger("runners")
-
-OUTPUT_TYPES = ("np", "pil", "latent")
 
 
 def prompt_clean(text: str) -> str:
@@ -41,22 +39,8 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
 
 
-def _video_option(option: Option) -> Option:
-    """The image loop's request options, worded for a video."""
-    words = {"height": "frame height in pixels (default: 480 where the artifact's range holds it, else its opt "
-                       "size; rounded down to the grid with a warning, as diffusers does)",
-             "width": "frame width in pixels (default: 832 where the artifact's range holds it)",
-             "negative_prompt": "what the video should not show (one, or one per prompt; default \"\"); used "
-                                "with guidance",
-             "output_type": "np (N, F, H, W, 3) in [0, 1], pil (lists of frames) or latent"}
-    if option.name not in words:
-        return option
-    return replace(option, help=words[option.name], default="np" if option.name == "output_type" else option.default)
-
-
-class WanPipeline(TextToImage):
+class WanPipeline(TextToVideo):
     family = "wan"
-    video = True
     # WanPipeline runs the prompt's and the negative prompt's predictions as two calls ("cond", "uncond")
     guidance = ClassifierFree(contexts="uncond,cond")
     defaults = {TEXT: Defaults(50, 5.0)}
@@ -68,13 +52,8 @@ class WanPipeline(TextToImage):
                    [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
                    [0.1984, 0.0913, 0.1861]], [-0.1835, -0.0868, -0.3360])
     options = options(
-        (_video_option(o) for o in REQUEST if o.name not in ("num_images_per_prompt", "vae_tiling")),
-        guidance.options,
-        (Option("num_frames", "int", "frames of the video: 4k + 1 (others are rounded down with a warning, as "
-                "diffusers does; default 81 where the artifact's range holds it)", within=lambda v: v >= 1,
-                allowed="an integer >= 1 (4k + 1: 5, 9, ..., 81)"),
-         Option("num_videos_per_prompt", "int", "videos per prompt", default=1, within=lambda v: v >= 1,
-                allowed="an integer >= 1", flag="--num-videos"),
+        video_request_options("480 x 832"), guidance.options,
+        (frames_option(81), NUM_VIDEOS,
          Option("max_sequence_length", "int", "UMT5 tokens of a prompt (WanPipeline's 512)", default=512,
                 within=lambda v: v >= 1, allowed="an integer >= 1"),
          Option("guidance_scale_2", "float", "Wan 2.2 A14B: the guidance scale of the low-noise transformer, below "
@@ -93,8 +72,7 @@ class WanPipeline(TextToImage):
         guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
         prompts = _prompts("prompt", prompt)
         check_steps(steps, self.manifest["constants"]["num_train_timesteps"])
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"output_type={output_type!r}; allowed: {', '.join(OUTPUT_TYPES)}")
+        self._check_output_type(output_type)
         num_frames = self._num_frames(num_frames)
         height, width = self._on_grid(c["default_height"] if height is None else height,
                                       c["default_width"] if width is None else width)
@@ -117,12 +95,7 @@ class WanPipeline(TextToImage):
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
-            video = self.decode_video(latents)
-        if output_type == "np":
-            return video
-        from PIL import Image
-
-        return [[Image.fromarray(f) for f in (v * 255).round().astype(np.uint8)] for v in video]
+            return self._frames_output(self.decode_video(latents), output_type)
 
     def _handover(self, guidance_scale, guidance_scale_2) -> Handover | None:
         """Wan 2.2 A14B's: `transformer_2` below boundary_ratio x the training timesteps, its guidance scale
@@ -141,40 +114,8 @@ class WanPipeline(TextToImage):
         return Handover(ratio * self.manifest["constants"]["num_train_timesteps"], "transformer_2",
                         first if guidance_scale_2 is None else guidance_scale_2)
 
-    def calibration_options(self, image, index: int) -> dict:
-        """Calibration's clips: 9 frames (3 latent frames: both decoder and encoder graphs run, the transformer's
-        statistics per token are those of longer clips) where the artifact's range holds them."""
-        lo, hi = self._frame_range()
-        return {"num_frames": max(lo, min(1 + 2 * self.constants["vae_temporal_scale"], hi))}
-
     def calibration_encode(self, output: np.ndarray) -> None:
         self.encode_video(np.ascontiguousarray(output.transpose(0, 4, 1, 2, 3)) * 2 - 1)
-
-    def _num_frames(self, num_frames) -> int:
-        """The request's frame count as diffusers takes it (4k + 1, others rounded down with its warning), within
-        the artifact's range."""
-        temporal = self.constants["vae_temporal_scale"]
-        if num_frames is None:
-            num_frames = self.constants["default_num_frames"]
-        if not _is_int(num_frames) or num_frames < 1:
-            raise ValueError(f"num_frames={num_frames!r} is not allowed: use an integer >= 1 of the form "
-                             f"{temporal}k + 1")
-        if num_frames % temporal != 1:
-            rounded = num_frames // temporal * temporal + 1
-            log.warning("num_frames - 1 has to be divisible by %d: %d frames rounded to %d, as diffusers does",
-                        temporal, num_frames, rounded)
-            num_frames = rounded
-        lo, hi = self._frame_range()
-        if not lo <= num_frames <= hi:
-            raise ValueError(f"num_frames={num_frames} is outside this artifact's range {lo}..{hi} (4k + 1): ask for "
-                             "fewer frames, or export the model with a wider --frames range")
-        return num_frames
-
-    def _frame_range(self) -> tuple[int, int]:
-        """The fewest and most frames the artifact's latent frame range holds."""
-        lo, _, hi = self.dims["latent_frames"]
-        temporal = self.constants["vae_temporal_scale"]
-        return (lo - 1) * temporal + 1, (hi - 1) * temporal + 1
 
     def hidden_tokens(self, f: int, h: int, w: int, conditions: dict) -> int:
         """The blocks' stream for latents of f frames of h x w: a token per 1 x 2 x 2 patch."""
