@@ -206,8 +206,9 @@ def main(argv=None) -> int:
         timings.update(pipe.timings)
         paths = _numbered(Path(args.out), len(outputs))
         if pipe.video:  # each video's frames (F, H, W, 3): an mp4 or a folder of PNGs, each written whole
+            fps = request.get("frame_rate") or pipe.constants["fps"]  # LTX-Video's frame_rate, as the model is told
             for frames, path in zip(outputs, paths):
-                write_video(frames, path, pipe.constants["fps"])
+                write_video(frames, path, fps)
         else:
             _save_all(outputs, paths)
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ def _uint8(frames) -> np.ndarray:
     return frames if frames.dtype == np.uint8 else (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
 
 
-def _encode_mp4(frames, out, fps: int, crf: int) -> None:
+def _encode_mp4(frames, out, fps: float, crf: int) -> None:
     """`frames` as an H.264 mp4 (yuv420p, constant rate factor `crf`: lower is closer to the frames) at `fps`, into
     `out` (a path or a seekable file object)."""
     try:
@@ -29,7 +30,8 @@ def _encode_mp4(frames, out, fps: int, crf: int) -> None:
                          "FOLDER)") from None
     frames = _uint8(frames)
     with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps, options={"crf": str(crf)})
+        # a rate as a fraction (PyAV's): 25, 12.5 = 25/2, 23.976 = 24000/1001
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options={"crf": str(crf)})
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         for frame in frames:
@@ -37,7 +39,7 @@ def _encode_mp4(frames, out, fps: int, crf: int) -> None:
         container.mux(stream.encode())  # flush the encoder's delayed frames
 
 
-def write_mp4(frames, path, fps: int, crf: int = 18) -> None:
+def write_mp4(frames, path, fps: float, crf: int = 18) -> None:
     """`frames` as an mp4 file at `path` (see _encode_mp4), written beside it and renamed into place when whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,7 @@ def write_mp4(frames, path, fps: int, crf: int = 18) -> None:
             os.unlink(temp)
 
 
-def mp4_bytes(frames, fps: int, crf: int = 18) -> bytes:
+def mp4_bytes(frames, fps: float, crf: int = 18) -> bytes:
     """`frames` as the bytes of an mp4 file (a server's answer)."""
     buffer = io.BytesIO()
     _encode_mp4(frames, buffer, fps, crf)
@@ -87,7 +89,7 @@ def read_mp4(source) -> tuple[np.ndarray, float]:
         return frames, float(stream.average_rate)
 
 
-def write_video(frames, out, fps: int) -> None:
+def write_video(frames, out, fps: float) -> None:
     """An mp4 when `out` ends in .mp4, else a folder of PNGs."""
     if Path(out).suffix.lower() in VIDEO_SUFFIXES:
         write_mp4(frames, out, fps)

@@ -41,7 +41,7 @@ def run_both(pair):
     cache = {}
 
     def run(prompt, frames=9, height=64, width=64, steps=3, image=None, **options):
-        key = repr((prompt, frames, height, width, steps, image is not None, sorted(options.items())))
+        key = repr((prompt, frames, height, width, steps, image and np.asarray(image).sum(), sorted(options.items())))
         if key not in cache:
             n = len(prompt) if isinstance(prompt, list) else 1
             shape = _shape(n, frames, height, width)
@@ -66,10 +66,10 @@ def run_both(pair):
     return run
 
 
-def _image(height: int = 64, width: int = 64):
+def _image(seed: int, height: int = 64, width: int = 64):
     from conftest import smooth_image
 
-    return smooth_image(height, width)
+    return smooth_image(height, width, seed)
 
 
 CASES = {  # name: (arguments, the case whose frames it must change)
@@ -81,7 +81,8 @@ CASES = {  # name: (arguments, the case whose frames it must change)
     "two prompts": (dict(prompt=["a red cat walking", "waves on a beach at dusk, slow motion"]), None),
     "decode timestep": (dict(prompt="a red cat walking", decode_timestep=0.05), "9 frames"),
     "frame rate": (dict(prompt="a red cat walking", frame_rate=12.0), "9 frames"),
-    "image to video": (dict(prompt="a red cat walking", image="smooth"), None),
+    "image to video": (dict(prompt="a red cat walking", image=1), None),
+    "another image": (dict(prompt="a red cat walking", image=2), "image to video"),
 }
 
 
@@ -90,6 +91,107 @@ def test_equal_to_diffusers(run_both, case):
     from conftest import assert_case_equal
 
     def run(image=None, **arguments):
-        return run_both(image=_image() if image else None, **arguments)
+        return run_both(image=image and _image(image), **arguments)
 
     assert_case_equal(run, CASES, case, FRAMES_ATOL, "ltx", 1e-3)
+
+
+def test_decoder_and_encoder_equal_autoencoder(pair):
+    """The decoder graph decodes 9 and 17 frames (2 and 3 latent frames: one graph for any count) at a decode
+    timestep as AutoencoderKLLTXVideo decodes them; the encoder graph's posterior of an image is its one-frame
+    clip's."""
+    ours, reference, _ = pair
+    vae = reference.vae
+    for latent_frames in (2, 3):
+        latents = np.random.default_rng(latent_frames).standard_normal((1, CHANNELS, latent_frames, 2, 3), np.float32)
+        timestep = np.full(1, 0.05, np.float32)
+        with torch.no_grad():
+            theirs = vae.decode(torch.from_numpy(latents), torch.from_numpy(timestep), return_dict=False)[0]
+        theirs = (theirs / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).numpy()
+        frames = ours.run("vae_decoder", latent=latents, timestep=timestep)["frames"]
+        frames = np.clip(frames / 2 + 0.5, 0, 1).transpose(0, 2, 3, 4, 1)
+        assert frames.shape == theirs.shape == (1, 1 + 8 * (latent_frames - 1), 64, 96, 3)
+        error = float(np.abs(frames - theirs).max())
+        print(f"ltx vae decoder {frames.shape[1]} frames: |ours - diffusers| {error:.1e}")
+        assert error <= FRAMES_ATOL
+    image = np.asarray(_image(3), np.float32).transpose(2, 0, 1)[None] / 127.5 - 1
+    with torch.no_grad():
+        posterior = vae.encode(torch.from_numpy(image)[:, :, None]).latent_dist
+    out = ours.run("vae_encoder", image=image)
+    for name, theirs in (("latent_mean", posterior.mean), ("latent_logvar", posterior.logvar)):
+        error = float(np.abs(out[name] - theirs[:, :, 0].numpy()).max())
+        print(f"ltx vae encoder {name}: |ours - diffusers| {error:.1e}")
+        assert error <= 1e-5
+
+
+def test_latent_output_is_diffusers(pair):
+    """output_type="latent" gives the packed latents (N, tokens, 128), as LTXPipeline returns them."""
+    from runners.families.ltx import pack
+
+    ours, reference, _ = pair
+    latents = pack(np.random.default_rng(4).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32))
+    call = dict(prompt="a red cat walking", height=64, width=64, num_frames=9, num_inference_steps=2)
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), output_type="latent", **call).frames.numpy()
+    mine = ours(latents=latents, output_type="latent", **call)
+    assert mine.shape == theirs.shape == (1, 2 * 2 * 2, CHANNELS)
+    assert float(np.abs(mine - theirs).max()) <= 1e-4
+
+
+def test_several_videos_each_read_their_own_prompt(pair):
+    """Two prompts, two videos each: each video is its prompt's alone (diffusers pairs the states p0, p0, p1, p1 with
+    the masks m0, m1, m0, m1, and its decode crashes: its decode timestep is per prompt)."""
+    from runners.families.ltx import pack
+
+    ours, _, _ = pair
+    prompts = ["a red cat walking", "waves on a beach at dusk, slow motion, golden light"]
+    noise = np.random.default_rng(5).standard_normal(_shape(4, 9, 64, 64), dtype=np.float32)
+    decode_noise = np.random.default_rng(6).standard_normal(noise.shape, dtype=np.float32)
+    call = dict(height=64, width=64, num_frames=9, num_inference_steps=2, decode_timestep=0.05)
+    together = ours(prompts, num_videos_per_prompt=2, latents=pack(noise), decode_noise=decode_noise, **call)
+    for i in range(4):
+        alone = ours(prompts[i // 2], latents=pack(noise[i:i + 1]), decode_noise=decode_noise[i:i + 1], **call)
+        assert float(np.abs(together[i] - alone[0]).max()) <= 1e-5, i
+
+
+def test_bad_requests_are_refused_before_any_engine_runs(pair, caplog):
+    ours, _, _ = pair
+    common = dict(num_inference_steps=1, output_type="latent")
+    for options, said in ((dict(num_frames=0), "num_frames=0 is not allowed"),
+                          (dict(num_frames=33), r"num_frames=33 is outside this artifact's range 9\.\.25"),
+                          (dict(height=80), "height=80 is not allowed"),
+                          (dict(max_sequence_length=200), "max_sequence_length=200 is outside"),
+                          (dict(decode_timestep=1.5), r"decode_timestep=1\.5 is not allowed"),
+                          (dict(image=[_image(1), _image(2)]), "2 images for 1 prompts")):
+        with pytest.raises(ValueError, match=said):
+            ours("a cat", **{**common, **options})
+    with caplog.at_level("WARNING", logger="runners"):
+        latents = ours("a cat", num_frames=12, height=64, width=64, **common)
+    assert latents.shape == (1, 2 * 2 * 2, CHANNELS) and "12 frames rounded to 9" in caplog.text
+
+
+def test_a_noise_injecting_decoder_is_refused_at_export():
+    """LTX-Video 0.9.1's decoder draws noise from torch's global state inside its blocks: no graph can be equal."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    from export.families.ltx import _Decoder
+    from export.registry import LTX_TINY
+
+    with torch.device("meta"):
+        vae = AutoencoderKLLTXVideo(**{**LTX_TINY["vae"], "decoder_inject_noise": [True, True, True, False]})
+    with pytest.raises(ValueError, match="decoder_inject_noise"):
+        _Decoder(vae)
+
+
+def test_cli_writes_an_image_to_video_mp4_at_its_frame_rate(ltx_video_tiny_build, pair, tmp_path):
+    """The CLI's --image starts the video from it; the mp4 runs at the request's --frame-rate."""
+    from runners.__main__ import main
+    from runners.video import read_mp4
+
+    _image(1).save(tmp_path / "first.png")
+    args = [str(ltx_video_tiny_build.folder / "ort-fp32"), "--prompt", "a red cat walking", "--num-frames", "9",
+            "--height", "64", "--width", "64", "--steps", "2", "--seed", "0", "--frame-rate", "12",
+            "--image", str(tmp_path / "first.png"), "--out", str(tmp_path / "clip.mp4")]
+    assert main(args) == 0
+    frames, fps = read_mp4(tmp_path / "clip.mp4")
+    assert frames.shape == (9, 64, 64, 3) and fps == 12

@@ -58,17 +58,6 @@ class FirstFrame(NamedTuple):
         return np.concatenate([self.first, latents[:, :, 1:]], axis=2)
 
 
-def _per_video(name: str, value, n_prompts: int, per_prompt: int) -> np.ndarray:
-    """A decode option given once, per prompt or per video -> one float32 per video."""
-    values = np.atleast_1d(np.asarray(value, dtype=np.float32))
-    if len(values) == n_prompts and len(values) != 1:
-        values = np.repeat(values, per_prompt)
-    if len(values) not in (1, n_prompts * per_prompt):
-        raise ValueError(f"{name} has {len(values)} values for {n_prompts} prompts x {per_prompt} videos: give one, "
-                         "one per prompt or one per video")
-    return np.broadcast_to(values, (n_prompts * per_prompt,)).copy()
-
-
 class LTXPipeline(TextToVideo):
     family = "ltx"
     guidance = ClassifierFree()
@@ -82,9 +71,10 @@ class LTXPipeline(TextToVideo):
          Option("max_sequence_length", "int", "T5 tokens of a prompt (LTXPipeline's 128)", default=128,
                 within=lambda v: v >= 1, allowed="an integer >= 1"),
          Option("decode_timestep", "float", "the timestep-conditioned VAE's decode timestep (diffusers' 0.0; its "
-                "docs suggest 0.05 for LTX-Video 0.9.1 and later)", default=0.0, allowed="a number in [0, 1]"),
+                "docs suggest 0.05 for LTX-Video 0.9.1 and later)", default=0.0, within=lambda v: 0 <= v <= 1,
+                allowed="a number in [0, 1]"),
          Option("decode_noise_scale", "float", "how much noise is mixed into the latents before decoding (default: "
-                "decode_timestep)", allowed="a number in [0, 1]"),
+                "decode_timestep)", within=lambda v: 0 <= v <= 1, allowed="a number in [0, 1]"),
          Option("decode_noise", "array", "the noise mixed in before decoding, (N, C, f, h, w) as diffusers draws it",
                 cli=False),
          Option("noise", "array", "image to video: the starting noise (N, C, f, h, w) as diffusers draws it, its first "
@@ -150,11 +140,8 @@ class LTXPipeline(TextToVideo):
         if output_type == "latent":
             return pack(latents)
         with self._timed("vae_decode"):
-            video = self.decode_video(latents, _per_video("decode_timestep", decode_timestep, len(prompts),
-                                                          num_videos_per_prompt),
-                                      None if decode_noise_scale is None else _per_video(
-                                          "decode_noise_scale", decode_noise_scale, len(prompts),
-                                          num_videos_per_prompt), decode_noise, rng)
+            noise_scale = decode_timestep if decode_noise_scale is None else decode_noise_scale
+            video = self.decode_video(latents, decode_timestep, noise_scale, decode_noise, rng)
             return self._frames_output(video, output_type)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
@@ -207,15 +194,16 @@ class LTXPipeline(TextToVideo):
         return tuple(np.asarray(self.constants[k], dtype=np.float32).reshape(1, -1, 1, 1, 1)
                      for k in ("latents_mean", "latents_std"))
 
-    def decode_video(self, latents, decode_timestep, decode_noise_scale, decode_noise, rng) -> np.ndarray:
+    def decode_video(self, latents, decode_timestep: float, noise_scale: float, decode_noise, rng) -> np.ndarray:
         """The pipeline's latents (N, C, f, h, w) -> frames (N, F, H, W, 3) in [0, 1]: denormalised, the decode
-        noise mixed in (a timestep-conditioned VAE's) and the clip decoded at once."""
+        noise mixed in (a timestep-conditioned VAE's; each video's, where diffusers draws per prompt) and the clip
+        decoded at once."""
         mean, std = self._statistics()
         z = latents * std / np.float32(self.constants["vae_scaling_factor"]) + mean
         if self.constants["vae_timestep_conditioning"]:
             noise = given_or_drawn("decode_noise", decode_noise, z.shape, rng)
-            s = (decode_timestep if decode_noise_scale is None else decode_noise_scale).reshape(-1, 1, 1, 1, 1)
+            s = np.float32(noise_scale)
             z = (np.float32(1) - s) * z + s * noise
         frames = self.run("vae_decoder", latent=np.ascontiguousarray(z, dtype=np.float32),
-                          timestep=decode_timestep)["frames"]
+                          timestep=np.full(len(z), decode_timestep, dtype=np.float32))["frames"]
         return np.clip(frames / 2 + 0.5, 0, 1).transpose(0, 2, 3, 4, 1)
