@@ -4,6 +4,8 @@ frames, several prompts, the decode timestep and its noise, a frame rate, image 
 encoder against AutoencoderKLLTXVideo. One export and one ort-fp32 build."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -195,3 +197,39 @@ def test_cli_writes_an_image_to_video_mp4_at_its_frame_rate(ltx_video_tiny_build
     assert main(args) == 0
     frames, fps = read_mp4(tmp_path / "clip.mp4")
     assert frames.shape == (9, 64, 64, 3) and fps == 12
+
+
+def _target_videos(artifact):
+    """An artifact's two 64x64, 9-frame videos of 4 steps: a prompt with guidance (the default 3) from fixed
+    latents, and image to video with a negative prompt."""
+    from runners import Pipeline
+    from runners.families.ltx import pack
+
+    pipe = Pipeline.load(artifact)
+    noise = np.random.default_rng(1).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32)
+    common = dict(height=64, width=64, num_frames=9, num_inference_steps=4, decode_timestep=0.05, seed=2)
+    return [pipe("a photo of a cat", latents=pack(noise), **common),
+            pipe("a red fox", image=_image(1), negative_prompt="blurry", noise=noise, **common)]
+
+
+# Frames' PSNR against ort-fp32 per video (text to video, image to video), measured by this test (onnxruntime 1.32,
+# OpenVINO 2026.4.1, NNCF 3.4, a 2-core AMD EPYC without AMX): fp16 55.6, 59.6 dB; OpenVINO bf16 49.0, 50.2, int8
+# 47.9, 45.7. Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16 (tests/test_wan.py).
+TARGET_MIN_PSNR = {"fp16": (50.5, 54.5), "openvino-bf16": (25.0, 26.0), "openvino-int8": (23.5, 21.5)}
+
+
+def test_every_target_and_precision_within_its_bound(ltx_video_tiny_build):
+    """Every submodule through each target and precision, the pipeline's videos (text and image to video) within
+    their bounds; calibration runs 17-frame clips through every graph."""
+    from conftest import assert_targets_within
+
+    assert_targets_within(ltx_video_tiny_build.folder, _target_videos, TARGET_MIN_PSNR, "ltx")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt-rtx is not installed")
+def test_tensorrt_rtx_builds_every_submodule(ltx_video_tiny_build, monkeypatch):
+    """Real fp16 engines for every submodule; the pipeline on them through the GPU stand-in gives ONNX Runtime's
+    videos exactly."""
+    from conftest import assert_rtx_builds_every_submodule
+
+    assert_rtx_builds_every_submodule(ltx_video_tiny_build.folder, _target_videos, monkeypatch)

@@ -134,6 +134,7 @@ def _constants(src) -> dict[str, int]:
     return {
         **parts.t5_constants(src.config("text_encoder")),
         "latent_channels": vae.get("latent_channels", 128),
+        "in_channels": tr["in_channels"],
         "vae_scale_factor": spatial,
         "vae_temporal_scale": temporal,
         "frames_offset": 1 - temporal,

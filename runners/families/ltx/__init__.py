@@ -158,6 +158,14 @@ class LTXPipeline(TextToVideo):
             out = {**out, "noise_pred": unpack(out["noise_pred"], f, h, w)}
         return out
 
+    def calibration_options(self, image, index: int) -> dict:
+        """Every other calibration clip starts from the calibration image (image to video's timesteps per token)."""
+        return {**super().calibration_options(image, index), **({"image": image} if index % 2 else {})}
+
+    def calibration_encode(self, output: np.ndarray) -> None:
+        """Calibration: the VAE encoder on a clip's first frame, as image to video runs it."""
+        self.run("vae_encoder", image=np.ascontiguousarray(output[:, 0].transpose(0, 3, 1, 2)) * 2 - 1)
+
     def hidden_tokens(self, f: int, h: int, w: int, conditions: dict) -> int:
         return f * h * w
 
