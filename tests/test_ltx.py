@@ -233,3 +233,85 @@ def test_tensorrt_rtx_builds_every_submodule(ltx_video_tiny_build, monkeypatch):
     from conftest import assert_rtx_builds_every_submodule
 
     assert_rtx_builds_every_submodule(ltx_video_tiny_build.folder, _target_videos, monkeypatch)
+
+
+def _noise(seed: int) -> np.ndarray:
+    from runners.families.ltx import pack
+
+    return pack(np.random.default_rng(seed).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32))
+
+
+CACHE_CALL = dict(prompt="a red cat walking", height=64, width=64, num_frames=9, negative_prompt="blurry",
+                  output_type="np")
+
+
+@pytest.mark.parametrize("case", {"interval 2, order 1": dict(cache_interval=2, disable_cache_before_step=2,
+                                                               max_order=1)})
+def test_taylorseer_equal_to_diffusers_hook(pair, case):
+    """TaylorSeer lite on the LTX transformer against diffusers' hook on its output layer (`proj_out`), guidance in
+    one batch: the same steps cached, the frames within FRAMES_ATOL, and the cache changed them."""
+    from conftest import diffusers_schedule, with_diffusers_taylorseer
+    from runners import TaylorSeerCacheConfig
+
+    ours, reference, _ = pair
+    config = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, max_order=1)
+    steps, latents = 8, _noise(7)
+    call = dict(CACHE_CALL, num_inference_steps=steps)
+    theirs, calls = with_diffusers_taylorseer(reference, config, "proj_out", latents=torch.from_numpy(latents),
+                                              generator=torch.Generator().manual_seed(0), **call)
+    decode_noise = torch.randn(_shape(1, 9, 64, 64), generator=torch.Generator().manual_seed(0)).numpy()
+    cached = ours(latents=latents, cache=config, decode_noise=decode_noise, **call)
+    schedule = diffusers_schedule(config, steps)
+    assert calls == steps and (ours.cache_stats["full"], ours.cache_stats["cached"]) == (sum(schedule),
+                                                                                         schedule.count(False))
+    plain = ours(latents=latents, decode_noise=decode_noise, **call)
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - plain).max())
+    print(f"ltx taylorseer: |ours - diffusers| {error:.1e}, the cache changed the frames by {changed:.3f}")
+    assert error <= FRAMES_ATOL and changed > 1e-3
+
+
+@pytest.mark.parametrize("threshold", (0.12, 0.2))
+def test_first_block_cache_equal_to_diffusers_hooks(pair, threshold):
+    """First-Block Cache on the LTX transformer's `transformer_blocks` against diffusers' `apply_first_block_cache`,
+    guidance in one batch: the same decisions, the frames within FRAMES_ATOL, and the cache changed them."""
+    from conftest import first_block_cache_against_diffusers
+
+    ours, reference, _ = pair
+    error, changed = first_block_cache_against_diffusers((ours, reference), threshold, _noise(8), "ltx",
+                                                         num_inference_steps=10, decode_timestep=0.0, **CACHE_CALL)
+    assert error <= FRAMES_ATOL and changed > 1e-3
+
+
+# Every kind of the transformer's linear layers: both attentions', the feed-forward's, the embedders' and the output's
+LORA_TARGETS = {"transformer": ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2", "proj_in", "proj_out",
+                                "linear_1", "linear_2"]}
+
+
+def test_lora_equal_to_diffusers_fuse_lora(pair, ltx_video_tiny_build, tmp_path):
+    """An LTX-Video adapter on every kind of the transformer's linear layers, in diffusers' format, against diffusers'
+    load_lora_weights + fuse_lora of the same file, with guidance; switched off, the plain frames exactly."""
+    from diffusers import LTXPipeline
+
+    from lora_adapters import make_adapter
+    from runners import Pipeline
+
+    folder = ltx_video_tiny_build.source.folder
+    adapter = make_adapter(LTXPipeline, folder, tmp_path / "a", LORA_TARGETS, seed=5, rank=2, alpha=1.0)
+    reference = LTXPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    call = dict(CACHE_CALL, num_inference_steps=3)
+    latents = _noise(5)
+    decode_noise = torch.randn(_shape(1, 9, 64, 64), generator=torch.Generator().manual_seed(0)).numpy()
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), generator=torch.Generator().manual_seed(0), **call)[0]
+    loaded = Pipeline.load(ltx_video_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
+    got = loaded(latents=latents, decode_noise=decode_noise, **call)
+    print(f"ltx LoRA: |ours - diffusers| {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= FRAMES_ATOL
+    loaded.set_loras({})
+    plain = loaded(latents=latents, decode_noise=decode_noise, **call)
+    assert np.abs(theirs - plain).max() > 0.05  # the adapter changes the video
+    assert np.array_equal(plain, pair[0](latents=latents, decode_noise=decode_noise, **call))
