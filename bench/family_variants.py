@@ -31,6 +31,7 @@ class Workload:
     given_latents: Callable[[np.ndarray], np.ndarray] = lambda latents: latents
     # components diffusers' pipeline takes besides the folder's (Qwen-Image-Edit's processor, built from its parts)
     components: Callable[[str], dict] = lambda folder: {}
+    temporal: str = "vae_scale_factor_temporal"  # a video pipeline's attribute holding its frames per latent frame
 
 
 def _flux2_layers(folder: str) -> dict:
@@ -55,6 +56,12 @@ def _packed(latents: np.ndarray) -> np.ndarray:
     return pack(latents)
 
 
+def _video_packed(latents: np.ndarray) -> np.ndarray:
+    from runners.families.ltx import pack
+
+    return pack(latents)
+
+
 WORKLOADS = {
     # Z-Image-Turbo's guidance (its model card's): no negative prompt, one batch
     "z-image": Workload("ZImagePipeline", "OVZImagePipeline", {"guidance_scale": 0.0}),
@@ -66,6 +73,10 @@ WORKLOADS = {
                            given_latents=_packed),
     # Wan 2.1's: guidance 5 with a negative prompt (WanPipeline's defaults); no CPU peer runs it
     "wan": Workload("WanPipeline", None, {"negative_prompt": "blurry, static, low quality", "guidance_scale": 5.0}),
+    # LTX-Video's: guidance 3 with a negative prompt (LTXPipeline's scale), latents packed
+    "ltx": Workload("LTXPipeline", "OVLTXPipeline", {"negative_prompt": "blurry, static, low quality",
+                                                     "guidance_scale": 3.0},
+                    given_latents=_video_packed, temporal="vae_temporal_compression_ratio"),
     # Qwen-Image-Edit's the same, editing its input image; no optimum-intel pipeline runs it (#1934 is open)
     "qwen-image-edit": Workload("QwenImageEditPipeline", None,
                                 {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
@@ -124,7 +135,7 @@ class FamilyPipeline:
         self.pipe = pipeline_from(("diffusers", w.diffusers), folder, **w.components(folder)) \
             if source == "diffusers" else pipeline_from(("optimum.intel", w.optimum_intel), folder)
         self.options, self.references = {**w.options, **w.folder_options(folder)}, references
-        self.given_latents = w.given_latents
+        self.given_latents, self.temporal = w.given_latents, w.temporal
         self.text_seconds, self.step_seconds, self.vae_seconds = [], [], []
         time_calls_of(self.pipe.text_encoder, "forward", self.text_seconds)
         time_calls_of(self.pipe.transformer, "forward", self.step_seconds)
@@ -139,7 +150,7 @@ class FamilyPipeline:
         t0 = time.perf_counter()
         image = self.pipe(prompt=PROMPT, height=height, width=width, num_inference_steps=steps,
                           latents=torch.from_numpy(self.given_latents(latents)), output_type="np",
-                          **_video(latents, getattr(self.pipe, "vae_scale_factor_temporal", None)),
+                          **_video(latents, getattr(self.pipe, self.temporal, None)),
                           **self.options, **edit)[0][0]  # the output's images (a video pipeline's frames)
         return timed_result(time.perf_counter() - t0, steps, sum(self.step_seconds), sum(self.vae_seconds), image, out,
                             text=sum(self.text_seconds))

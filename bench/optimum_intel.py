@@ -14,28 +14,34 @@ from bench.harness import Variant, log
 from bench.optimum import export_once, timed_cli
 
 
-def optimum_intel_export(python: str, src: Path, build: Path, log) -> tuple[Path, float]:
+def optimum_intel_export(python: str, src: Path, build: Path, log, task: str = "text-to-image") -> tuple[Path, float]:
     """Export `src` with optimum-cli into build/optimum-intel (once); returns the folder and export seconds."""
     def export(tmp: Path):
         cli = str(Path(python).parent / "optimum-cli")
-        argv = [cli, "export", "openvino", "--model", str(src), "--task", "text-to-image", str(tmp / "openvino")]
+        argv = [cli, "export", "openvino", "--model", str(src), "--task", task, str(tmp / "openvino")]
         return tmp / "openvino", timed_cli(argv, log)
 
     return export_once(build, "optimum-intel", log, export)
 
 
-def openvino_peers(run, pipeline: str, kind: str,
-                   genai_rows: list[tuple[str, dict]]) -> tuple[list[Variant], list[str]]:
+# optimum-cli's task and openvino.genai's pipeline (its variant kind) by what the table's rows make
+PEER_TASKS = {"text to image": ("text-to-image", "Text2ImagePipeline", "genai"),
+              "text to video": ("text-to-video", "Text2VideoPipeline", "genai-video")}
+
+
+def openvino_peers(run, pipeline: str, kind: str, genai_rows: list[tuple[str, dict]],
+                   task: str = "text to image") -> tuple[list[Variant], list[str]]:
     """A family table's OpenVINO peers and notes on them: optimum-intel's `pipeline` (a variant of `kind`) on its
-    own export of the run's model, then openvino.genai's Text2ImagePipeline on that export, a row per (label,
+    own export of the run's model, then openvino.genai's pipeline of the `task` on that export, a row per (label,
     options) of `genai_rows`; none, with a note saying why, without --optimum-intel-python."""
     python = run.args.optimum_intel_python
     if not python:
         return [], ["The optimum-intel and openvino.genai rows are not run: they need --optimum-intel-python "
                     "(`make optimum-intel-venv`)."]
-    folder, seconds = optimum_intel_export(python, run.src.folder, run.build, log)
+    cli_task, genai, genai_kind = PEER_TASKS[task]
+    folder, seconds = optimum_intel_export(python, run.src.folder, run.build, log, cli_task)
     variants = [Variant(f"optimum-intel {pipeline}, its defaults", kind, str(folder), python)]
-    variants += [Variant(f"openvino.genai Text2ImagePipeline, {label}", "genai", str(folder), python, options)
+    variants += [Variant(f"openvino.genai {genai}, {label}", genai_kind, str(folder), python, options)
                  for label, options in genai_rows]
-    return variants, [f"optimum-intel's export (`optimum-cli export openvino --task text-to-image`, its defaults) "
+    return variants, [f"optimum-intel's export (`optimum-cli export openvino --task {cli_task}`, its defaults) "
                       f"took {seconds:.0f} s; openvino.genai runs the same export."]

@@ -294,11 +294,13 @@ class GenAI:
     the workload sets beyond the prompt (SD3's: `workload`; Flux's table runs the model's defaults, Z-Image's
     Turbo's guidance and a prompt of its own)."""
 
+    pipeline = "Text2ImagePipeline"
+
     def __init__(self, folder: str, cache: bool = True, prompt: str = PROMPT, **generate):
         import openvino_genai
 
         self.genai, self.generate, self.prompt = openvino_genai, generate, prompt
-        self.pipe = openvino_genai.Text2ImagePipeline(folder, "CPU")
+        self.pipe = getattr(openvino_genai, self.pipeline)(folder, "CPU")
         if not cache:
             config = self.pipe.get_generation_config()
             config.taylorseer_config = None
@@ -320,16 +322,32 @@ class GenAI:
                 return openvino.Tensor(_as_drawn(latents, tuple(shape)))
 
         t0 = time.perf_counter()
-        images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps,
-                                    generator=Given(), **self.generate)
-        seconds, metrics = time.perf_counter() - t0, self.pipe.get_performance_metrics()
-        image = images.data[0].astype(np.float32) / 255  # uint8 HWC
+        image, metrics = self._generate(height, width, steps, Given(), latents)
+        seconds = time.perf_counter() - t0
         calls = metrics.raw_metrics.transformer_inference_durations  # microseconds, one per full evaluation
         # As Pipeline.cache_stats counts them (the time of its cached steps is not among its metrics).
         evaluations = {"full": len(calls), "cached": steps - len(calls), "full_seconds": sum(calls) / 1e6}
         text = sum(metrics.get_text_encoder_infer_duration().values()) / 1e3  # milliseconds per encoder
         return timed_result(seconds, steps, sum(calls) / 1e6, metrics.get_vae_decoder_infer_duration() / 1e3, image,
                             out, cache=evaluations, text=text)
+
+    def _generate(self, height: int, width: int, steps: int, generator, latents) -> tuple[np.ndarray, object]:
+        """(the image (H, W, 3) in [0, 1], the call's performance metrics)."""
+        images = self.pipe.generate(self.prompt, height=height, width=width, num_inference_steps=steps,
+                                    generator=generator, **self.generate)
+        return images.data[0].astype(np.float32) / 255, self.pipe.get_performance_metrics()  # uint8 HWC
+
+
+class GenAIVideo(GenAI):
+    """openvino.genai's Text2VideoPipeline (LTX-Video), as GenAI: the frames of the latents' clip."""
+
+    pipeline = "Text2VideoPipeline"
+
+    def _generate(self, height: int, width: int, steps: int, generator, latents) -> tuple[np.ndarray, object]:
+        frames = 1 + 8 * (latents.shape[2] - 1)  # LTX-Video's 8 frames a latent frame
+        result = self.pipe.generate(self.prompt, height=height, width=width, num_frames=frames,
+                                    num_inference_steps=steps, generator=generator, **self.generate)
+        return result.video.data[0].astype(np.float32) / 255, result.perf_metrics  # uint8 (F, H, W, 3)
 
 
 class Graph:
@@ -365,6 +383,8 @@ def make_variant(kind: str, path: str, **options):
         return Optimum(path)
     if kind == "optimum-intel":
         return OptimumIntel(path)
+    if kind == "genai-video":
+        return GenAIVideo(path, **options)
     if kind == "genai":
         return GenAI(path, **options)
     raise ValueError(f"unknown variant kind {kind!r}")

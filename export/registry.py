@@ -567,6 +567,17 @@ LTX_TINY = {
     "t5_vocab_pieces": 1000,
     "scheduler": _LTX_SCHEDULER,
 }
+# LTX-Video 2B's real widths (32 heads of 64, captions of 4096) at 2 of its 28 blocks; T5-XXL's (4096, 64 heads of 64,
+# 10240) at 2 layers; 0.9.5's real VAE (128 to 2048 channels, 4, 6, 6, 2, 2 blocks; decoder 256 to 1024, 5 each):
+# benchmarks
+LTX_BENCH = {
+    "transformer": _ltx(heads=32, head_dim=64, layers=2, text=4096),
+    "vae": {**_ltx_vae([128, 256, 512, 1024, 2048], [256, 512, 1024], layers=1), "layers_per_block": [4, 6, 6, 2, 2],
+            "decoder_layers_per_block": [5, 5, 5, 5]},
+    "text_encoder": _t5(4096, 64, 64, 10240),
+    "t5_vocab_pieces": 1000,
+    "scheduler": _LTX_SCHEDULER,
+}
 
 MODELS: dict[str, ModelEntry] = {
     e.name: e
@@ -755,6 +766,10 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("ltx-video", "ltx", hub_id="Lightricks/LTX-Video-0.9.5", image_size=(256, 512, 1024),
                    frames=(9, 161, 257), text_length=(1, 128, 256), batch=(1, 2, 4),
                    description="LTX-Video 0.9.5 text and image to video (2B; T5-XXL encoder)"),
+        ModelEntry("ltx-bench", "ltx", random_configs=LTX_BENCH, image_size=(128, 512, 704), frames=(9, 41, 161),
+                   text_length=(1, 128, 256), batch=(1, 2, 2),
+                   description="LTX-Video 2B's widths at 2 blocks, T5-XXL's at 2 layers, 0.9.5's real VAE, random "
+                               "weights (benchmarks)"),
         ModelEntry("ltx-video-tiny", "ltx", random_configs=LTX_TINY, image_size=(64, 64, 256), frames=(9, 17, 25),
                    text_length=(1, 128, 128),
                    description="LTX-Video architecture (T5 encoder, 0.9.5's VAE, 0.9.1's shifted schedule) at tiny "

@@ -51,6 +51,7 @@ class FamilyTable:
     goals: Callable[..., str | None] | None = None
     sizes: str = "512,1024"  # the default --<name>-sizes: sides, or HxW
     frames: int | None = None  # a video model's default --<name>-frames (its rows are videos of that many frames)
+    smoke_frames: int = 5  # a video model's frames in the smoke test (the fewest its tiny model's range holds)
     caches: tuple[str, ...] = ()  # step caches (the CLI's --cache spelling) each of our artifacts runs with too
     task: str = "text to image"  # what its rows without references make
 
@@ -81,8 +82,9 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
         return variants, [f"No peer runs {w.diffusers} on a CPU: optimum-intel and openvino.genai have no such "
                           "pipeline; the goal is against diffusers eager."]
     peers, notes = openvino_peers(run, w.optimum_intel, f"{spec.name}-optimum-intel",
-                                  [] if references else [("its defaults", {"prompt": PROMPT, **w.options})])
-    return variants + [dataclasses.replace(v, options=options) if v.kind != "genai" else v for v in peers], notes
+                                  [] if references else [("its defaults", {"prompt": PROMPT, **w.options})], spec.task)
+    return variants + [dataclasses.replace(v, options=options) if not v.kind.startswith("genai") else v
+                       for v in peers], notes
 
 
 def _measure(spec: FamilyTable, run, variants: list[Variant], size: tuple[int, int], references: int,
@@ -181,4 +183,4 @@ def make_table(spec: FamilyTable) -> Table:
     return Table(spec.name, spec.title, "openvino bf16, int8 (calibrated) and bf16 with int4 weights; optimum-intel's "
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
                  smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", "1", f"{prefix}-sizes", "64",
-                        f"{prefix}-artifacts", "openvino-bf16", *((f"{prefix}-frames", "5") if spec.frames else ())))
+                        f"{prefix}-artifacts", "openvino-bf16", *((f"{prefix}-frames", str(spec.smoke_frames)) if spec.frames else ())))
