@@ -127,7 +127,7 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
 # batch, the Flux, Z-Image and FLUX.2 tables against optimum-intel and openvino.genai, FLUX.2's reference
-# table on klein KV, the Qwen-Image tables and the Wan video table (all skipped when BENCH_ARGS picks --tables: that
+# table on klein KV, the Qwen-Image tables and the video tables, Wan's and LTX-Video's (all skipped when BENCH_ARGS picks --tables: that
 # names the sd3-bench tables to re-measure).
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
@@ -147,6 +147,8 @@ bench: venv optimum-venv optimum-intel-venv
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model qwen-image-edit-bench --tables qwen-image-edit \
 	  $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model wan-bench --tables wan,wan-vae $(BENCH_ARGS))
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model ltx-bench --tables ltx \
+	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 
 # The cache table where the model's depth is real (not part of `make bench`: about 20 minutes, ~25 GB of
 # build): sd3-fullsize's float16 export builds no ort-fp32, and openvino-int8's calibration runs the fp32

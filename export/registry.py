@@ -568,12 +568,16 @@ LTX_TINY = {
     "scheduler": _LTX_SCHEDULER,
 }
 # LTX-Video 2B's real widths (32 heads of 64, captions of 4096) at 2 of its 28 blocks; T5-XXL's (4096, 64 heads of 64,
-# 10240) at 2 layers; 0.9.5's real VAE (128 to 2048 channels, 4, 6, 6, 2, 2 blocks; decoder 256 to 1024, 5 each):
-# benchmarks
+# 10240) at 2 layers; 0.9.0's real VAE (Lightricks/LTX-Video's vae/config.json: the decoder mirrors the encoder, no
+# decode timestep): benchmarks. 0.9.0's, not 0.9.5's: optimum-intel 2.2 exports its VAE encoder from a 2-frame example,
+# which 0.9.5's temporal downsampler cannot take (the peers run this model's export).
 LTX_BENCH = {
     "transformer": _ltx(heads=32, head_dim=64, layers=2, text=4096),
-    "vae": {**_ltx_vae([128, 256, 512, 1024, 2048], [256, 512, 1024], layers=1), "layers_per_block": [4, 6, 6, 2, 2],
-            "decoder_layers_per_block": [5, 5, 5, 5]},
+    "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 128, "block_out_channels": [128, 256, 512, 512],
+            "layers_per_block": [4, 3, 3, 3, 4], "decoder_block_out_channels": [128, 256, 512, 512],
+            "decoder_layers_per_block": [4, 3, 3, 3, 4], "spatio_temporal_scaling": [True, True, True, False],
+            "decoder_spatio_temporal_scaling": [True, True, True, False], "patch_size": 4, "patch_size_t": 1,
+            "encoder_causal": True, "decoder_causal": False, "scaling_factor": 1.0, "resnet_norm_eps": 1e-06},
     "text_encoder": _t5(4096, 64, 64, 10240),
     "t5_vocab_pieces": 1000,
     "scheduler": _LTX_SCHEDULER,
@@ -768,7 +772,7 @@ MODELS: dict[str, ModelEntry] = {
                    description="LTX-Video 0.9.5 text and image to video (2B; T5-XXL encoder)"),
         ModelEntry("ltx-bench", "ltx", random_configs=LTX_BENCH, image_size=(128, 512, 704), frames=(9, 41, 161),
                    text_length=(1, 128, 256), batch=(1, 2, 2),
-                   description="LTX-Video 2B's widths at 2 blocks, T5-XXL's at 2 layers, 0.9.5's real VAE, random "
+                   description="LTX-Video 2B's widths at 2 blocks, T5-XXL's at 2 layers, 0.9.0's real VAE, random "
                                "weights (benchmarks)"),
         ModelEntry("ltx-video-tiny", "ltx", random_configs=LTX_TINY, image_size=(64, 64, 256), frames=(9, 17, 25),
                    text_length=(1, 128, 128),
