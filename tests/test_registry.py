@@ -205,3 +205,21 @@ def test_hub_errors_are_reported_as_what_they_are(monkeypatch, error, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     with pytest.raises(SourceError, match=message):
         resolve("sd3")
+
+
+def test_ltx_bench_has_ltx_2bs_widths_and_090s_vae():
+    """ltx-bench's transformer is LTX-Video 2B's transformer/config.json (Lightricks/LTX-Video) at 2 of its 28 blocks,
+    its VAE 0.9.0's vae/config.json whole, its text encoder T5-XXL's widths."""
+    cfg = MODELS["ltx-bench"].random_configs
+    real_transformer = {"activation_fn": "gelu-approximate", "attention_bias": True, "attention_head_dim": 64,
+                        "attention_out_bias": True, "caption_channels": 4096, "cross_attention_dim": 2048,
+                        "in_channels": 128, "norm_elementwise_affine": False, "norm_eps": 1e-06,
+                        "num_attention_heads": 32, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+                        "qk_norm": "rms_norm_across_heads"}
+    assert {**cfg["transformer"], "num_layers": 28} == {**real_transformer, "num_layers": 28}
+    real_vae = {"block_out_channels": [128, 256, 512, 512], "decoder_causal": False, "encoder_causal": True,
+                "latent_channels": 128, "layers_per_block": [4, 3, 3, 3, 4], "patch_size": 4, "patch_size_t": 1,
+                "resnet_norm_eps": 1e-06, "scaling_factor": 1.0, "spatio_temporal_scaling": [True, True, True, False]}
+    assert {k: cfg["vae"][k] for k in real_vae} == real_vae
+    assert (cfg["text_encoder"]["d_model"], cfg["text_encoder"]["d_ff"], cfg["text_encoder"]["num_heads"]) == \
+        (4096, 10240, 64)

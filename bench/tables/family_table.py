@@ -183,4 +183,5 @@ def make_table(spec: FamilyTable) -> Table:
     return Table(spec.name, spec.title, "openvino bf16, int8 (calibrated) and bf16 with int4 weights; optimum-intel's "
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
                  smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", "1", f"{prefix}-sizes", "64",
-                        f"{prefix}-artifacts", "openvino-bf16", *((f"{prefix}-frames", str(spec.smoke_frames)) if spec.frames else ())))
+                        f"{prefix}-artifacts", "openvino-bf16",
+                        *((f"{prefix}-frames", str(spec.smoke_frames)) if spec.frames else ())))
