@@ -66,6 +66,10 @@ class FlowMatchEulerDiscrete:
             sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
         terminal = self.config.get("shift_terminal")
         if terminal:
+            if len(sigmas) < 2:  # the stretch divides by the last sigma's distance from 1: 0 for one step
+                raise ValueError(f"num_inference_steps={len(sigmas)} cannot be stretched to this scheduler's "
+                                 f"shift_terminal {terminal} (diffusers makes NaN timesteps there and fails): use 2 "
+                                 "steps or more")
             one_minus = 1 - sigmas
             sigmas = 1 - one_minus / (one_minus[-1] / (1 - terminal))
         sigmas = sigmas.astype(np.float32)
