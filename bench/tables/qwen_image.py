@@ -13,4 +13,4 @@ def goals(size: str, references: int, measured: dict, variants) -> str:
 
 
 TABLE = make_table(FamilyTable("qwen-image", "qwen_image", "Qwen-Image", steps=50,
-                               settings="true CFG 4 with a negative prompt", goals=goals))
+                               settings="true CFG 4 with a negative prompt", goals=goals, cold_steps=2))

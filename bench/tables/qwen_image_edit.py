@@ -19,4 +19,4 @@ def goals(size: str, references: int, measured: dict, variants) -> str:
 
 TABLE = make_table(FamilyTable("qwen-image-edit", "qwen_image_edit", "Qwen-Image-Edit", steps=50,
                                settings="true CFG 4 with a negative prompt", edits=(1,), text_to_image=False,
-                               goals=goals))
+                               goals=goals, cold_steps=2))

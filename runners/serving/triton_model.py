@@ -83,7 +83,12 @@ class TritonPythonModel:
         for r in range(len(requests)):
             if answers[r] is None:
                 per_prompt = [images[r][i] for i in sorted(images[r])]
-                answers[r] = _videos(per_prompt, requests[r], self.pipe) if self.pipe.video else _images(per_prompt)
+                if self.pipe.video:  # at the rate the model was told (LTX-Video's frame_rate), else the model card's
+                    fps = next(call for owner, _, call in rows if owner == r).get("frame_rate") or \
+                        self.pipe.constants["fps"]
+                    answers[r] = _videos(per_prompt, requests[r], fps)
+                else:
+                    answers[r] = _images(per_prompt)
         return answers
 
     def finalize(self):
@@ -99,7 +104,7 @@ def _images(per_prompt: list[np.ndarray]):
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(rq.OUTPUT.name, np.stack(per_prompt))])
 
 
-def _videos(per_prompt: list[np.ndarray], request, pipe):
+def _videos(per_prompt: list[np.ndarray], request, fps: float):
     """Each row's videos' frames, and their mp4 files where the request asks for that output."""
     shapes = {frames.shape for frames in per_prompt}
     if len(shapes) > 1:
@@ -109,7 +114,7 @@ def _videos(per_prompt: list[np.ndarray], request, pipe):
     frames, mp4 = rq.VIDEO_OUTPUTS
     outputs = [pb_utils.Tensor(frames.name, np.stack(per_prompt))]
     if mp4.name in request.requested_output_names():
-        files = [[mp4_bytes(video, pipe.constants["fps"]) for video in row] for row in per_prompt]
+        files = [[mp4_bytes(video, fps) for video in row] for row in per_prompt]
         outputs.append(pb_utils.Tensor(mp4.name, np.array(files, dtype=object)))
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
