@@ -10,7 +10,8 @@ from dataclasses import replace
 import numpy as np
 
 from runners.options import REQUEST, Option
-from runners.text_to_image import TextToImage, _is_int
+from runners.schedulers.schedule import check_steps
+from runners.text_to_image import TEXT, TextToImage, _is_int, _prompts
 
 log = logging.getLogger("runners")
 
@@ -42,6 +43,15 @@ NUM_VIDEOS = Option("num_videos_per_prompt", "int", "videos per prompt", default
 
 class TextToVideo(TextToImage):
     video = True
+
+    def _video_request(self, prompt, num_inference_steps, guidance_scale, output_type, num_frames) -> tuple:
+        """(prompts, steps, guidance scale, frames) of a request, the family's defaults filled in, checked."""
+        defaults = self.defaults[TEXT]
+        steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
+        check_steps(steps, self.manifest["constants"]["num_train_timesteps"])
+        self._check_output_type(output_type)
+        return (_prompts("prompt", prompt), steps, defaults.guidance_scale if guidance_scale is None else guidance_scale,
+                self._num_frames(num_frames))
 
     def _num_frames(self, num_frames) -> int:
         """The request's frame count as diffusers takes it (k x temporal + 1, others rounded down, with a warning),

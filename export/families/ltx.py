@@ -144,21 +144,11 @@ def _constants(src) -> dict[str, int]:
     }
 
 
-def _defaults(entry) -> dict:
-    """LTXPipeline's default size (512 x 704) and frames (161) where the artifact's ranges hold them, else the
-    ranges' opt values."""
-    lo, opt, hi = entry.image_size
-    height, width = (512, 704) if lo <= 512 and 704 <= hi else (opt, opt)
-    frames_lo, frames_opt, frames_hi = entry.frames
-    return {"default_height": height, "default_width": width,
-            "default_num_frames": 161 if frames_lo <= 161 <= frames_hi else frames_opt}
-
-
 def _runtime_constants(src) -> dict:
     constants = _constants(src)
     vae = src.load("vae")
     return {
-        **_defaults(src.entry),
+        **parts.video_defaults(src.entry, 512, 704, 161),  # LTXPipeline's size and frames
         "vae_scaling_factor": src.config("vae").get("scaling_factor", 1.0), "vae_shift_factor": 0.0,
         "latents_mean": vae.latents_mean.float().tolist(), "latents_std": vae.latents_std.float().tolist(),
         "vae_timestep_conditioning": bool(src.config("vae").get("timestep_conditioning", False)),

@@ -211,3 +211,13 @@ def residual_controlnet(transformer: SubmoduleSpec, control_shape: tuple, places
         latent_divisor=latent_divisor,
         quantization=quantization or transformer.quantization,
     )
+
+
+def video_defaults(entry, height: int, width: int, frames: int) -> dict:
+    """A video pipeline's default size and frame count where the artifact's ranges hold them, else the ranges' opt
+    values."""
+    lo, opt, hi = entry.image_size
+    fits = lo <= min(height, width) and max(height, width) <= hi
+    frames_lo, frames_opt, frames_hi = entry.frames
+    return {"default_height": height if fits else opt, "default_width": width if fits else opt,
+            "default_num_frames": frames if frames_lo <= frames <= frames_hi else frames_opt}

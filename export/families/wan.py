@@ -222,20 +222,10 @@ def _constants(src) -> dict[str, int]:
     }
 
 
-def _defaults(entry) -> dict:
-    """WanPipeline's default size (480 x 832) and frames (81) where the artifact's ranges hold them, else the
-    ranges' opt values."""
-    lo, opt, hi = entry.image_size
-    height, width = (480, 832) if lo <= 480 and 832 <= hi else (opt, opt)
-    frames_lo, frames_opt, frames_hi = entry.frames
-    return {"default_height": height, "default_width": width,
-            "default_num_frames": 81 if frames_lo <= 81 <= frames_hi else frames_opt}
-
-
 def _runtime_constants(src) -> dict:
     constants = _constants(src)
     return {
-        **_defaults(src.entry),
+        **parts.video_defaults(src.entry, 480, 832, 81),  # WanPipeline's size and frames
         "vae_scaling_factor": 1.0, "vae_shift_factor": 0.0,  # the graphs denormalise (the config's mean and std)
         "vae_scale_factor": constants["vae_scale_factor"],
         "vae_temporal_scale": constants["vae_temporal_scale"],

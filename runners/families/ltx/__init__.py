@@ -20,8 +20,7 @@ import numpy as np
 from runners.conditioning.images import to_model_input
 from runners.guidance import ClassifierFree
 from runners.options import IMAGE_TASKS, Option, options
-from runners.schedulers.schedule import check_steps
-from runners.text_to_image import TEXT, Defaults, _is_int, _prompts, given_or_drawn
+from runners.text_to_image import TEXT, Defaults, _is_int, given_or_drawn
 from runners.text_to_video import NUM_VIDEOS, TextToVideo, frames_option, video_request_options
 
 FRAME_MASK = "frame_mask"  # a condition the runner reads, not a graph input: 1 on the tokens kept as given
@@ -91,13 +90,8 @@ class LTXPipeline(TextToVideo):
         the video starts from it (LTXImageToVideoPipeline; with `latents` given, their first frame is kept, as
         diffusers keeps it)."""
         c = self.constants
-        defaults = self.defaults[TEXT]
-        steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
-        guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
-        prompts = _prompts("prompt", prompt)
-        check_steps(steps, self.manifest["constants"]["num_train_timesteps"])
-        self._check_output_type(output_type)
-        num_frames = self._num_frames(num_frames)
+        prompts, steps, guidance_scale, num_frames = self._video_request(prompt, num_inference_steps, guidance_scale,
+                                                                         output_type, num_frames)
         height = c["default_height"] if height is None else height
         width = c["default_width"] if width is None else width
         lo, _, hi = self.dims["text_length"]

@@ -21,8 +21,7 @@ from runners.families.wan import lora_keys
 from runners.guidance import ClassifierFree
 from runners.options import Option, options
 from runners.prompts import encode_prompts
-from runners.schedulers.schedule import check_steps
-from runners.text_to_image import TEXT, Defaults, Handover, _is_int, _prompts, given_or_drawn
+from runners.text_to_image import TEXT, Defaults, Handover, _is_int, given_or_drawn
 from runners.text_to_video import NUM_VIDEOS, TextToVideo, frames_option, video_request_options
 
 log = logging.getLogger("runners")
@@ -67,13 +66,8 @@ class WanPipeline(TextToVideo):
         the steps below its boundary, with `guidance_scale_2`."""
         c = self.constants
         handover = self._handover(guidance_scale, guidance_scale_2)
-        defaults = self.defaults[TEXT]
-        steps = defaults.num_inference_steps if num_inference_steps is None else num_inference_steps
-        guidance_scale = defaults.guidance_scale if guidance_scale is None else guidance_scale
-        prompts = _prompts("prompt", prompt)
-        check_steps(steps, self.manifest["constants"]["num_train_timesteps"])
-        self._check_output_type(output_type)
-        num_frames = self._num_frames(num_frames)
+        prompts, steps, guidance_scale, num_frames = self._video_request(prompt, num_inference_steps, guidance_scale,
+                                                                         output_type, num_frames)
         height, width = self._on_grid(c["default_height"] if height is None else height,
                                       c["default_width"] if width is None else width)
         lo, _, hi = self.dims["text_length"]
