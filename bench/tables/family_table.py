@@ -52,6 +52,7 @@ class FamilyTable:
     sizes: str = "512,1024"  # the default --<name>-sizes: sides, or HxW
     frames: int | None = None  # a video model's default --<name>-frames (its rows are videos of that many frames)
     smoke_frames: int = 5  # a video model's frames in the smoke test (the fewest its tiny model's range holds)
+    prompt_tokens: int = 512  # the pipelines' maximum prompt length (LTX-Video's T5: 128)
     # the cold call's and the smoke test's steps (2 where the schedule's terminal stretch cannot take 1: LTX-Video's,
     # Qwen-Image's)
     cold_steps: int = 1
@@ -159,8 +160,8 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
         "notes": [f"Medians of {reps} repetitions; each runs every variant in a fresh process, in turn: load, a cold "
                   f"{spec.cold_steps}-step image (with the load: the load + first call column), then an image of "
                   f"{steps} steps, every one from the same starting latents and the prompt \"{PROMPT}\" (20 words), "
-                  f"{spec.settings}, each pipeline's maximum prompt length (512 tokens). Editing starts from the same "
-                  "seeded reference images (smooth colour fields of the image's size). Text encoder: the run's "
+                  f"{spec.settings}, each pipeline's maximum prompt length ({spec.prompt_tokens} tokens). Editing "
+                  "starts from the same seeded reference images (smooth colour fields of the image's size). Text encoder: the run's "
                   "encoder seconds; step: its transformer seconds per step; VAE decode: its decode. PSNR: the image "
                   "against ort-fp32's (openvino.genai returns 8-bit images: about 59 dB at best). openvino-int8 is "
                   f"calibrated on {accuracy.calibration_text(a)}.", *notes]}]

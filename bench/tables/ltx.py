@@ -16,4 +16,5 @@ def goals(size: str, references: int, measured: dict, variants) -> str:
 
 TABLE = make_table(FamilyTable("ltx", "ltx", "LTX-Video text to video", steps=50,
                                settings="guidance 3 with a negative prompt", goals=goals, sizes="512x704", frames=41,
-                               smoke_frames=9, cold_steps=2, caches=("taylorseer",), task="text to video"))
+                               smoke_frames=9, cold_steps=2, prompt_tokens=128, caches=("taylorseer",),
+                               task="text to video"))
