@@ -163,8 +163,8 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
                   f"{spec.settings}, each pipeline's maximum prompt length ({spec.prompt_tokens} tokens). Editing "
                   "starts from the same seeded reference images (smooth colour fields of the image's size). Text "
                   "encoder: the run's encoder seconds; step: its transformer seconds per step; VAE decode: its "
-                  "decode. PSNR: the image against ort-fp32's (openvino.genai returns 8-bit images: about 59 dB at best). openvino-int8 is "
-                  f"calibrated on {accuracy.calibration_text(a)}.", *notes]}]
+                  "decode. PSNR: the image against ort-fp32's (openvino.genai returns 8-bit images: about 59 dB at "
+                  f"best). openvino-int8 is calibrated on {accuracy.calibration_text(a)}.", *notes]}]
 
 
 def make_table(spec: FamilyTable) -> Table:
