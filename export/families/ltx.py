@@ -144,13 +144,26 @@ def _constants(src) -> dict[str, int]:
     }
 
 
+def _statistics(src) -> dict[str, list[float]]:
+    """The VAE's latents_mean and latents_std: buffers of its checkpoint, read alone (the real VAE is 5 GB)."""
+    from safetensors import safe_open
+
+    from export.lazy_weights import checkpoint_index
+
+    index = checkpoint_index(src.folder / "vae")
+    stats = {}
+    for name in ("latents_mean", "latents_std"):
+        with safe_open(index[name]["file"], "pt") as f:
+            stats[name] = f.get_tensor(name).float().tolist()
+    return stats
+
+
 def _runtime_constants(src) -> dict:
     constants = _constants(src)
-    vae = src.load("vae")
     return {
         **parts.video_defaults(src.entry, 512, 704, 161),  # LTXPipeline's size and frames
         "vae_scaling_factor": src.config("vae").get("scaling_factor", 1.0), "vae_shift_factor": 0.0,
-        "latents_mean": vae.latents_mean.float().tolist(), "latents_std": vae.latents_std.float().tolist(),
+        **_statistics(src),
         "vae_timestep_conditioning": bool(src.config("vae").get("timestep_conditioning", False)),
         "vae_scale_factor": constants["vae_scale_factor"],
         "vae_temporal_scale": constants["vae_temporal_scale"],

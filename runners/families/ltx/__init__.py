@@ -188,7 +188,7 @@ class LTXPipeline(TextToVideo):
         noise = given_or_drawn("encoder_noise", encoder_noise, (len(pixels), mean.shape[1], 1, *mean.shape[2:]), rng)
         sample = mean[:, :, None] + np.exp(np.float32(0.5) * logvar[:, :, None]) * noise
         stats = self._statistics()
-        latent = (sample - stats[0]) * np.float32(1.0) / stats[1]  # diffusers' _normalize_latents, scaling 1.0
+        latent = (sample - stats[0]) / stats[1]  # diffusers' _normalize_latents (its scaling factor 1.0)
         return np.repeat(np.broadcast_to(latent, (n_prompts, *latent.shape[1:])), per_prompt, axis=0)
 
     def _statistics(self) -> tuple[np.ndarray, np.ndarray]:
