@@ -531,6 +531,29 @@ WAN_BENCH = {
 }
 # Wan 2.2 A14B's layout: a second (low-noise) transformer below the boundary (its model_index.json's 0.875)
 WAN22_A14B_TINY = {**WAN_TINY, "transformer_2": WAN_TINY["transformer"], "boundary_ratio": 0.875}
+# Wan 2.2's VAE statistics (its config's latents_mean and latents_std, 48 channels)
+_WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.157,
+    -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322,
+    0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.123, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.052,
+    0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
+_WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.499, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165,
+    0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917,
+    0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.06,
+    0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+# Wan 2.2 TI2V-5B's layout (Wan-AI/Wan2.2-TI2V-5B-Diffusers): a timestep per token (model_index.json's
+# expand_timesteps), 48 latent channels, its VAE's residual blocks on 2 x 2 patches (4 x 16 x 16 compression; the real
+# one: base 160, decoder 256, 2 residual blocks a level) and UniPC shifted by 5
+WAN22_TI2V_TINY = {
+    **WAN_TINY,
+    "transformer": {**WAN_TINY["transformer"], "in_channels": 48, "out_channels": 48},
+    "vae": {**_WAN_VAE, "z_dim": 48, "base_dim": 8, "decoder_base_dim": 8, "num_res_blocks": 1, "is_residual": True,
+            "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
+            "latents_mean": _WAN22_LATENTS_MEAN, "latents_std": _WAN22_LATENTS_STD},
+    "scheduler": {**_WAN_SCHEDULER, "flow_shift": 5.0},
+    "expand_timesteps": True,
+}
 
 # LTX-Video's configs (Lightricks/LTX-Video-0.9.5): the 2B transformer's (32 heads of 64, cross-attention 2048,
 # captions from T5-XXL's 4096, 128 latent channels, patches of one latent pixel), the 0.9.5 VAE's layout (spatial
@@ -767,6 +790,14 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 64, 512),
                    description="Wan 2.2 A14B architecture (two transformers handing over at the boundary) at tiny "
                                "widths, built offline"),
+        ModelEntry("wan2.2-ti2v-5b", "wan", hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers", image_size=(256, 704, 1280),
+                   frames=(5, 121, 121), text_length=(1, 128, 512), batch=(1, 2, 4), extra={"fps": 24},
+                   description="Wan 2.2 text and image to video, 5B (720p at 24 fps; a timestep per token, a 4x16x16 "
+                               "VAE)"),
+        ModelEntry("wan22-ti2v-tiny", "wan", random_configs=WAN22_TI2V_TINY, image_size=(64, 64, 256),
+                   frames=(1, 9, 17), text_length=(1, 64, 512), extra={"fps": 24},
+                   description="Wan 2.2 TI2V-5B architecture (a timestep per token, 48-channel latents, the 4x16x16 "
+                               "VAE) at tiny widths, built offline"),
         ModelEntry("ltx-video", "ltx", hub_id="Lightricks/LTX-Video-0.9.5", image_size=(256, 512, 1024),
                    frames=(9, 161, 257), text_length=(1, 128, 256), batch=(1, 2, 4),
                    description="LTX-Video 0.9.5 text and image to video (2B; T5-XXL encoder)"),

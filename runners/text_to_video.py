@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,6 +17,36 @@ from runners.text_to_image import TEXT, TextToImage, _is_int, _prompts
 log = logging.getLogger("runners")
 
 OUTPUT_TYPES = ("np", "pil", "latent")
+FRAME_MASK = "frame_mask"  # a condition the runner reads, not a graph input: 1 on the tokens kept as given
+
+
+class FirstFrame(NamedTuple):
+    """Image to video's hook in the loop (the interface of runners/conditioning/inpainting.py): the first latent
+    frame, the image's, is put back after every step. LTX-Video steps the later frames only; Wan 2.2 TI2V steps all
+    and gives the transformer the image's frame: the same, as each latent's step reads only its own elements."""
+    first: np.ndarray  # (N, C, 1, h, w)
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def blend(self, latents: np.ndarray, schedule, i: int) -> np.ndarray:
+        return np.concatenate([self.first, latents[:, :, 1:]], axis=2)
+
+
+def first_frame_mask(rows: int, frames: int, frame_tokens: int) -> np.ndarray:
+    """FRAME_MASK of `rows` of a clip of `frames` latent frames, `frame_tokens` tokens each: the first frame's."""
+    mask = np.zeros((rows, frames, frame_tokens), dtype=np.float32)
+    mask[:, 0] = 1
+    return mask.reshape(rows, -1)
+
+
+def token_timesteps(t, rows: int, tokens: int, conditions: dict) -> tuple[dict, np.ndarray]:
+    """(the conditions the transformer takes, a timestep per token (rows, tokens)): `t`, 0 on the tokens kept as
+    given (diffusers: t * (1 - conditioning_mask))."""
+    timestep = np.full((rows, tokens), t, dtype=np.float32)
+    if FRAME_MASK in conditions:
+        timestep = timestep * (np.float32(1) - conditions[FRAME_MASK])
+    return {k: v for k, v in conditions.items() if k != FRAME_MASK}, timestep
 
 
 def video_request_options(default_size: str) -> tuple[Option, ...]:

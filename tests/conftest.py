@@ -282,7 +282,8 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
                "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",
                "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny", "qwen-image-2.1-tiny": None,
-               "wan-tiny": None, "wan22-tiny": "wan-tiny", "ltx-video-tiny": None}
+               "wan-tiny": None, "wan22-tiny": "wan-tiny", "wan22-ti2v-tiny": "wan-tiny",
+               "ltx-video-tiny": None}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_').replace('.', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)
 

@@ -23,6 +23,7 @@ import functools
 import json
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchify
 
 from export.families import parts
 from export.families.first_block import inner_dim, transformer_specs
@@ -60,10 +61,11 @@ def _cache_slots(vae_config: str, part: str) -> tuple[tuple[int, int] | None, ..
             for first in (True, False):
                 vae.decoder(torch.zeros(1, vae.config.z_dim, 1, 2, 2), feat_cache=cache, feat_idx=[0],
                             first_chunk=first)
-        else:
+        else:  # on the patches' channels (Wan 2.2's VAE) where the VAE patchifies its input
             side = 2 * 2 ** len(vae.config.temperal_downsample)
             for frames in (1, 2 ** sum(vae.config.temperal_downsample)):
-                vae.encoder(torch.zeros(1, 3, frames, side, side), feat_cache=cache, feat_idx=[0])
+                vae.encoder(torch.zeros(1, vae.config.in_channels, frames, side, side), feat_cache=cache,
+                            feat_idx=[0])
     return tuple(None if c is None else (c.shape[1], c.shape[3] // 2) for c in cache)
 
 
@@ -73,6 +75,12 @@ def cache_slots(vae_config: dict, part: str):
 
 def cache_channels(vae_config: dict, part: str) -> int:
     return sum(c * CACHE_FRAMES * s * s for c, s in filter(None, cache_slots(vae_config, part)))
+
+
+def spatial_scale(vae_config: dict) -> int:
+    """Pixels a latent pixel spans: the encoder's down-samplings times the patch Wan 2.2's VAE first folds into
+    channels (AutoencoderKLWan's patch_size; its scale_factor_spatial, which Wan 2.1's configs may lack)."""
+    return 2 ** len(vae_config["temperal_downsample"]) * (vae_config.get("patch_size") or 1)
 
 
 class _Chunk(torch.nn.Module):
@@ -129,8 +137,10 @@ class _DecoderChunk(_Chunk):
         mean, std = statistics(self.vae)
         z = latent / (1.0 / std) + mean  # diffusers: latents / (1 / std) + mean
         x = self.vae.post_quant_conv(z[:, :, None])
-        frames = self.vae.decoder(x, feat_cache=slots, feat_idx=[0], first_chunk=self.first).clamp(-1.0, 1.0)
-        return frames, self.packed(slots, latent, b, h, w)
+        frames = self.vae.decoder(x, feat_cache=slots, feat_idx=[0], first_chunk=self.first)
+        if self.vae.config.patch_size is not None:  # Wan 2.2's VAE: its output channels are patches
+            frames = unpatchify(frames, self.vae.config.patch_size)
+        return frames.clamp(-1.0, 1.0), self.packed(slots, latent, b, h, w)
 
 
 class _EncoderChunk(_Chunk):
@@ -142,10 +152,11 @@ class _EncoderChunk(_Chunk):
     def forward(self, frames, cache=None):
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-        b, scale = frames.shape[0], 2 ** len(self.vae.config.temperal_downsample)
+        b, scale = frames.shape[0], spatial_scale(self.vae.config)
         h, w = frames.shape[3] // scale, frames.shape[4] // scale
         slots = self.unpacked(cache, b, h, w)
-        out = self.vae.quant_conv(self.vae.encoder(frames, feat_cache=slots, feat_idx=[0]))
+        x = frames if self.vae.config.patch_size is None else patchify(frames, self.vae.config.patch_size)
+        out = self.vae.quant_conv(self.vae.encoder(x, feat_cache=slots, feat_idx=[0]))
         posterior = DiagonalGaussianDistribution(out)
         mean, std = statistics(self.vae)
         inverse = 1.0 / std  # diffusers: (latents - mean) * (1 / std)
@@ -180,20 +191,32 @@ VAE_CHUNKS = (
 )
 _VIDEO_LATENT = ("batch", "latent_channels", "latent_frames", "latent_height", "latent_width")
 HIDDEN = ("batch", "video_tokens", "inner_dim")  # the blocks' stream: a token per 1 x 2 x 2 patch of the latents
-TRANSFORMER = SubmoduleSpec(
-    name="transformer",
-    component="transformer",
-    inputs=(
-        T("hidden_states", "float32", _VIDEO_LATENT),
-        T("timestep", "float32", ("batch",), high=1000),
-        T("encoder_hidden_states", "float32", ("batch", "text_length", "t5_width")),
-    ),
-    outputs=(T("noise_pred", "float32", _VIDEO_LATENT),),
-    wrap=_Transformer,
-    latent_divisor="latent_multiple",
-    quantization={"denoiser": True, "keep_scopes": ("patch_embedding", "condition_embedder", "proj_out"),
-                  "fp32_scopes": ("condition_embedder",), "fp32_inputs": ("timestep",)},
-)
+
+
+def expands_timesteps(src) -> bool:
+    """Wan 2.2 TI2V-5B's pipeline flag: the transformer takes a timestep per token (0 on an image's first frame)."""
+    return bool(src.model_index().get("expand_timesteps"))
+
+
+def _transformer(per_token: bool) -> SubmoduleSpec:
+    return SubmoduleSpec(
+        name="transformer",
+        component="transformer",
+        inputs=(
+            T("hidden_states", "float32", _VIDEO_LATENT),
+            T("timestep", "float32", ("batch", "video_tokens") if per_token else ("batch",), high=1000),
+            T("encoder_hidden_states", "float32", ("batch", "text_length", "t5_width")),
+        ),
+        outputs=(T("noise_pred", "float32", _VIDEO_LATENT),),
+        wrap=_Transformer,
+        latent_divisor="latent_multiple",
+        quantization={"denoiser": True, "keep_scopes": ("patch_embedding", "condition_embedder", "proj_out"),
+                      "fp32_scopes": ("condition_embedder",), "fp32_inputs": ("timestep",)},
+        when=lambda src: expands_timesteps(src) == per_token,
+    )
+
+
+TRANSFORMER = _transformer(per_token=False)
 
 
 # Wan 2.2 A14B's low-noise transformer, which takes over below the boundary step: the same graph of its own weights
@@ -213,7 +236,7 @@ def _constants(src) -> dict[str, int]:
         **parts.t5_constants(src.config("text_encoder")),
         "latent_channels": vae["z_dim"],
         "in_channels": tr["in_channels"],
-        "vae_scale_factor": 2 ** len(vae["temperal_downsample"]),
+        "vae_scale_factor": spatial_scale(vae),
         "vae_temporal_scale": 2 ** sum(vae["temperal_downsample"]),
         "latent_multiple": patch_h,
         "inner_dim": inner_dim(tr),
@@ -236,6 +259,7 @@ def _runtime_constants(src) -> dict:
         "fps": src.entry.extra.get("fps", 16),  # the model card's export_to_video(..., fps=16)
         # Wan 2.2 A14B: transformer_2 below boundary_ratio x the training timesteps (model_index.json's)
         **({"boundary_ratio": src.model_index()["boundary_ratio"]} if src.has("transformer_2") else {}),
+        "expand_timesteps": expands_timesteps(src),
     }
 
 
@@ -265,7 +289,7 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
             "vae": lambda: AutoencoderKLWan(**configs["vae"]),
             "text_encoder": lambda: UMT5EncoderModel(umt5), **second,
         }, seed, streamed=dtype is not None)
-        flags = {"boundary_ratio": configs["boundary_ratio"]} if "boundary_ratio" in configs else {}
+        flags = {k: configs[k] for k in ("boundary_ratio", "expand_timesteps") if k in configs}
         save_pipeline("WanPipeline", modules, {"scheduler": UniPCMultistepScheduler(**configs["scheduler"]),
                                                "tokenizer": tokenizer, **flags}, out_dir, dtype, seed,
                       configs.get("weights_for"))
@@ -274,8 +298,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 FAMILY = Family(
     name="wan",
     pipeline_classes=("WanPipeline",),
-    submodules=(parts.masked_t5_encoder("text_encoder"), *transformer_specs(TRANSFORMER, HIDDEN), TRANSFORMER_2,
-                *VAE_CHUNKS),
+    submodules=(parts.masked_t5_encoder("text_encoder"), *transformer_specs(TRANSFORMER, HIDDEN),
+                *transformer_specs(_transformer(per_token=True), HIDDEN), TRANSFORMER_2, *VAE_CHUNKS),
     constants=_constants,
     runtime_constants=_runtime_constants,
     derived_dims={**parts.VAE_DIMS, "video_tokens": _video_tokens},

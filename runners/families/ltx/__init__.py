@@ -13,18 +13,14 @@ Not ported: `guidance_rescale` (0, the default, only), `prompt_embeds`, LTX-Vide
 (refused at export)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from runners.conditioning.images import to_model_input
 from runners.guidance import ClassifierFree
 from runners.options import IMAGE_TASKS, Option, options
 from runners.text_to_image import TEXT, Defaults, _is_int, given_or_drawn
-from runners.text_to_video import NUM_VIDEOS, TextToVideo, frames_option, video_request_options
-
-FRAME_MASK = "frame_mask"  # a condition the runner reads, not a graph input: 1 on the tokens kept as given
-
+from runners.text_to_video import (FRAME_MASK, NUM_VIDEOS, FirstFrame, TextToVideo, first_frame_mask, frames_option,
+                                   token_timesteps, video_request_options)
 
 def pack(latents: np.ndarray) -> np.ndarray:
     """(N, C, F, h, w) -> the transformer's tokens (N, F * h * w, C): patches of one latent pixel, frame-major."""
@@ -43,18 +39,6 @@ def video_coords(frames: int, h: int, w: int, frame_rate: float, spatial: int, t
     f, y, x = np.meshgrid(*(np.arange(n, dtype=np.float32) for n in (frames, h, w)), indexing="ij")
     scale = np.float32(temporal / frame_rate)
     return np.stack([f * scale, y * np.float32(spatial), x * np.float32(spatial)]).reshape(3, -1)
-
-
-class FirstFrame(NamedTuple):
-    """Image to video's hook in the loop (the interface of runners/conditioning/inpainting.py): the first latent
-    frame, the image's, is put back after every step (diffusers steps the later frames only)."""
-    first: np.ndarray  # (N, C, 1, h, w)
-
-    def inputs(self, x: np.ndarray) -> np.ndarray:
-        return x
-
-    def blend(self, latents: np.ndarray, schedule, i: int) -> np.ndarray:
-        return np.concatenate([self.first, latents[:, :, 1:]], axis=2)
 
 
 class LTXPipeline(TextToVideo):
@@ -124,9 +108,7 @@ class LTXPipeline(TextToVideo):
             video_coords(*shape[2:], frame_rate, scale, temporal), (rows, 3, int(np.prod(shape[2:])))).copy()
         hook = None
         if first is not None:
-            mask = np.zeros(shape[2:], dtype=np.float32)
-            mask[0] = 1
-            conditions[FRAME_MASK] = np.broadcast_to(mask.reshape(1, -1), (rows, mask.size)).copy()
+            conditions[FRAME_MASK] = first_frame_mask(rows, shape[2], shape[3] * shape[4])
             hook = FirstFrame(first)
         schedule = self._schedule(steps, shape)
         with self._timed("denoise"):
@@ -142,10 +124,7 @@ class LTXPipeline(TextToVideo):
         """One transformer call on 5-D latents: packed in, a timestep per token (0 on the first frame's for image to
         video), the prediction unpacked."""
         n, _, f, h, w = x.shape
-        feeds = {k: v for k, v in conditions.items() if k != FRAME_MASK}
-        timestep = np.full((n, f * h * w), t, dtype=np.float32)
-        if FRAME_MASK in conditions:  # diffusers: t * (1 - conditioning_mask)
-            timestep = timestep * (np.float32(1) - conditions[FRAME_MASK])
+        feeds, timestep = token_timesteps(t, n, f * h * w, conditions)
         out = self.run(engine or "transformer", release=release, hidden_states=pack(x), timestep=timestep, **feeds,
                        **extra)
         if "noise_pred" in out:

@@ -6,6 +6,10 @@ classifier-free guidance above 1 (the negative prompt "" by default); UniPC on f
 scheduler); and the causal VAE decoded one latent frame at a time, its feature cache carried between the chunk
 graphs (export/families/wan.py), so the decoder's memory does not grow with the clip.
 
+Wan 2.2 TI2V-5B (model_index.json's `expand_timesteps`): 48 latent channels at 16 x 16 pixels, a timestep per token;
+image to video (`image=`, WanImageToVideoPipeline's) keeps the image's latent (the VAE's posterior mean) as the first
+latent frame, at timestep 0.
+
 Outputs as diffusers' `.frames`: "np" (N, F, H, W, 3) floats in [0, 1] (the default), "pil" a list of frame lists,
 "latent" the latents; runners/video.py writes an mp4 or a folder of PNGs."""
 from __future__ import annotations
@@ -17,12 +21,14 @@ import re
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
-from runners.families.wan import lora_keys
+from runners.conditioning.images import to_model_input
+from runners.families.wan import latent_rgb, lora_keys
 from runners.guidance import ClassifierFree
 from runners.options import Option, options
 from runners.prompts import encode_prompts
 from runners.text_to_image import TEXT, Defaults, Handover, _is_int, given_or_drawn
-from runners.text_to_video import NUM_VIDEOS, TextToVideo, frames_option, video_request_options
+from runners.text_to_video import (FRAME_MASK, NUM_VIDEOS, FirstFrame, TextToVideo, first_frame_mask, frames_option,
+                                   token_timesteps, video_request_options)
 
 log = logging.getLogger("runners")
 
@@ -43,28 +49,30 @@ class WanPipeline(TextToVideo):
     # WanPipeline runs the prompt's and the negative prompt's predictions as two calls ("cond", "uncond")
     guidance = ClassifierFree(contexts="uncond,cond")
     defaults = {TEXT: Defaults(50, 5.0)}
-    # ComfyUI's latent_rgb_factors and bias for Wan 2.1's latents (runners/preview.py: the middle latent frame)
-    latent_rgb = ([[-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
-                   [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
-                   [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975], [-0.0412, 0.0267, -0.1364],
-                   [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
-                   [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
-                   [0.1984, 0.0913, 0.1861]], [-0.1835, -0.0868, -0.3360])
     options = options(
         video_request_options("480 x 832"), guidance.options,
         (frames_option(81), NUM_VIDEOS,
+         Option("image", "image", "Wan 2.2 TI2V: image to video, the first frame", group="image"),
          Option("max_sequence_length", "int", "UMT5 tokens of a prompt (WanPipeline's 512)", default=512,
                 within=lambda v: v >= 1, allowed="an integer >= 1"),
          Option("guidance_scale_2", "float", "Wan 2.2 A14B: the guidance scale of the low-noise transformer, below "
                 "the boundary step (default: guidance_scale)", allowed="a finite number")))
 
-    def generate(self, prompt, negative_prompt=None, height=None, width=None, num_frames=None,
+    @property
+    def latent_rgb(self) -> tuple:
+        return latent_rgb.BY_CHANNELS[self.manifest["constants"]["latent_channels"]]
+
+    def generate(self, prompt, negative_prompt=None, image=None, height=None, width=None, num_frames=None,
                  num_inference_steps=None, guidance_scale=None, num_videos_per_prompt=1, seed=None, latents=None,
                  output_type="np", max_sequence_length=512, guidance_scale_2=None):
         """Generate videos (call the pipeline: `pipe(prompt, ...)`). `latents` as WanPipeline takes them:
-        (N, 16, (num_frames - 1) / 4 + 1, height / 8, width / 8). On a Wan 2.2 A14B artifact, `transformer_2` runs
-        the steps below its boundary, with `guidance_scale_2`."""
+        (N, C, (num_frames - 1) / 4 + 1, height / s, width / s) (Wan 2.1: C 16, s 8; Wan 2.2 TI2V-5B: 48, 16). On a
+        Wan 2.2 A14B artifact, `transformer_2` runs the steps below its boundary, with `guidance_scale_2`. With
+        `image` (Wan 2.2 TI2V-5B), the video starts from it."""
         c = self.constants
+        if image is not None and not c.get("expand_timesteps"):
+            raise ValueError("image to video is Wan 2.2 TI2V-5B's (a timestep per token); this artifact is text to "
+                             "video only: leave image out")
         handover = self._handover(guidance_scale, guidance_scale_2)
         prompts, steps, guidance_scale, num_frames = self._video_request(prompt, num_inference_steps, guidance_scale,
                                                                          output_type, num_frames)
@@ -84,8 +92,16 @@ class WanPipeline(TextToVideo):
         latents = given_or_drawn("latents", latents, shape, np.random.default_rng(seed))
         schedule = self.scheduler.start(steps)
         latents = latents * np.float32(schedule.init_noise_sigma)
+        hook = None
+        if image is not None:
+            with self._timed("vae_encode"):
+                first = self._image_latent(image, len(prompts), num_videos_per_prompt, height, width)
+            latents = np.concatenate([first, latents[:, :, 1:]], axis=2)
+            conditions[FRAME_MASK] = first_frame_mask(n_videos * (2 if cfg else 1), shape[2],
+                                                      self.hidden_tokens(1, *shape[3:], conditions))
+            hook = FirstFrame(first)
         with self._timed("denoise"):
-            latents = self._denoise(latents, schedule, guidance_scale, conditions, handover=handover)
+            latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting=hook, handover=handover)
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
@@ -107,6 +123,28 @@ class WanPipeline(TextToVideo):
         first = self.defaults[TEXT].guidance_scale if guidance_scale is None else guidance_scale
         return Handover(ratio * self.manifest["constants"]["num_train_timesteps"], "transformer_2",
                         first if guidance_scale_2 is None else guidance_scale_2)
+
+    def _image_latent(self, image, n_prompts: int, per_prompt: int, height: int, width: int) -> np.ndarray:
+        """The first latent frame (N, C, 1, h, w) of one image, or one per prompt: the VAE's posterior mean of the
+        image as a one-frame clip (WanImageToVideoPipeline's "argmax"), normalised, repeated for the videos."""
+        pixels = to_model_input(image, height, width, multiple=self.constants["vae_scale_factor"])
+        if len(pixels) not in (1, n_prompts):
+            raise ValueError(f"{len(pixels)} images for {n_prompts} prompts: give one, or one per prompt")
+        latent = self.encode_video(pixels[:, :, None])[0]
+        return np.repeat(np.broadcast_to(latent, (n_prompts, *latent.shape[1:])), per_prompt, axis=0)
+
+    def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
+        """Wan 2.2 TI2V-5B's transformer takes a timestep per token (0 on an image's first frame)."""
+        if not self.constants.get("expand_timesteps"):
+            return super()._predict(x, t, conditions, release, engine, **extra)
+        feeds, timestep = token_timesteps(t, len(x), self.hidden_tokens(*x.shape[2:], conditions), conditions)
+        return self.run(engine or "transformer", release=release, hidden_states=x, timestep=timestep, **feeds,
+                        **extra)
+
+    def calibration_options(self, image, index: int) -> dict:
+        """Wan 2.2 TI2V-5B: every other calibration clip starts from the calibration image."""
+        image_to_video = self.constants.get("expand_timesteps") and index % 2
+        return {**super().calibration_options(image, index), **({"image": image} if image_to_video else {})}
 
     def calibration_encode(self, output: np.ndarray) -> None:
         self.encode_video(np.ascontiguousarray(output.transpose(0, 4, 1, 2, 3)) * 2 - 1)
