@@ -531,6 +531,22 @@ WAN_BENCH = {
 }
 # Wan 2.2 A14B's layout: a second (low-noise) transformer below the boundary (its model_index.json's 0.875)
 WAN22_A14B_TINY = {**WAN_TINY, "transformer_2": WAN_TINY["transformer"], "boundary_ratio": 0.875}
+# Wan 2.1 I2V's layout (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers): the transformer reads the image's mask (4) and
+# latents (16) as more input channels, and CLIP ViT-H/14's penultimate states (image_dim 1280) through keys and values
+# of their own in each cross-attention (added_kv_proj_dim: the inner width); CLIPImageProcessor at 224 with CLIP's
+# mean and std. The image encoder at tiny widths keeps ViT-H/14's patches (257 tokens).
+_CLIP_IMAGE_PROCESSOR = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224},
+                         "do_resize": True, "do_center_crop": True, "do_rescale": True, "do_normalize": True,
+                         "do_convert_rgb": True, "resample": 3, "rescale_factor": 1 / 255,
+                         "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                         "image_std": [0.26862954, 0.26130258, 0.27577711]}
+WAN21_I2V_TINY = {
+    **WAN_TINY,
+    "transformer": {**WAN_TINY["transformer"], "in_channels": 36, "image_dim": 32, "added_kv_proj_dim": 48},
+    "image_encoder": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                      "image_size": 224, "patch_size": 14, "hidden_act": "gelu", "projection_dim": 32},
+    "image_processor": _CLIP_IMAGE_PROCESSOR,
+}
 # Wan 2.2's VAE statistics (its config's latents_mean and latents_std, 48 channels)
 _WAN22_LATENTS_MEAN = [
     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.157,
@@ -789,6 +805,13 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("wan22-tiny", "wan", random_configs=WAN22_A14B_TINY, image_size=(64, 64, 256), frames=(1, 9, 17),
                    text_length=(1, 64, 512),
                    description="Wan 2.2 A14B architecture (two transformers handing over at the boundary) at tiny "
+                               "widths, built offline"),
+        ModelEntry("wan2.1-i2v-14b-480p", "wan", hub_id="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                   image_size=(256, 480, 832), frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
+                   description="Wan 2.1 image to video, 14B at 480p (UMT5-XXL and CLIP ViT-H/14 encoders)"),
+        ModelEntry("wan21-i2v-tiny", "wan", random_configs=WAN21_I2V_TINY, image_size=(64, 64, 256),
+                   frames=(1, 9, 17), text_length=(1, 64, 512),
+                   description="Wan 2.1 I2V architecture (the image as channels, a CLIP vision encoder) at tiny "
                                "widths, built offline"),
         ModelEntry("wan2.2-ti2v-5b", "wan", hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers", image_size=(256, 704, 1280),
                    frames=(5, 121, 121), text_length=(1, 128, 512), batch=(1, 2, 4), extra={"fps": 24},

@@ -44,8 +44,31 @@ class _Transformer(torch.nn.Module):
             setattr(transformer.rope, name, getattr(transformer.rope, name).float())
         self.transformer = transformer
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states):
-        return self.transformer(hidden_states, timestep, encoder_hidden_states, return_dict=False)
+    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
+        return self.transformer(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
+                                return_dict=False)
+
+
+class _ImageEncoder(torch.nn.Module):
+    """CLIPVisionModel as WanImageToVideoPipeline reads it: the penultimate layer's hidden states. Its last layer,
+    whose output the pipeline throws away, is left out."""
+
+    def __init__(self, clip):
+        super().__init__()
+        clip.encoder.layers = clip.encoder.layers[:-1]
+        self.clip = clip
+
+    def forward(self, pixel_values):
+        return (self.clip(pixel_values).last_hidden_state,)
+
+
+IMAGE_ENCODER = SubmoduleSpec(
+    name="image_encoder",
+    component="image_encoder",
+    inputs=(T("pixel_values", "float32", ("batch", 3, "clip_image_size", "clip_image_size")),),
+    outputs=(T("image_embeds", "float32", ("batch", "clip_image_tokens", "clip_image_width")),),
+    wrap=_ImageEncoder,
+)
 
 
 @functools.lru_cache(maxsize=16)
@@ -190,6 +213,8 @@ VAE_CHUNKS = (
     _chunk("vae_encoder", _EncoderChunk, False, (T("frames", "float32", _video("vae_temporal_scale")),), _POSTERIOR),
 )
 _VIDEO_LATENT = ("batch", "latent_channels", "latent_frames", "latent_height", "latent_width")
+# the transformer's input: the latents, and Wan 2.1 I2V's (and Wan 2.2 I2V's) image mask and latents as channels
+_TRANSFORMER_INPUT = ("batch", "in_channels", "latent_frames", "latent_height", "latent_width")
 HIDDEN = ("batch", "video_tokens", "inner_dim")  # the blocks' stream: a token per 1 x 2 x 2 patch of the latents
 
 
@@ -198,21 +223,30 @@ def expands_timesteps(src) -> bool:
     return bool(src.model_index().get("expand_timesteps"))
 
 
-def _transformer(per_token: bool) -> SubmoduleSpec:
+def takes_image_embeds(src) -> bool:
+    """Wan 2.1 I2V's transformer: it reads the CLIP image encoder's states beside the prompt's."""
+    return src.config("transformer").get("image_dim") is not None
+
+
+def _transformer(per_token: bool, image: bool = False) -> SubmoduleSpec:
     return SubmoduleSpec(
         name="transformer",
         component="transformer",
         inputs=(
-            T("hidden_states", "float32", _VIDEO_LATENT),
+            T("hidden_states", "float32", _TRANSFORMER_INPUT),
             T("timestep", "float32", ("batch", "video_tokens") if per_token else ("batch",), high=1000),
-            T("encoder_hidden_states", "float32", ("batch", "text_length", "t5_width")),
+            # Wan 2.1 I2V's attention splits the image's states from the prompt's at 512 from the end: its prompt
+            # states are always max_text (512) long
+            T("encoder_hidden_states", "float32", ("batch", "max_text" if image else "text_length", "t5_width")),
+            *((T("encoder_hidden_states_image", "float32", ("batch", "clip_image_tokens", "clip_image_width")),)
+              if image else ()),
         ),
         outputs=(T("noise_pred", "float32", _VIDEO_LATENT),),
         wrap=_Transformer,
         latent_divisor="latent_multiple",
         quantization={"denoiser": True, "keep_scopes": ("patch_embedding", "condition_embedder", "proj_out"),
                       "fp32_scopes": ("condition_embedder",), "fp32_inputs": ("timestep",)},
-        when=lambda src: expands_timesteps(src) == per_token,
+        when=lambda src: expands_timesteps(src) == per_token and takes_image_embeds(src) == image,
     )
 
 
@@ -242,7 +276,22 @@ def _constants(src) -> dict[str, int]:
         "inner_dim": inner_dim(tr),
         **{f"{part}_cache_channels": cache_channels(vae, part) for part in ("decoder", "encoder")},
         "num_train_timesteps": src.config("scheduler")["num_train_timesteps"],
+        **(_clip_constants(src.config("image_encoder")) if src.has("image_encoder") else {}),
+        "max_text": MAX_TEXT,
     }
+
+
+def _clip_constants(config: dict) -> dict[str, int]:
+    """CLIP's vision tower: its image side, its tokens (a patch each, and the class token) and its width."""
+    return {"clip_image_size": config["image_size"], "clip_image_width": config["hidden_size"],
+            "clip_image_tokens": (config["image_size"] // config["patch_size"]) ** 2 + 1}
+
+
+def _image_processor(src) -> dict:
+    """WanImageToVideoPipeline's CLIPImageProcessor settings (its preprocessor_config.json), which the runner
+    applies without transformers (runners/conditioning/clip_images.py)."""
+    config = json.loads((src.folder / "image_processor" / "preprocessor_config.json").read_text())
+    return {k: config[k] for k in ("size", "crop_size", "image_mean", "image_std", "resample", "rescale_factor")}
 
 
 def _runtime_constants(src) -> dict:
@@ -260,6 +309,9 @@ def _runtime_constants(src) -> dict:
         # Wan 2.2 A14B: transformer_2 below boundary_ratio x the training timesteps (model_index.json's)
         **({"boundary_ratio": src.model_index()["boundary_ratio"]} if src.has("transformer_2") else {}),
         "expand_timesteps": expands_timesteps(src),
+        # image to video with the image as channels (WanImageToVideoPipeline, not TI2V): the mask's 4 and the latents
+        "condition_channels": constants["in_channels"] - constants["latent_channels"],
+        **({"image_processor": _image_processor(src)} if src.has("image_encoder") else {}),
     }
 
 
@@ -271,7 +323,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
     from pathlib import Path
 
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
+                              UMT5EncoderModel)
 
     from export.offline_tokenizers import write_t5_tokenizer
     from export.random_weights import build_modules, save_pipeline
@@ -282,24 +335,31 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
         umt5 = UMT5Config(vocab_size=configs.get("t5_vocab_size", vocab), **configs["text_encoder"])
         dtype = configs.get("weights_dtype")
         # Wan 2.2 A14B's second transformer seeded last: the other components are Wan 2.1's of the same configs
+        # (Wan 2.1 I2V's image encoder likewise)
         second = {"transformer_2": lambda: WanTransformer3DModel(**configs["transformer_2"])} \
             if "transformer_2" in configs else {}
+        if "image_encoder" in configs:
+            second["image_encoder"] = lambda: CLIPVisionModel(CLIPVisionConfig(**configs["image_encoder"]))
         modules = build_modules({
             "transformer": lambda: WanTransformer3DModel(**configs["transformer"]),
             "vae": lambda: AutoencoderKLWan(**configs["vae"]),
             "text_encoder": lambda: UMT5EncoderModel(umt5), **second,
         }, seed, streamed=dtype is not None)
         flags = {k: configs[k] for k in ("boundary_ratio", "expand_timesteps") if k in configs}
-        save_pipeline("WanPipeline", modules, {"scheduler": UniPCMultistepScheduler(**configs["scheduler"]),
-                                               "tokenizer": tokenizer, **flags}, out_dir, dtype, seed,
-                      configs.get("weights_for"))
+        if "image_processor" in configs:
+            flags["image_processor"] = CLIPImageProcessor(**configs["image_processor"])
+        save_pipeline("WanImageToVideoPipeline" if "image_encoder" in configs else "WanPipeline", modules,
+                      {"scheduler": UniPCMultistepScheduler(**configs["scheduler"]), "tokenizer": tokenizer, **flags},
+                      out_dir, dtype, seed, configs.get("weights_for"))
 
 
 FAMILY = Family(
     name="wan",
-    pipeline_classes=("WanPipeline",),
+    pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
     submodules=(parts.masked_t5_encoder("text_encoder"), *transformer_specs(TRANSFORMER, HIDDEN),
-                *transformer_specs(_transformer(per_token=True), HIDDEN), TRANSFORMER_2, *VAE_CHUNKS),
+                *transformer_specs(_transformer(per_token=True), HIDDEN),
+                *transformer_specs(_transformer(per_token=False, image=True), HIDDEN), TRANSFORMER_2, IMAGE_ENCODER,
+                *VAE_CHUNKS),
     constants=_constants,
     runtime_constants=_runtime_constants,
     derived_dims={**parts.VAE_DIMS, "video_tokens": _video_tokens},

@@ -6,9 +6,10 @@ classifier-free guidance above 1 (the negative prompt "" by default); UniPC on f
 scheduler); and the causal VAE decoded one latent frame at a time, its feature cache carried between the chunk
 graphs (export/families/wan.py), so the decoder's memory does not grow with the clip.
 
-Wan 2.2 TI2V-5B (model_index.json's `expand_timesteps`): 48 latent channels at 16 x 16 pixels, a timestep per token;
-image to video (`image=`, WanImageToVideoPipeline's) keeps the image's latent (the VAE's posterior mean) as the first
-latent frame, at timestep 0.
+Image to video (`image=`), as WanImageToVideoPipeline: Wan 2.2 TI2V-5B (model_index.json's `expand_timesteps`; 48
+latent channels at 16 x 16 pixels, a timestep per token) keeps the image's latent (the VAE's posterior mean) as the
+first latent frame, at timestep 0; Wan 2.1 I2V gives its transformer, at every step, a mask of the first frame and the
+latents of a clip of the image followed by grey frames as 20 more channels, and the image's CLIP states.
 
 Outputs as diffusers' `.frames`: "np" (N, F, H, W, 3) floats in [0, 1] (the default), "pil" a list of frame lists,
 "latent" the latents; runners/video.py writes an mp4 or a folder of PNGs."""
@@ -17,10 +18,12 @@ from __future__ import annotations
 import html
 import logging
 import re
+from typing import NamedTuple
 
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
+from runners.conditioning.clip_images import clip_pixel_values
 from runners.conditioning.images import to_model_input
 from runners.families.wan import latent_rgb, lora_keys
 from runners.guidance import ClassifierFree
@@ -29,6 +32,8 @@ from runners.prompts import encode_prompts
 from runners.text_to_image import TEXT, Defaults, Handover, _is_int, given_or_drawn
 from runners.text_to_video import (FRAME_MASK, NUM_VIDEOS, FirstFrame, TextToVideo, first_frame_mask, frames_option,
                                    token_timesteps, video_request_options)
+
+IMAGE_STATES = "encoder_hidden_states_image"  # Wan 2.1 I2V's transformer input: the image's CLIP states
 
 log = logging.getLogger("runners")
 
@@ -44,6 +49,18 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
 
 
+class ConditionChannels(NamedTuple):
+    """Wan 2.1 I2V's hook in the loop (the interface of runners/conditioning/inpainting.py): the image's mask and
+    latents as more input channels of the transformer at every step, the same for both halves of a guided batch."""
+    channels: np.ndarray  # (N, C, f, h, w)
+
+    def inputs(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, np.concatenate([self.channels] * (len(x) // len(self.channels)))], axis=1)
+
+    def blend(self, latents: np.ndarray, schedule, i: int) -> np.ndarray:
+        return latents
+
+
 class WanPipeline(TextToVideo):
     family = "wan"
     # WanPipeline runs the prompt's and the negative prompt's predictions as two calls ("cond", "uncond")
@@ -52,7 +69,7 @@ class WanPipeline(TextToVideo):
     options = options(
         video_request_options("480 x 832"), guidance.options,
         (frames_option(81), NUM_VIDEOS,
-         Option("image", "image", "Wan 2.2 TI2V: image to video, the first frame", group="image"),
+         Option("image", "image", "image to video (Wan 2.1 I2V, Wan 2.2 TI2V): the first frame", group="image"),
          Option("max_sequence_length", "int", "UMT5 tokens of a prompt (WanPipeline's 512)", default=512,
                 within=lambda v: v >= 1, allowed="an integer >= 1"),
          Option("guidance_scale_2", "float", "Wan 2.2 A14B: the guidance scale of the low-noise transformer, below "
@@ -68,11 +85,9 @@ class WanPipeline(TextToVideo):
         """Generate videos (call the pipeline: `pipe(prompt, ...)`). `latents` as WanPipeline takes them:
         (N, C, (num_frames - 1) / 4 + 1, height / s, width / s) (Wan 2.1: C 16, s 8; Wan 2.2 TI2V-5B: 48, 16). On a
         Wan 2.2 A14B artifact, `transformer_2` runs the steps below its boundary, with `guidance_scale_2`. With
-        `image` (Wan 2.2 TI2V-5B), the video starts from it."""
+        `image` (Wan 2.2 TI2V-5B, Wan 2.1 I2V), the video starts from it."""
         c = self.constants
-        if image is not None and not c.get("expand_timesteps"):
-            raise ValueError("image to video is Wan 2.2 TI2V-5B's (a timestep per token); this artifact is text to "
-                             "video only: leave image out")
+        self._check_image_to_video(image, max_sequence_length)
         handover = self._handover(guidance_scale, guidance_scale_2)
         prompts, steps, guidance_scale, num_frames = self._video_request(prompt, num_inference_steps, guidance_scale,
                                                                          output_type, num_frames)
@@ -95,11 +110,8 @@ class WanPipeline(TextToVideo):
         hook = None
         if image is not None:
             with self._timed("vae_encode"):
-                first = self._image_latent(image, len(prompts), num_videos_per_prompt, height, width)
-            latents = np.concatenate([first, latents[:, :, 1:]], axis=2)
-            conditions[FRAME_MASK] = first_frame_mask(n_videos * (2 if cfg else 1), shape[2],
-                                                      self.hidden_tokens(1, *shape[3:], conditions))
-            hook = FirstFrame(first)
+                latents, hook = self._image_condition(image, latents, conditions, len(prompts), num_videos_per_prompt,
+                                                      (height, width, num_frames), cfg)
         with self._timed("denoise"):
             latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting=hook, handover=handover)
         if output_type == "latent":
@@ -124,14 +136,60 @@ class WanPipeline(TextToVideo):
         return Handover(ratio * self.manifest["constants"]["num_train_timesteps"], "transformer_2",
                         first if guidance_scale_2 is None else guidance_scale_2)
 
-    def _image_latent(self, image, n_prompts: int, per_prompt: int, height: int, width: int) -> np.ndarray:
-        """The first latent frame (N, C, 1, h, w) of one image, or one per prompt: the VAE's posterior mean of the
-        image as a one-frame clip (WanImageToVideoPipeline's "argmax"), normalised, repeated for the videos."""
+    def inpainting_denoiser(self) -> bool:
+        """Wan 2.1 I2V's transformer reads more channels than the latents have, but an image's, not a mask's."""
+        return False
+
+    def _check_image_to_video(self, image, max_sequence_length) -> None:
+        c = self.constants
+        if image is None and c.get("condition_channels"):
+            raise ValueError("this artifact is image to video (WanImageToVideoPipeline: its transformer reads the "
+                             "image as channels): give image=")
+        if image is not None and not (c.get("expand_timesteps") or c.get("condition_channels")):
+            raise ValueError("image to video is Wan 2.2 TI2V-5B's and Wan 2.1 I2V's; this artifact is text to video "
+                             "only: leave image out")
+        if "image_encoder" in self.manifest["submodules"] and max_sequence_length != c["max_text"]:
+            raise ValueError(f"max_sequence_length={max_sequence_length}: Wan 2.1 I2V's attention takes the image's "
+                             f"states as all but the last {c['max_text']} (WanImageToVideoPipeline's split): leave it "
+                             f"at {c['max_text']}")
+
+    def _image_condition(self, image, latents, conditions: dict, n_prompts: int, per_prompt: int, size: tuple,
+                         cfg: bool) -> tuple:
+        """(latents, the loop's hook) of image to video, the conditions completed. Wan 2.2 TI2V-5B: the image's
+        latent is the first latent frame, its tokens at timestep 0. Wan 2.1 I2V: a mask of the first frame and the
+        latents of the image followed by grey frames (zeros) as channels, and the image's CLIP states."""
+        height, width, frames = size
+        rows = len(latents) * (2 if cfg else 1)
+        if self.constants.get("expand_timesteps"):
+            first = self._condition_latents(image, n_prompts, per_prompt, height, width, 1)
+            conditions[FRAME_MASK] = first_frame_mask(rows, latents.shape[2],
+                                                      self.hidden_tokens(1, *latents.shape[3:], conditions))
+            return np.concatenate([first, latents[:, :, 1:]], axis=2), FirstFrame(first)
+        condition = self._condition_latents(image, n_prompts, per_prompt, height, width, frames)
+        mask = np.zeros((len(condition), self.constants["vae_temporal_scale"], *condition.shape[2:]), np.float32)
+        mask[:, :, 0] = 1
+        if "image_encoder" in self.manifest["submodules"]:
+            pixels = clip_pixel_values(image, self.constants["image_processor"])
+            states = self._per_video(self.run("image_encoder", pixel_values=pixels)["image_embeds"], n_prompts,
+                                     per_prompt)
+            conditions[IMAGE_STATES] = self.guidance.batch(states, states) if cfg else states
+        return latents, ConditionChannels(np.concatenate([mask, condition], axis=1))
+
+    def _condition_latents(self, image, n_prompts: int, per_prompt: int, height: int, width: int,
+                           frames: int) -> np.ndarray:
+        """The VAE's posterior mean (N, C, f, h, w), normalised, of a clip of `frames` frames: the image (one, or one
+        per prompt) first, zeros (grey) after; WanImageToVideoPipeline's "argmax" of its video condition."""
         pixels = to_model_input(image, height, width, multiple=self.constants["vae_scale_factor"])
-        if len(pixels) not in (1, n_prompts):
-            raise ValueError(f"{len(pixels)} images for {n_prompts} prompts: give one, or one per prompt")
-        latent = self.encode_video(pixels[:, :, None])[0]
-        return np.repeat(np.broadcast_to(latent, (n_prompts, *latent.shape[1:])), per_prompt, axis=0)
+        clip = np.zeros((len(pixels), 3, frames, height, width), np.float32)
+        clip[:, :, 0] = pixels
+        return self._per_video(self.encode_video(clip)[0], n_prompts, per_prompt)
+
+    @staticmethod
+    def _per_video(per_image: np.ndarray, n_prompts: int, per_prompt: int) -> np.ndarray:
+        """Rows of one image, or one per prompt, repeated for each prompt's videos."""
+        if len(per_image) not in (1, n_prompts):
+            raise ValueError(f"{len(per_image)} images for {n_prompts} prompts: give one, or one per prompt")
+        return np.repeat(np.broadcast_to(per_image, (n_prompts, *per_image.shape[1:])), per_prompt, axis=0)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """Wan 2.2 TI2V-5B's transformer takes a timestep per token (0 on an image's first frame)."""
@@ -142,8 +200,9 @@ class WanPipeline(TextToVideo):
                         **extra)
 
     def calibration_options(self, image, index: int) -> dict:
-        """Wan 2.2 TI2V-5B: every other calibration clip starts from the calibration image."""
-        image_to_video = self.constants.get("expand_timesteps") and index % 2
+        """Wan 2.2 TI2V-5B: every other calibration clip starts from the calibration image; Wan 2.1 I2V: each."""
+        c = self.constants
+        image_to_video = c.get("condition_channels") or c.get("expand_timesteps") and index % 2
         return {**super().calibration_options(image, index), **({"image": image} if image_to_video else {})}
 
     def calibration_encode(self, output: np.ndarray) -> None:
