@@ -33,6 +33,18 @@ from runners.pipeline import VAE_ENGINES, Pipeline
 # recorded beside every denoiser call, so that a calibrated build calibrates them too.
 COMPANIONS = {c.graph: c.output for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)}
 
+
+def _companions(pipe) -> list[tuple[str, str]]:
+    """(graph, the denoiser graph it goes beside) of each step cache's graph the pipeline opened: the denoiser's
+    (transformer_first_block beside transformer), and a handover's second's (transformer_2_first_block)."""
+    denoiser = pipe.constants["denoiser"]
+    found = []
+    for graph in COMPANIONS:
+        suffix = graph.removeprefix(denoiser)
+        found += [(name, name.removesuffix(suffix)) for name in pipe.sessions
+                  if name.endswith(suffix) and name.removesuffix(suffix) in pipe.sessions]
+    return found
+
 # What a recording holds, in its key: older recordings, which lack the tiny autoencoder's calls, are made again.
 RECORDED = "engine calls, the tiny autoencoder's fed as the VAE's"
 
@@ -127,8 +139,8 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = _with_tiny_vae(pipe, store.record)
-        for graph in (g for g in COMPANIONS if g in pipe.sessions):
-            pipe.run = _CompanionRecorder(pipe, store, graph)
+        for graph, denoiser in _companions(pipe):
+            pipe.run = _CompanionRecorder(pipe, store, graph, denoiser)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
         started = time.monotonic()
@@ -194,19 +206,19 @@ def describe(folder: Path) -> dict:
 
 
 class _CompanionRecorder:
-    """A step cache's graph beside the denoiser (COMPANIONS) takes the denoiser's inputs (those it declares) and
-    one of the denoiser's outputs: every denoiser call is recorded for it too, with that output of the call's
-    first step (stored once per prompt). Replaces the pipeline's `run`."""
+    """A step cache's graph beside a denoiser graph (COMPANIONS) takes the denoiser's inputs (those it declares) and
+    one of the denoiser's outputs: every call of that denoiser is recorded for it too, with that output of the
+    call's first step (stored once per prompt). Replaces the pipeline's `run`."""
 
-    def __init__(self, pipe, store: "_FeedStore", graph: str):
-        self.pipe, self.run, self.store, self.graph = pipe, pipe.run, store, graph
-        self.output = COMPANIONS[graph]
+    def __init__(self, pipe, store: "_FeedStore", graph: str, denoiser: str):
+        self.pipe, self.run, self.store, self.graph, self.denoiser = pipe, pipe.run, store, graph, denoiser
+        self.output = COMPANIONS[graph.replace(denoiser, pipe.constants["denoiser"], 1)]
         self.accepted = {i["name"] for i in pipe.manifest["submodules"][graph]["inputs"]}
         self.call, self.value = None, None
 
     def __call__(self, submodule: str, release: bool = True, **feeds):
         out = self.run(submodule, release=release, **feeds)
-        if submodule == self.pipe.constants["denoiser"]:
+        if submodule == self.denoiser:
             call = self.pipe._calls.current
             if self.call is not call:  # a new pipeline call
                 self.call, self.value = call, np.array(out[self.output])

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 class Call:
     cache_config: object = None  # runners.caches.CacheConfig, or None: every evaluation in full
     previews: object = None  # runners.preview.Previews, or None
-    step_cache: object = None  # runners.caches.StepCache, started at the first evaluation
+    # runners.caches.StepCache per denoiser graph (None: the artifact's; a handover's second by its name), each
+    # started at its first evaluation
+    step_caches: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
 

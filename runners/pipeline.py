@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.caches import CacheConfig, StepCache, parse_cache
+from runners.caches import CacheConfig, StepCache, merged_stats, parse_cache
 from runners.call import Call, Calls
 from runners.backends import backend_of, get_backend, open_session, thread_backends
 from runners.adapters.lora import adapted_submodules, base_values, submodule_tables
@@ -210,7 +210,7 @@ class Pipeline:
                     return self.generate(*args, **kwargs)
             finally:
                 self.timings = call.timings
-                self.cache_stats = dict(call.step_cache.stats) if call.step_cache else {}
+                self.cache_stats = merged_stats(call.step_caches.values())
 
     def enable_cache(self, config) -> None:
         """Cache denoiser evaluations in every later call (diffusers' `enable_cache`): a config such as
@@ -237,16 +237,17 @@ class Pipeline:
         `_predict` in full, or the running call's cache's answer. Every denoising loop calls the
         denoiser through this (`context` as diffusers' cache_context: one name per stream of
         evaluations a step makes, "cond" and "uncond" when guidance runs them apart); `engine`: another denoiser
-        graph of the same inputs (a handover's: runners/text_to_image.py)."""
+        graph of the same inputs (a handover's: runners/text_to_image.py), with a cache of its own, as diffusers'
+        hooks on each transformer: `step` and `num_steps` count that denoiser's steps."""
         call = self._calls.current
-        if call.step_cache is None:
+        if engine not in call.step_caches:
             config = call.cache_config
-            call.step_cache = config.start(self, num_steps) if config else StepCache(self, num_steps)
+            call.step_caches[engine] = config.start(self, num_steps, engine) if config else StepCache(self, num_steps)
         last = step == num_steps - 1  # the engine's working memory is released after the last step (or
         # after the last that runs in full, when the cache knows it: `run_full(release=True)`)
-        return call.step_cache(step, context, (x, t, conditions),
-                                lambda release=last: self._predict(x, t, conditions, release=release,
-                                                                   engine=engine)["noise_pred"])
+        return call.step_caches[engine](step, context, (x, t, conditions),
+                                        lambda release=last: self._predict(x, t, conditions, release=release,
+                                                                           engine=engine)["noise_pred"])
 
     @contextmanager
     def _profiling(self, out_dir):

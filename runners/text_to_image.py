@@ -294,15 +294,18 @@ class TextToImage(Pipeline):
     def _denoise(self, latents, schedule, guidance_scale, conditions, inpainting: Inpainting | None = None,
                  guide: dict | None = None, handover: Handover | None = None):
         """The loop. `guide`: the guidance rule's per-step options (Z-Image's truncation and normalization);
-        `handover`: a second denoiser for the steps below its timestep. Guidance is on by the first scale for both,
+        `handover`: a second denoiser for the steps below its timestep, its steps counted from its first (a step
+        cache keeps a state per denoiser, as diffusers' hooks on each). Guidance is on by the first scale for both,
         as diffusers' WanPipeline decides it."""
         guidance, guide = self.guidance, guide or {}
         cfg, n = guidance.on(guidance_scale), len(schedule.timesteps)
         previews = self._calls.current.previews
         alone = None  # the prompt's half of the conditions, for the steps the rule runs without guidance
         first_scale = guidance_scale
+        # the steps of the first denoiser (the timesteps fall: a handover's second takes the rest)
+        firsts = n if handover is None else sum(1 for t in schedule.timesteps if t >= handover.timestep)
         for i, t in enumerate(schedule.timesteps):
-            second = handover is not None and t < handover.timestep
+            second = i >= firsts
             guidance_scale = handover.guidance_scale if second else first_scale
             t_norm = (np.float32(1000) - np.float32(t)) / np.float32(1000)
             both = cfg and guidance.active(guidance_scale, t_norm, **guide)
@@ -314,7 +317,8 @@ class TextToImage(Pipeline):
             x = schedule.scale_model_input(np.concatenate([latents, latents]) if both else latents, i)
             if inpainting is not None:
                 x = inpainting.inputs(x)
-            noise = self._evaluate(i, n, x, t, feeds, context=guidance.contexts if both else "batch",
+            step, steps = (i - firsts, n - firsts) if second else (i, firsts)
+            noise = self._evaluate(step, steps, x, t, feeds, context=guidance.contexts if both else "batch",
                                    engine=handover.engine if second else None)
             if both:
                 noise = guidance.combine(noise, guidance_scale, **guide)

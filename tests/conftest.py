@@ -708,14 +708,26 @@ def diffusers_fbc_decisions():
         hook._should_compute_remaining_blocks = decide
 
 
+@contextmanager
+def diffusers_cache_hooks_on_each(pipeline, apply, hooks: tuple[str, ...]):
+    """`diffusers_cache_hooks` on each transformer of `pipeline` (Wan 2.2 A14B's `transformer_2` too: a state of
+    its own), yielding the list of their calls."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        calls = [stack.enter_context(diffusers_cache_hooks(t, apply, hooks))
+                 for t in (pipeline.transformer, getattr(pipeline, "transformer_2", None)) if t is not None]
+        yield calls
+
+
 def with_diffusers_first_block_cache(reference_pipeline, threshold: float, **call):
     """(images, decisions) of diffusers' `reference_pipeline` called with `call` under `apply_first_block_cache`
-    on its transformer (one context per call)."""
+    on each transformer (one context per call)."""
     import torch
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
     apply = lambda transformer: apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))  # noqa: E731
-    with diffusers_cache_hooks(reference_pipeline.transformer, apply, ("fbc_leader_block_hook", "fbc_block_hook")), \
+    with diffusers_cache_hooks_on_each(reference_pipeline, apply, ("fbc_leader_block_hook", "fbc_block_hook")), \
             diffusers_fbc_decisions() as seen, torch.no_grad():
         return reference_pipeline(**call)[0], seen
 
@@ -746,7 +758,7 @@ def first_block_cache_against_diffusers(pair, threshold: float, latents, name: s
 
 def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
     """(images, transformer calls) of diffusers' `reference_pipeline` called with `call` under its TaylorSeer hook
-    on the transformer's output layer `module` (lite mode's cached module; the blocks still run and their work
+    on each transformer's output layer `module` (lite mode's cached module; the blocks still run and their work
     is thrown away: the image is lite mode's)."""
     import torch
     from diffusers.hooks import TaylorSeerCacheConfig as Reference, apply_taylorseer_cache
@@ -755,9 +767,9 @@ def with_diffusers_taylorseer(reference_pipeline, config, module: str, **call):
         cache_interval=config.cache_interval, disable_cache_before_step=config.disable_cache_before_step,
         disable_cache_after_step=config.disable_cache_after_step, max_order=config.max_order,
         taylor_factors_dtype=torch.float32, cache_identifiers=[f"^{re.escape(module)}$"])
-    with diffusers_cache_hooks(reference_pipeline.transformer, lambda t: apply_taylorseer_cache(t, reference),
-                               ("taylorseer_cache",)) as calls, torch.no_grad():
-        return reference_pipeline(**call)[0], len(calls)
+    with diffusers_cache_hooks_on_each(reference_pipeline, lambda t: apply_taylorseer_cache(t, reference),
+                                       ("taylorseer_cache",)) as calls, torch.no_grad():
+        return reference_pipeline(**call)[0], sum(map(len, calls))
 
 
 def server_for(repository: Path, **kwargs):

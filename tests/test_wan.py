@@ -457,11 +457,39 @@ def test_wan22_hands_over_to_transformer_2_as_diffusers(pair22, wan_tiny_build, 
             (wan_tiny_build.folder / "onnx" / f"{name}.onnx").stat().st_ino
 
 
-def test_wan22_refusals(pair, pair22):
+def test_wan22_refusals(pair):
     with pytest.raises(ValueError, match="guidance_scale_2 is Wan 2.2 A14B's"):
         pair[0]("a cat", guidance_scale_2=2.0, num_inference_steps=1, output_type="latent")
-    with pytest.raises(ValueError, match="a step cache runs on one transformer"):
-        pair22[0]("a cat", cache="taylorseer", num_inference_steps=1, output_type="latent")
+
+
+def test_wan22_caches_keep_a_state_per_transformer_as_diffusers_hooks(pair22):
+    """TaylorSeer lite and First-Block Cache on Wan 2.2 A14B keep a state per transformer, each counting its own
+    steps from 0, as diffusers' hooks on `transformer` and on `transformer_2` do: TaylorSeer's full and cached steps
+    are each transformer's schedule, FBC's decisions diffusers', the frames within FRAMES_ATOL, and each cache
+    changed them. `transformer_2` runs its own first-block graph."""
+    from conftest import diffusers_schedule, first_block_cache_against_diffusers, with_diffusers_taylorseer
+    from runners import TaylorSeerCacheConfig
+
+    ours, reference = pair22
+    steps = 10
+    call = dict(prompt="a red cat walking", height=64, width=64, num_frames=9, num_inference_steps=steps,
+                negative_prompt="blurry", output_type="np")
+    latents = video_noise(1, 9, 64, 64, seed=5)
+    reference.scheduler.set_timesteps(steps)
+    high = int((reference.scheduler.timesteps >= 875).sum())
+    config = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)
+    theirs, calls = with_diffusers_taylorseer(reference, config, "proj_out", latents=torch.from_numpy(latents), **call)
+    cached = ours(latents=latents, cache=config, **call)
+    schedule = diffusers_schedule(config, high) + diffusers_schedule(config, steps - high)
+    assert calls == 2 * steps and (ours.cache_stats["full"], ours.cache_stats["cached"]) == (sum(schedule),
+                                                                                              schedule.count(False))
+    error, changed = float(np.abs(cached - theirs).max()), float(np.abs(cached - ours(latents=latents, **call)).max())
+    print(f"wan 2.2 taylorseer ({high} high-noise steps of {steps}): |ours - diffusers| {error:.1e}, the cache "
+          f"changed the frames by {changed:.3f}")
+    assert error <= FRAMES_ATOL and changed > 1e-3
+    error, changed = first_block_cache_against_diffusers(pair22, 0.08, latents, "wan 2.2", contexts=("cond", "uncond"),
+                                                         **call)
+    assert error <= FRAMES_ATOL and changed > 1e-3
 
 
 def test_the_transformers_attentions_are_fused(wan_tiny_build):

@@ -253,9 +253,10 @@ def _transformer(per_token: bool, image: bool = False) -> SubmoduleSpec:
 TRANSFORMER = _transformer(per_token=False)
 
 
-# Wan 2.2 A14B's low-noise transformer, which takes over below the boundary step: the same graph of its own weights
-# (the caches run on one-transformer artifacts: its first-block graph is not made)
-TRANSFORMER_2 = dataclasses.replace(TRANSFORMER, name="transformer_2", component="transformer_2")
+# Wan 2.2 A14B's low-noise transformer, which takes over below the boundary step: the same graphs of its own weights
+# (its first-block graph for a First-Block Cache of its own, as diffusers' hooks on each transformer)
+TRANSFORMER_2 = tuple(dataclasses.replace(spec, name=spec.name.replace("transformer", "transformer_2", 1),
+                                          component="transformer_2") for spec in transformer_specs(TRANSFORMER, HIDDEN))
 
 
 def _video_tokens(dims: dict[str, int]) -> int:
@@ -358,7 +359,7 @@ FAMILY = Family(
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
     submodules=(parts.masked_t5_encoder("text_encoder"), *transformer_specs(TRANSFORMER, HIDDEN),
                 *transformer_specs(_transformer(per_token=True), HIDDEN),
-                *transformer_specs(_transformer(per_token=False, image=True), HIDDEN), TRANSFORMER_2, IMAGE_ENCODER,
+                *transformer_specs(_transformer(per_token=False, image=True), HIDDEN), *TRANSFORMER_2, IMAGE_ENCODER,
                 *VAE_CHUNKS),
     constants=_constants,
     runtime_constants=_runtime_constants,

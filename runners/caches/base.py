@@ -30,8 +30,9 @@ class CacheConfig:
     def check(self, manifest: dict) -> None:
         """Refuse, in one line, an artifact this cache cannot run on (e.g. a transformer exported before its split)."""
 
-    def start(self, pipe, num_steps: int) -> "StepCache":
-        """The state of one call of `pipe` with `num_steps` denoiser evaluations per context."""
+    def start(self, pipe, num_steps: int, engine: str | None = None) -> "StepCache":
+        """The state of one call of `pipe` with `num_steps` denoiser evaluations per context, on the denoiser graph
+        `engine` (None: the artifact's; Wan 2.2 A14B's `transformer_2` after its handover gets a state of its own)."""
         raise NotImplementedError
 
     def _check_int(self, field: str, least: int, allow_none: bool = False, meaning: str = "") -> None:
@@ -59,16 +60,30 @@ class GraphCacheConfig(CacheConfig):
             raise ValueError(f"{self.title} needs {self.needs} ({self.graph}); this artifact's {denoiser} has none "
                              f"({self.instead})")
 
-    def start(self, pipe, num_steps: int) -> "StepCache":
-        if self.graph not in pipe.sessions:
-            raise ValueError(f"{self.title} runs {self.graph}, which this pipeline did not open: load it without "
+    def start(self, pipe, num_steps: int, engine: str | None = None) -> "StepCache":
+        graph = self.graph_for(pipe.constants["denoiser"], engine)
+        if graph not in pipe.manifest["submodules"]:
+            raise ValueError(f"{self.title} needs {graph} for {engine}; this artifact has none: export the model "
+                             "again and rebuild, or use taylorseer")
+        if graph not in pipe.sessions:
+            raise ValueError(f"{self.title} runs {graph}, which this pipeline did not open: load it without "
                              "`submodules=`, or with it among them")
-        return self.state(self, pipe, num_steps)
+        state = self.state(self, pipe, num_steps)
+        state.engine, state.graph = engine, graph
+        return state
+
+    def graph_for(self, denoiser: str, engine: str | None) -> str:
+        """The cache's graph for the denoiser graph `engine`: transformer_2's `transformer_2_first_block`."""
+        return self.graph if engine is None else engine + self.graph.removeprefix(denoiser)
 
 
 class StepCache:
     """One call's cache state. This base class caches nothing: every evaluation runs in full. It counts
     evaluations and their seconds, full and cached (what `Pipeline.cache_stats` reports)."""
+
+    # a graph cache's: the denoiser graph it caches (None: the artifact's) and its own graph for it
+    engine: str | None = None
+    graph = ""
 
     def __init__(self, pipe, num_steps: int):
         self.pipe, self.num_steps = pipe, num_steps  # a cache that runs parts of the denoiser calls the pipe
@@ -89,6 +104,20 @@ class StepCache:
     def evaluate(self, step: int, context: str, inputs: tuple, run_full) -> tuple[np.ndarray, str]:
         """(output, "full" or "cached")."""
         return run_full(), "full"
+
+
+def merged_stats(caches) -> dict:
+    """One call's `cache_stats` over its denoisers' states (a handover's two, in the order they ran): counts and
+    seconds summed, each context's decisions in step order."""
+    stats = {}
+    for cache in caches:
+        for key, value in cache.stats.items():
+            if key == "decisions":
+                for context, decisions in value.items():
+                    stats.setdefault(key, {}).setdefault(context, []).extend(decisions)
+            else:
+                stats[key] = stats.get(key, 0) + value
+    return stats
 
 
 def _value(cls, key: str, text: str):

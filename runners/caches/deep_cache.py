@@ -40,10 +40,10 @@ class DeepCache(StepCache):
         last = step == self.num_steps - 1
         feature = self.features.get(context)
         if position % self.config.cache_interval == 0 or feature is None or len(feature) != len(x):
-            out = self.pipe._predict(x, t, conditions, release=last)
+            out = self.pipe._predict(x, t, conditions, release=last, engine=self.engine)
             self.features[context] = np.array(out[FEATURE])
             return out["noise_pred"], "full"
-        out = self.pipe._predict(x, t, conditions, release=last, engine=SHALLOW, **{FEATURE: feature})
+        out = self.pipe._predict(x, t, conditions, release=last, engine=self.graph, **{FEATURE: feature})
         return np.array(out["noise_pred"]), "cached"  # a copy: the backend may reuse its buffers
 
 

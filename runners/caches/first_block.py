@@ -54,7 +54,7 @@ class FirstBlockCache(StepCache):
         names = context.split(",")
         states = [self.contexts.setdefault(name, _Context()) for name in names]
         last = step == self.num_steps - 1
-        first = self.pipe._predict(x, t, conditions, release=last, engine=FIRST_BLOCK,
+        first = self.pipe._predict(x, t, conditions, release=last, engine=self.graph,
                                    tail_residual=self._tails(states, x, conditions))
         residuals = np.split(first["first_block_residual"], len(names))
         full = [state.runs_in_full(r, self.config.threshold) for state, r in zip(states, residuals)]
@@ -64,7 +64,7 @@ class FirstBlockCache(StepCache):
             return np.array(first["noise_pred"]), "cached"  # a copy: the backend may reuse its buffers
         cached = np.split(np.array(first["noise_pred"]), len(names))
         residuals = [np.array(r) for r in residuals]
-        out = self.pipe._predict(x, t, conditions, release=last)
+        out = self.pipe._predict(x, t, conditions, release=last, engine=self.engine)
         predictions = np.split(out["noise_pred"], len(names))
         for i, (state, tail) in enumerate(zip(states, np.split(out["tail_residual"], len(names)))):
             if full[i]:

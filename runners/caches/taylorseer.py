@@ -43,7 +43,7 @@ class TaylorSeerCacheConfig(CacheConfig):
             raise ValueError("TaylorSeerCacheConfig: use_lite_mode=False caches each attention block's output, which a "
                              "compiled graph does not expose: only use_lite_mode=True (the whole output) is supported")
 
-    def start(self, pipe, num_steps: int) -> "TaylorSeerCache":
+    def start(self, pipe, num_steps: int, engine: str | None = None) -> "TaylorSeerCache":
         return TaylorSeerCache(self, pipe, num_steps)
 
     def runs_in_full(self, step: int, num_steps: int) -> bool:

@@ -121,17 +121,13 @@ class WanPipeline(TextToVideo):
 
     def _handover(self, guidance_scale, guidance_scale_2) -> Handover | None:
         """Wan 2.2 A14B's: `transformer_2` below boundary_ratio x the training timesteps, its guidance scale
-        `guidance_scale_2` (default the first's, as diffusers'). Refused as diffusers refuses it without a boundary;
-        and with a step cache, which would keep one denoiser's steps for the other's."""
+        `guidance_scale_2` (default the first's, as diffusers'). Refused as diffusers refuses it without a boundary."""
         ratio = self.constants.get("boundary_ratio")
         if ratio is None:
             if guidance_scale_2 is not None:
                 raise ValueError("guidance_scale_2 is Wan 2.2 A14B's (its transformer_2 after the boundary step); this "
                                  "artifact has one transformer: leave it out")
             return None
-        if self._calls.current.cache_config is not None:
-            raise ValueError("a step cache runs on one transformer; this Wan 2.2 artifact hands over to transformer_2 "
-                             "at its boundary: run it without cache=")
         first = self.defaults[TEXT].guidance_scale if guidance_scale is None else guidance_scale
         return Handover(ratio * self.manifest["constants"]["num_train_timesteps"], "transformer_2",
                         first if guidance_scale_2 is None else guidance_scale_2)
