@@ -529,6 +529,10 @@ WAN_BENCH = {
     "t5_vocab_pieces": 1000,
     "scheduler": _WAN_SCHEDULER,
 }
+# Wan 2.1 14B's transformer at its true shapes (40 heads of 128, feed-forward 13824, 40 blocks), random fp16 weights;
+# the other components as configs only (make scale-check)
+WAN_FULLSIZE = {**WAN_BENCH, "transformer": _wan(heads=40, head_dim=128, ffn=13824, layers=40, text=4096),
+                "weights_dtype": "float16", "weights_for": ["transformer"]}
 # Wan 2.2 A14B's layout: a second (low-noise) transformer below the boundary (its model_index.json's 0.875)
 WAN22_A14B_TINY = {**WAN_TINY, "transformer_2": WAN_TINY["transformer"], "boundary_ratio": 0.875}
 # Wan 2.1 I2V's layout (Wan-AI/Wan2.1-I2V-14B-480P-Diffusers): the transformer reads the image's mask (4) and
@@ -799,6 +803,9 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 128, 512), batch=(1, 2, 2),
                    description="Wan 2.1 1.3B's widths at 2 blocks, UMT5-XXL's at 2 layers, the real VAE, random "
                                "weights (benchmarks)"),
+        ModelEntry("wan-fullsize", "wan", random_configs=WAN_FULLSIZE, image_size=(256, 480, 832), frames=(5, 81, 81),
+                   text_length=(1, 512, 512), batch=(1, 2, 2), export_dtype="float16",
+                   description="Wan 2.1 14B's transformer at its true shapes, random fp16 weights (make scale-check)"),
         ModelEntry("wan2.2-t2v-a14b", "wan", hub_id="Wan-AI/Wan2.2-T2V-A14B-Diffusers", image_size=(256, 832, 1280),
                    frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
                    description="Wan 2.2 text to video, A14B (two 14B transformers: high noise, then low noise)"),

@@ -60,6 +60,18 @@ def test_wan_bench_has_wan21_13bs_widths_and_its_real_vae():
         assert _parameters(lambda: AutoencoderKLWan(**cfg["vae"])) == 126_892_531
 
 
+def test_wan_fullsize_is_wan21_14bs_transformer():
+    """wan-fullsize's transformer is Wan 2.1 14B's at its true shapes: 40 blocks, 14,288,491,584 parameters (28.6 GB
+    in fp16); only it gets weights."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    cfg = MODELS["wan-fullsize"].random_configs
+    with torch.device("meta"):
+        assert _parameters(lambda: WanTransformer3DModel(**cfg["transformer"])) == 14_288_491_584
+    assert cfg["weights_for"] == ["transformer"] and MODELS["wan-fullsize"].export_dtype == "float16"
+
+
 @pytest.mark.parametrize("name, blocks, cross", [("sd15-tiny", 4, ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]),
                                                  ("sdxl-tiny", 3, ["DownBlock2D"] + ["CrossAttnDownBlock2D"] * 2)])
 def test_unet_tiny_entries_keep_the_real_block_structure(name, blocks, cross):
