@@ -317,15 +317,15 @@ def _runtime_constants(src) -> dict:
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:
-    """Write a WanPipeline folder with random seeded weights from component configs (see the registry): a T5
-    SentencePiece tokenizer trained offline (UMT5's kind), UMT5's encoder, the transformer and the VAE at the
-    configs' widths, and Wan's UniPC scheduler."""
+    """Write a WanPipeline folder (WanImageToVideoPipeline's, with an image encoder) with random seeded weights from
+    component configs (see the registry): a T5 SentencePiece tokenizer trained offline (UMT5's kind), UMT5's encoder,
+    the transformer and the VAE at the configs' widths (Wan 2.1 I2V's CLIP vision tower and image processor too),
+    and Wan's UniPC scheduler."""
     import tempfile
     from pathlib import Path
 
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
-                              UMT5EncoderModel)
+    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
     from export.offline_tokenizers import write_t5_tokenizer
     from export.random_weights import build_modules, save_pipeline
@@ -339,16 +339,17 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
         # (Wan 2.1 I2V's image encoder likewise)
         second = {"transformer_2": lambda: WanTransformer3DModel(**configs["transformer_2"])} \
             if "transformer_2" in configs else {}
-        if "image_encoder" in configs:
+        flags = {k: configs[k] for k in ("boundary_ratio", "expand_timesteps") if k in configs}
+        if "image_encoder" in configs:  # (transformers' CLIP image processor warns on import without torchvision)
+            from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
             second["image_encoder"] = lambda: CLIPVisionModel(CLIPVisionConfig(**configs["image_encoder"]))
+            flags["image_processor"] = CLIPImageProcessor(**configs["image_processor"])
         modules = build_modules({
             "transformer": lambda: WanTransformer3DModel(**configs["transformer"]),
             "vae": lambda: AutoencoderKLWan(**configs["vae"]),
             "text_encoder": lambda: UMT5EncoderModel(umt5), **second,
         }, seed, streamed=dtype is not None)
-        flags = {k: configs[k] for k in ("boundary_ratio", "expand_timesteps") if k in configs}
-        if "image_processor" in configs:
-            flags["image_processor"] = CLIPImageProcessor(**configs["image_processor"])
         save_pipeline("WanImageToVideoPipeline" if "image_encoder" in configs else "WanPipeline", modules,
                       {"scheduler": UniPCMultistepScheduler(**configs["scheduler"]), "tokenizer": tokenizer, **flags},
                       out_dir, dtype, seed, configs.get("weights_for"))
