@@ -79,18 +79,20 @@ def wrapped(spec: SubmoduleSpec, component, dtype: str = "float32") -> torch.nn.
 
 def keep_in_fp32(component: torch.nn.Module, scopes) -> None:
     """Run the modules named in `scopes` in fp32: their weights cast up, their floating inputs cast to
-    fp32 and their outputs back to the inputs' dtype. Flux's timestep embedding takes timesteps and
-    guidance times 1000, where fp16's spacing turns its sinusoids' phases wrong (docs/precision.md)."""
+    fp32 and their outputs back to the inputs' dtype (the narrower one, where a timestep came in fp32 beside
+    fp16 states: Wan's condition embedder), each output of a tuple too. Flux's timestep embedding takes timesteps
+    and guidance times 1000, where fp16's spacing turns its sinusoids' phases wrong (docs/precision.md)."""
     came_in = {}  # module -> its inputs' dtype (a forward hook sees the inputs as cast)
 
     def up(sub, args, kwargs):
-        floating = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
-        came_in[sub] = floating[0].dtype if floating else torch.float32
+        floating = [a.dtype for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
+        came_in[sub] = next((d for d in floating if d != torch.float32), torch.float32)
         wide = tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
         return wide, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
 
     def down(sub, args, kwargs, output):
-        return output.to(came_in[sub])
+        back = lambda y: y.to(came_in[sub]) if torch.is_tensor(y) and y.is_floating_point() else y  # noqa: E731
+        return tuple(map(back, output)) if isinstance(output, tuple) else back(output)
 
     for name, sub in component.named_modules():
         if name and (name in scopes or name.rsplit(".", 1)[-1] in scopes):

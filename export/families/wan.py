@@ -157,7 +157,7 @@ class _DecoderChunk(_Chunk):
     def forward(self, latent, cache=None):
         b, _, h, w = latent.shape
         slots = self.unpacked(cache, b, h, w)
-        mean, std = statistics(self.vae)
+        mean, std = (s.to(self.vae.post_quant_conv.weight.dtype) for s in statistics(self.vae))
         z = latent / (1.0 / std) + mean  # diffusers: latents / (1 / std) + mean
         x = self.vae.post_quant_conv(z[:, :, None])
         frames = self.vae.decoder(x, feat_cache=slots, feat_idx=[0], first_chunk=self.first)
@@ -181,7 +181,7 @@ class _EncoderChunk(_Chunk):
         x = frames if self.vae.config.patch_size is None else patchify(frames, self.vae.config.patch_size)
         out = self.vae.quant_conv(self.vae.encoder(x, feat_cache=slots, feat_idx=[0]))
         posterior = DiagonalGaussianDistribution(out)
-        mean, std = statistics(self.vae)
+        mean, std = (s.to(self.vae.post_quant_conv.weight.dtype) for s in statistics(self.vae))
         inverse = 1.0 / std  # diffusers: (latents - mean) * (1 / std)
         return ((posterior.mean[:, :, 0] - mean) * inverse, posterior.logvar[:, :, 0] + 2 * torch.log(inverse),
                 self.packed(slots, frames, b, h, w))
