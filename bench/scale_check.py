@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,19 @@ def new_bytes(folder: Path, seen: set) -> int:
     return total
 
 
+def remove(folder: Path, seen: set) -> None:
+    """Delete an output folder, its files that no path outside it links to forgotten by `seen` first: the file
+    system gives their inode numbers to the next stage's files, which would then count as written before."""
+    inside, links = Counter(), {}
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            stat = path.stat()
+            inside[(stat.st_dev, stat.st_ino)] += 1
+            links[(stat.st_dev, stat.st_ino)] = stat.st_nlink
+    seen.difference_update(key for key, count in inside.items() if links[key] == count)
+    shutil.rmtree(folder)
+
+
 def _table(stages: list[Stage], budget_mib: float) -> list[str]:
     rows = ["| stage | seconds | peak RSS (GiB) | within budget |", "|---|---|---|---|"]
     rows += [f"| {s.name} | {s.seconds:.0f} | {s.peak_mib / 1024:.2f} | {'yes' if s.peak_mib <= budget_mib else '**no**'} |"
@@ -176,7 +190,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     python, out = sys.executable, Path(args.out or f"build/{args.model}")
     check = CHECKS.get(args.model, DEFAULT)
-    remove = args.remove_after or check.stream_disk
+    remove_after = args.remove_after or check.stream_disk
     t0 = time.perf_counter()
     printed: list[str] = []
     stages = run_measured([python, "-m", "export.source", args.model], "model folder (random weights)", lines=printed)
@@ -187,8 +201,8 @@ def main(argv=None) -> int:
     stages += run_measured([python, "-m", "export", args.model, "--out", str(out), "--force"],
                            "export: tokenizers, manifest")
     disk.append(("export", new_bytes(out / "onnx", seen)))
-    if remove:
-        shutil.rmtree(model_folder)
+    if remove_after:
+        remove(model_folder, seen)
     for target, precision, options in check.builds:
         printed = []
         stages += run_measured([python, "-m", "engines", str(out), "--target", target, "--precision", precision,
@@ -198,9 +212,9 @@ def main(argv=None) -> int:
         if not wrote:  # failed: its stage says so; a build writes its artifact whole or not at all
             continue
         disk.append((wrote[-1].name, new_bytes(wrote[-1], seen)))
-        if remove:
-            shutil.rmtree(wrote[-1])
-    if remove:
+        if remove_after:
+            remove(wrote[-1], seen)
+    if remove_after:
         shutil.rmtree(out, ignore_errors=True)
     disk_rows = [f"| {name} | {size / 2**30:.2f} |" for name, size in disk]
     budget = args.budget_gib * 1024
@@ -216,7 +230,7 @@ def main(argv=None) -> int:
             "50 ms and reset at the line that ends each stage; it counts memory-mapped weight pages too.", "",
             *_table(stages, budget), "",
             "Disk each command wrote (GiB; files hard-linked from an earlier command's are not counted again)"
-            + (", each output deleted once no later stage read it" if remove else "") + ":", "",
+            + (", each output deleted once no later stage read it" if remove_after else "") + ":", "",
             "| command | disk (GiB) |", "|---|---|", *disk_rows, "",
             f"Budget {args.budget_gib:g} GiB: " + ("every stage within it." if not over else
                                                    f"{len(over)} stage(s) over it: {', '.join(s.name for s in over)}.")

@@ -1,5 +1,5 @@
-"""Wan 2.1 text to video, with the semantics of diffusers' WanPipeline: each prompt cleaned (ftfy where it is
-installed, HTML entities, whitespace) through UMT5 with a mask, its states zeroed past its tokens and padded with
+"""Wan 2.1 and 2.2 text to video, with the semantics of diffusers' WanPipeline: each prompt cleaned (ftfy where it
+is installed, HTML entities, whitespace) through UMT5 with a mask, its states zeroed past its tokens and padded with
 zeros to `max_sequence_length` (runners/prompts.py's "zeroed"; the encoder runs on the call's longest prompt,
 which its output does not depend on); the transformer on 5-D latents (N, 16, (F - 1) / 4 + 1, H / 8, W / 8) with
 classifier-free guidance above 1 (the negative prompt "" by default); UniPC on flow sigmas (the folder's
