@@ -215,8 +215,9 @@ def _target_videos(artifact):
 
 # Frames' PSNR against ort-fp32 per video (text to video, image to video), measured by this test (onnxruntime 1.32,
 # OpenVINO 2026.4.1, NNCF 3.4, a 2-core AMD EPYC without AMX): fp16 55.6, 59.6 dB; OpenVINO bf16 49.0, 50.2, int8
-# 47.9, 45.7. Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16 (tests/test_wan.py).
-TARGET_MIN_PSNR = {"fp16": (50.5, 54.5), "openvino-bf16": (25.0, 26.0), "openvino-int8": (23.5, 21.5)}
+# 40.8, 42.7 (the VAE decoder's activations int8 too; 47.9, 45.7 with int8 weights only there). Bounds 5 dB under
+# each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16 (tests/test_wan.py).
+TARGET_MIN_PSNR = {"fp16": (50.5, 54.5), "openvino-bf16": (25.0, 26.0), "openvino-int8": (16.5, 18.5)}
 
 
 def test_every_target_and_precision_within_its_bound(ltx_video_tiny_build):

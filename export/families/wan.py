@@ -195,12 +195,14 @@ def _video(frames) -> tuple:
 
 
 def _chunk(name: str, wrap, first: bool, inputs: tuple, outputs: tuple) -> SubmoduleSpec:
-    """A chunk graph of the VAE: `inputs` and the cache (but the first chunk's) -> `outputs` and the next cache."""
+    """A chunk graph of the VAE: `inputs` and the cache (but the first chunk's) -> `outputs` and the next cache.
+    The decoder's take int8 activations where a target quantizes whole submodules (parts.VAE_DECODER's): once the
+    transformer is int8, most of a run's time is theirs."""
     cache = ("batch", f"{wrap.part}_cache_channels", "latent_height", "latent_width")
     return SubmoduleSpec(
         name=name, component="vae", inputs=inputs + (() if first else (T("cache", "float32", cache),)),
         outputs=outputs + (T("next_cache", "float32", cache),), wrap=functools.partial(wrap, first=first),
-        latent_divisor=1)
+        latent_divisor=1, quantization={"activations": True} if wrap.part == "decoder" else {})
 
 
 _POSTERIOR = (T("latent_mean", "float32", _LATENT), T("latent_logvar", "float32", _LATENT))
