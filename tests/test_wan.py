@@ -349,12 +349,13 @@ def _target_videos(artifact):
             for prompt, options in (("a photo of a cat", {}), ("a red fox", {"negative_prompt": "blurry"}))]
 
 
-# Frames' PSNR against ort-fp32 per video, measured by this test (onnxruntime 1.32, OpenVINO 2026.4.1, NNCF 3.4,
-# a Xeon with VNNI, no AMX): fp16 70.6, 70.7 dB; int8 66.9, 66.6; fp8 50.7, 52.1; OpenVINO fp32 127.7, 128.2, bf16
-# 46.3, 46.4, int8 36.6, 36.6 (an AMD EPYC; the VAE decoder's activations int8 too; 45.7, 45.6 with int8 weights
-# only there), bf16 with int8 weights 45.9, 45.9, with int4 weights 41.6, 41.5. Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16 (tests/test_qwen_image.py). The suite runs fp16 and
-# OpenVINO's bf16 and int8 for its time (ORT's int8 and fp8 and OpenVINO's weight compression are the shared passes
-# the other families' tests hold; each was measured above once).
+# Frames' PSNR against ort-fp32 per video, measured by this test (onnxruntime 1.32, OpenVINO 2026.4.1, NNCF 3.4, a Xeon
+# with VNNI, no AMX): fp16 70.6, 70.7 dB; int8 66.9, 66.6; fp8 50.7, 52.1; OpenVINO fp32 127.7, 128.2, bf16 46.3, 46.4,
+# int8 36.6, 36.6 (an AMD EPYC; the VAE decoder's activations int8 too; 45.7, 45.6 with int8 weights only there), bf16
+# with int8 weights 45.9, 45.9, with int4 weights 41.6, 41.5. Bounds 5 dB under each; OpenVINO's also lose the 19 dB
+# CI's AMX lost on bf16 (tests/test_qwen_image.py). The suite runs fp16 and OpenVINO's bf16 and int8 for its time (ORT's
+# int8 and fp8 and OpenVINO's weight compression are the shared passes the other families' tests hold; each was measured
+# above once).
 TARGET_MIN_PSNR = {"fp16": (65.5, 65.5), "openvino-bf16": (22.0, 22.0), "openvino-int8": (12.5, 12.5)}
 
 

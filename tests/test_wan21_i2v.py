@@ -131,10 +131,11 @@ def _target_videos(artifact):
                  num_inference_steps=4) for seed in (3, 4)]
 
 
-# Frames' PSNR against ort-fp32 per video, measured by this test (an AMD EPYC without AMX): fp16 71.2, 71.3 dB;
-# OpenVINO int8 37.8, 37.3 (the VAE decoder's activations int8 too; 45.4, 44.5 with int8 weights only there). Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16
-# (tests/test_wan.py). Wan 2.1's test holds the other targets: this one the graphs I2V adds (the CLIP encoder, a
-# transformer reading it and the image channels) under fp16 and under calibration on image to video clips.
+# Frames' PSNR against ort-fp32 per video, measured by this test (an AMD EPYC without AMX): fp16 71.2, 71.3 dB; OpenVINO
+# int8 37.8, 37.3 (the VAE decoder's activations int8 too; 45.4, 44.5 with int8 weights only there). Bounds 5 dB under
+# each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16 (tests/test_wan.py). Wan 2.1's test holds the other
+# targets: this one the graphs I2V adds (the CLIP encoder, a transformer reading it and the image channels) under fp16
+# and under calibration on image to video clips.
 TARGET_MIN_PSNR = {"fp16": (66.0, 66.0), "openvino-int8": (13.5, 13.0)}
 
 

@@ -167,8 +167,8 @@ def _target_videos(artifact):
 
 # Frames' PSNR against ort-fp32 per video (text, then image to video), measured by this test (an AMD EPYC without
 # AMX): fp16 74.2, 73.2 dB; OpenVINO int8 30.2, 36.3 (the VAE decoder's activations int8 too; 46.8, 48.7 with
-# int8 weights only there). Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX
-# lost on bf16 (tests/test_wan.py). Wan 2.1's test holds the other targets: this one the graphs TI2V changes (a
+# int8 weights only there). Bounds 5 dB under each; OpenVINO's also lose the 19 dB CI's AMX lost on bf16
+# (tests/test_wan.py). Wan 2.1's test holds the other targets: this one the graphs TI2V changes (a
 # timestep per token, the patchifying VAE) under fp16 and under calibration on text and image to video clips.
 TARGET_MIN_PSNR = {"fp16": (69.0, 68.0), "openvino-int8": (6.0, 12.0)}
 
