@@ -29,21 +29,19 @@ from runners.manifest import atomic_folder, digest, exclusive, is_current, read_
 from runners.options import declared
 from runners.pipeline import VAE_ENGINES, Pipeline
 
-# The graphs a step cache runs beside the denoiser (runners/caches/), each with the denoiser output it takes:
-# recorded beside every denoiser call, so that a calibrated build calibrates them too.
-COMPANIONS = {c.graph: c.output for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)}
+# The step caches that run a graph beside the denoiser (runners/caches/), each taking one of its outputs: the graphs
+# are recorded beside every call of their denoiser, so that a calibrated build calibrates them too.
+COMPANIONS = [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
 
 
-def _companions(pipe) -> list[tuple[str, str]]:
-    """(graph, the denoiser graph it goes beside) of each step cache's graph the pipeline opened: the denoiser's
-    (transformer_first_block beside transformer), and a handover's second's (transformer_2_first_block)."""
+def _companions(pipe) -> list[tuple[str, str, str]]:
+    """(graph, the denoiser graph it goes beside, the denoiser output it takes) of each step cache's graph the
+    pipeline opened: the denoiser's (transformer_first_block beside transformer), and a handover's second's
+    (transformer_2_first_block beside transformer_2)."""
     denoiser = pipe.constants["denoiser"]
-    found = []
-    for graph in COMPANIONS:
-        suffix = graph.removeprefix(denoiser)
-        found += [(name, name.removesuffix(suffix)) for name in pipe.sessions
-                  if name.endswith(suffix) and name.removesuffix(suffix) in pipe.sessions]
-    return found
+    return [(graph, engine, c.output) for c in COMPANIONS for engine in pipe.sessions
+            for graph in [c.graph_for(denoiser, None if engine == denoiser else engine)]
+            if graph != engine and graph in pipe.sessions]
 
 # What a recording holds, in its key: older recordings, which lack the tiny autoencoder's calls, are made again.
 RECORDED = "engine calls, the tiny autoencoder's fed as the VAE's"
@@ -139,8 +137,8 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         store = _FeedStore(tmp)
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = _with_tiny_vae(pipe, store.record)
-        for graph, denoiser in _companions(pipe):
-            pipe.run = _CompanionRecorder(pipe, store, graph, denoiser)
+        for graph, denoiser, output in _companions(pipe):
+            pipe.run = _CompanionRecorder(pipe, store, graph, denoiser, output)
         size = settings.size or pipe.constants["default_image_size"]
         inpainting = pipe.inpainting_denoiser()
         started = time.monotonic()
@@ -210,9 +208,9 @@ class _CompanionRecorder:
     one of the denoiser's outputs: every call of that denoiser is recorded for it too, with that output of the
     call's first step (stored once per prompt). Replaces the pipeline's `run`."""
 
-    def __init__(self, pipe, store: "_FeedStore", graph: str, denoiser: str):
+    def __init__(self, pipe, store: "_FeedStore", graph: str, denoiser: str, output: str):
         self.pipe, self.run, self.store, self.graph, self.denoiser = pipe, pipe.run, store, graph, denoiser
-        self.output = COMPANIONS[graph.replace(denoiser, pipe.constants["denoiser"], 1)]
+        self.output = output
         self.accepted = {i["name"] for i in pipe.manifest["submodules"][graph]["inputs"]}
         self.call, self.value = None, None
 

@@ -253,12 +253,13 @@ def _transformer(per_token: bool, image: bool = False) -> SubmoduleSpec:
 
 
 TRANSFORMER = _transformer(per_token=False)
+_TRANSFORMER_GRAPHS = transformer_specs(TRANSFORMER, HIDDEN)  # and its first-block graph
 
 
 # Wan 2.2 A14B's low-noise transformer, which takes over below the boundary step: the same graphs of its own weights
 # (its first-block graph for a First-Block Cache of its own, as diffusers' hooks on each transformer)
 TRANSFORMER_2 = tuple(dataclasses.replace(spec, name=spec.name.replace("transformer", "transformer_2", 1),
-                                          component="transformer_2") for spec in transformer_specs(TRANSFORMER, HIDDEN))
+                                          component="transformer_2") for spec in _TRANSFORMER_GRAPHS)
 
 
 def _video_tokens(dims: dict[str, int]) -> int:
@@ -307,7 +308,7 @@ def _runtime_constants(src) -> dict:
         "denoiser": "transformer",
         "latent_multiple": constants["latent_multiple"],
         "patch_size": constants["latent_multiple"],
-        "max_text": MAX_TEXT,
+        "max_text": constants["max_text"],
         "fps": src.entry.extra.get("fps", 16),  # the model card's export_to_video(..., fps=16)
         # Wan 2.2 A14B: transformer_2 below boundary_ratio x the training timesteps (model_index.json's)
         **({"boundary_ratio": src.model_index()["boundary_ratio"]} if src.has("transformer_2") else {}),
@@ -360,7 +361,7 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 FAMILY = Family(
     name="wan",
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
-    submodules=(parts.masked_t5_encoder("text_encoder"), *transformer_specs(TRANSFORMER, HIDDEN),
+    submodules=(parts.masked_t5_encoder("text_encoder"), *_TRANSFORMER_GRAPHS,
                 *transformer_specs(_transformer(per_token=True), HIDDEN),
                 *transformer_specs(_transformer(per_token=False, image=True), HIDDEN), *TRANSFORMER_2, IMAGE_ENCODER,
                 *VAE_CHUNKS),

@@ -72,9 +72,10 @@ class GraphCacheConfig(CacheConfig):
         state.engine, state.graph = engine, graph
         return state
 
-    def graph_for(self, denoiser: str, engine: str | None) -> str:
+    @classmethod
+    def graph_for(cls, denoiser: str, engine: str | None) -> str:
         """The cache's graph for the denoiser graph `engine`: transformer_2's `transformer_2_first_block`."""
-        return self.graph if engine is None else engine + self.graph.removeprefix(denoiser)
+        return cls.graph if engine is None else engine + cls.graph.removeprefix(denoiser)
 
 
 class StepCache:

@@ -26,8 +26,9 @@ class Inpainting:
     channels: np.ndarray | None  # the mask and the masked image's latents (x2 with guidance), or None
 
     def inputs(self, x: np.ndarray) -> np.ndarray:
-        """The denoiser's latent input: `x`, with the extra channels of an inpainting denoiser."""
-        return x if self.channels is None else np.concatenate([x, self.channels], axis=1)
+        """The denoiser's latent input: `x`, with the extra channels of an inpainting denoiser (a step that runs the
+        prompt's half alone, as a handover to a guidance scale of 1 does, takes one half: both are the same)."""
+        return x if self.channels is None else np.concatenate([x, self.channels[:len(x)]], axis=1)
 
     def blend(self, latents: np.ndarray, schedule, i: int) -> np.ndarray:
         """After step `i`: the known part from the image, at the noise level of the step that follows

@@ -18,13 +18,13 @@ from __future__ import annotations
 import html
 import logging
 import re
-from typing import NamedTuple
 
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.conditioning.clip_images import clip_pixel_values
 from runners.conditioning.images import to_model_input
+from runners.conditioning.inpainting import Inpainting
 from runners.families.wan import latent_rgb, lora_keys
 from runners.guidance import ClassifierFree
 from runners.options import Option, options
@@ -47,18 +47,6 @@ def prompt_clean(text: str) -> str:
     except ImportError:
         pass
     return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
-
-
-class ConditionChannels(NamedTuple):
-    """Wan 2.1 I2V's hook in the loop (the interface of runners/conditioning/inpainting.py): the image's mask and
-    latents as more input channels of the transformer at every step, the same for both halves of a guided batch."""
-    channels: np.ndarray  # (N, C, f, h, w)
-
-    def inputs(self, x: np.ndarray) -> np.ndarray:
-        return np.concatenate([x, np.concatenate([self.channels] * (len(x) // len(self.channels)))], axis=1)
-
-    def blend(self, latents: np.ndarray, schedule, i: int) -> np.ndarray:
-        return latents
 
 
 class WanPipeline(TextToVideo):
@@ -169,7 +157,10 @@ class WanPipeline(TextToVideo):
             states = self._per_video(self.run("image_encoder", pixel_values=pixels)["image_embeds"], n_prompts,
                                      per_prompt)
             conditions[IMAGE_STATES] = self.guidance.batch(states, states) if cfg else states
-        return latents, ConditionChannels(np.concatenate([mask, condition], axis=1))
+        # an inpainting denoiser's extra channels, as SD1.5's 9-channel U-Net reads its mask and masked image's
+        channels = np.concatenate([mask, condition], axis=1)
+        channels = self.guidance.batch(channels, channels) if cfg else channels
+        return latents, Inpainting(mask=None, noise=None, image_latents=None, channels=channels)
 
     def _condition_latents(self, image, n_prompts: int, per_prompt: int, height: int, width: int,
                            frames: int) -> np.ndarray:
