@@ -51,15 +51,17 @@ def _edit_processor(folder: str) -> dict:
 
 
 def _packed(latents: np.ndarray) -> np.ndarray:
-    from runners.families.flux.conditions import pack
+    """Latents packed in 2 x 2 patches, as FluxPipeline and QwenImagePipeline take them."""
+    from runners.latents import LatentLayout
 
-    return pack(latents)
+    return LatentLayout(patch=2).pack(latents)
 
 
 def _video_packed(latents: np.ndarray) -> np.ndarray:
-    from runners.families.ltx import pack
+    """A clip's latents as LTXPipeline takes them: a token a latent pixel, frame-major."""
+    from runners.latents import LatentLayout
 
-    return pack(latents)
+    return LatentLayout(video=True).pack(latents)
 
 
 WORKLOADS = {

@@ -18,9 +18,8 @@ class FluxOurs(Ours):
     """An artifact run by our runner (bench.variants.Ours), from packed starting latents at Flux's defaults."""
 
     def text_to_image(self, latents: np.ndarray, height: int, width: int, steps: int, **options) -> np.ndarray:
-        from runners.families.flux import pack
-
-        return self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps, latents=pack(latents),
+        return self.pipe(PROMPT, height=height, width=width, num_inference_steps=steps,
+                         latents=self.pipe.layout.as_diffusers(latents),
                          output_type="np", **options)
 
 

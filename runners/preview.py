@@ -3,7 +3,7 @@ prediction; a video's middle latent frame) made visible, through the artifact's 
 one (`vae_decoder_tiny`), else through a fixed linear map of the latent channels to RGB. The time they
 take is the call's `timings["previews"]`; they never touch the latents the loop carries on with.
 
-The latent-to-RGB matrices (channels x RGB, and a bias; each family's `latent_rgb`) are ComfyUI's `latent_rgb_factors` and
+The latent-to-RGB matrices (channels x RGB, and a bias; each family's layout's `latent_rgb`) are ComfyUI's `latent_rgb_factors` and
 `latent_rgb_factors_bias` (comfy/latent_formats.py, fitted by its authors on real images); they
 apply to the latents as the denoiser sees them (scaled, and shifted for SD3 and Flux), and give
 RGB in [-1, 1] at the latent resolution, enlarged here to the image's size."""
@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from runners.conditioning.images import to_output
+from runners.latents import SCALED
 
 
 class Previews:
@@ -33,7 +34,8 @@ class Previews:
                              "steps) together with on_preview")
         if not callable(on_preview):
             raise ValueError(f"on_preview={on_preview!r:.40} is not callable: pass a function (step, images)")
-        if "vae_decoder_tiny" not in pipe.sessions and pipe.latent_rgb is None:
+        if "vae_decoder_tiny" not in pipe.sessions and pipe.layout.rgb(pipe.manifest["constants"]["latent_channels"]) \
+                is None:
             family = pipe.manifest["model"]["family"]
             raise ValueError(f"previews need a tiny decoder or a latent-to-RGB map; this {family} artifact has "
                              "neither: export it with --tiny-vae")
@@ -43,8 +45,7 @@ class Previews:
         """After step `step` (0-based) with `x0`, the predicted clean latents (as the denoiser sees them)."""
         if (step + 1) % self.every:
             return
-        if x0.ndim == 5:  # a video's latents (N, C, frames, h, w): its middle frame
-            x0 = x0[:, :, x0.shape[2] // 2]
+        x0 = self.pipe.layout.preview_frame(x0)
         t0 = time.perf_counter()
         self.on_preview(step + 1, to_output(self._pixels(x0), "pil"))
         timings = self.pipe._calls.current.timings
@@ -54,9 +55,8 @@ class Previews:
         """(N, 3, H, W) in [-1, 1] at the image's size."""
         pipe = self.pipe
         if "vae_decoder_tiny" in pipe.sessions:
-            scaling, shift = pipe.vae_factors("tiny")
-            return pipe.run("vae_decoder_tiny", latent=x0 / np.float32(scaling) + np.float32(shift))["image"].copy()
-        matrix, bias = (np.asarray(v, dtype=np.float32) for v in pipe.latent_rgb)
+            return pipe.run("vae_decoder_tiny", latent=SCALED.to_vae(pipe, x0, vae="tiny"))["image"].copy()
+        matrix, bias = (np.asarray(v, dtype=np.float32) for v in pipe.layout.rgb(x0.shape[1]))
         rgb = np.einsum("nchw,cr->nrhw", x0, matrix) + bias[:, None, None]
         scale = pipe.constants["vae_scale_factor"]
         return rgb.repeat(scale, axis=2).repeat(scale, axis=3)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from runners.latents import LatentLayout
+
 
 @dataclass(frozen=True)
 class StaticRequest:
@@ -40,10 +42,10 @@ class StaticRequest:
         latent = {"height": self.height // scale, "width": self.width // scale}
         # latent_height_S: the latent side over S (a UNet's ControlNet residuals, down to 1/32)
         residual_sides = {f"latent_{axis}_{2 ** k}": side // 2 ** k for axis, side in latent.items() for k in range(1, 6)}
-        patch = pipeline.get("patch_size", 1)  # a transformer's image tokens are its latent patches
+        layout = LatentLayout(patch=pipeline.get("patch_size", 1))  # a transformer's image tokens: its patches
         return {"batch": self.batch(submodule, pipeline), "image_height": self.height, "image_width": self.width,
                 "latent_height": latent["height"], "latent_width": latent["width"], **residual_sides,
-                "image_tokens": (latent["height"] // patch) * (latent["width"] // patch)}
+                "image_tokens": layout.tokens((latent["height"], latent["width"]))}
 
     def resolved(self, pipeline: dict, dims: dict) -> "StaticRequest":
         """With the default size filled in, checked against the export's ranges (ValueError if outside)."""
@@ -52,6 +54,9 @@ class StaticRequest:
             raise ValueError("--static is not supported for Flux: its transformer's image token count and T5 length "
                              "follow each request, and a static request fixes only the batch and image size; build "
                              "without --static")
+        if "latent_frames" in dims:
+            raise ValueError("--static fixes an image request (size, prompts, images); a video model's engines also "
+                             "take its frame count, which it does not fix: build without --static")
         size = pipeline["default_image_size"]
         request = replace(self, height=self.height or size, width=self.width or size)
         multiple = pipeline["vae_scale_factor"] * pipeline["latent_multiple"]

@@ -4,6 +4,7 @@ VAE with its tiling. A family (runners/families/sd3/__init__.py, sd15.py, sdxl.p
 into the denoiser's conditions."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from runners.conditioning.images import check_mask_size, nearest, to_model_input, to_output
 from runners.conditioning.inpainting import Inpainting, latent_mask
 from runners.guidance import BATCHED_CFG, ClassifierFree
+from runners.latents import IMAGE as IMAGE_LAYOUT, LatentLayout
 from runners.pipeline import VAE_ENGINES, Pipeline
 from runners.schedulers.schedule import PIPELINE_MU, PIPELINE_SIGMAS, check_steps, strength_start
 from runners.static import check_static_request
@@ -88,12 +90,16 @@ class TextToImage(Pipeline):
     # How the predictions for the prompt and the negative prompt combine (runners/guidance.py): when it is
     # on, the order of the halves in the denoiser's batch, their cache contexts, and its request options.
     guidance: ClassifierFree = BATCHED_CFG
-    # (channels x RGB matrix, RGB bias) mapping the denoiser's latents to a preview's colours; None: the
-    # family has none (previews then need the artifact's tiny decoder)
-    latent_rgb: tuple | None = None
+    # what the latents are, and how they meet the denoiser, the VAE, previews and `latents=` (runners/latents/)
+    layout: LatentLayout = IMAGE_LAYOUT
     reads_reference_image = False  # image= is a reference to edit, not image to image's (FLUX.1 Kontext)
     # How the pixel mask comes to latent size (runners/conditioning/images.py): torch's default, nearest
     mask_resize = staticmethod(nearest)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the family's layout with this artifact's tokens: a patch of its transformer's (the export's patch_size)
+        self.layout = replace(type(self).layout, patch=self.constants.get("patch_size", 1))
 
     def _text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                        num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None, mask_image=None,
@@ -149,8 +155,7 @@ class TextToImage(Pipeline):
         with self._timed("text_encoders"):
             conditions = self._conditions(prompts, negative_prompt, num_images_per_prompt, cfg, height, width,
                                           **options)
-        scale = c["vae_scale_factor"]
-        shape = (n_images, self.manifest["constants"]["latent_channels"], height // scale, width // scale)
+        shape = self.layout.shape(self, n_images, height, width)
         rng = np.random.default_rng(seed)
         schedule = self._schedule(num_inference_steps, shape, sigmas)
         inpainting = None
@@ -171,11 +176,18 @@ class TextToImage(Pipeline):
         if output_type == "latent":
             return latents
         with self._timed("vae_decode"):
-            scaling, shift = self.vae_factors()
-            shift = shift if task != INPAINT or self.inpaint_decode_adds_shift else 0
-            z = latents / np.float32(scaling) + np.float32(shift)
+            z = self.layout.normalisation.to_vae(self, latents, shift=task != INPAINT or self.inpaint_decode_adds_shift)
             image = self.vae_decode(z, tiling=vae_tiling)
         return to_output(image, output_type)
+
+    def _given_latents(self, latents, height, width, output_type, pipeline: str) -> np.ndarray:
+        """`latents=` as diffusers' `pipeline` takes them (the layout's: FLUX.1's packed), checked against the
+        request's size (None: the artifact's default), as the loop takes them; their count is checked with the
+        request's."""
+        size = self.constants["default_image_size"]
+        height, width = size if height is None else height, size if width is None else width
+        self._check(height, width, 1, output_type)
+        return self.layout.from_diffusers(latents, self.layout.shape(self, 1, height, width), pipeline)
 
     def _check_task(self, task: str, image) -> None:
         """The engines and inputs a task needs: the VAE encoder for an image; an image for a mask; and a
@@ -208,11 +220,11 @@ class TextToImage(Pipeline):
         """Calibration: the VAE encoder on a call's output ("np"), so that its graphs are recorded too."""
         self.vae_encode(np.ascontiguousarray(output.transpose(0, 3, 1, 2)) * 2 - 1)
 
-    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
-        """A transformer's hidden stream length for latents of sides h, w: its patches (First-Block Cache's
-        tail residual has it); FLUX.1 Kontext's adds its reference's (in the call's `conditions`)."""
-        patch = self.constants["patch_size"]
-        return (h // patch) * (w // patch)
+    def hidden_tokens(self, sides: tuple, conditions: dict) -> int:
+        """A transformer's hidden stream length for latents of `sides` ((h, w), a video's (F, h, w)): the layout's
+        tokens (First-Block Cache's tail residual has it); FLUX.1 Kontext's adds its reference's (in the call's
+        `conditions`)."""
+        return self.layout.tokens(sides)
 
     def control_images(self) -> int:
         """How many control images a call of this artifact takes (`control_image=`): one per ControlNet, one
@@ -237,8 +249,7 @@ class TextToImage(Pipeline):
         else:
             mean, logvar = posterior
             z = mean + np.exp(np.float32(0.5) * logvar) * noise
-        scaling, shift_factor = self.vae_factors()
-        return (z - np.float32(shift_factor if shift else 0)) * np.float32(scaling)
+        return self.layout.normalisation.from_vae(self, z, shift=shift)
 
     def _inpainting(self, pixels, mask, n_images, strength, schedule, noise, encoder_noise, cfg, vae_tiling):
         """diffusers' Inpaint prepare_latents and prepare_mask_latents: the starting latents (pure
@@ -276,10 +287,7 @@ class TextToImage(Pipeline):
             extra["sigmas"] = PIPELINE_SIGMAS[rule["sigmas"]](num_inference_steps)
         mu = None
         if rule.get("mu"):
-            *frames, h, w = latent_shape[2:]  # a video's latent frames, each patched alike
-            patch = self.constants["patch_size"]
-            mu = PIPELINE_MU[rule["mu"]](self.scheduler, int(np.prod(frames)) * (h // patch) * (w // patch),
-                                         num_inference_steps)
+            mu = PIPELINE_MU[rule["mu"]](self.scheduler, self.layout.tokens(latent_shape[2:]), num_inference_steps)
         return self.scheduler.start(len(extra["sigmas"]) if "sigmas" in extra else num_inference_steps, mu, **extra)
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:

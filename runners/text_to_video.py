@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from runners.latents import LatentLayout
 from runners.options import REQUEST, Option
 from runners.schedulers.schedule import check_steps
 from runners.text_to_image import TEXT, TextToImage, _is_int, _prompts
@@ -74,6 +75,7 @@ NUM_VIDEOS = Option("num_videos_per_prompt", "int", "videos per prompt", default
 
 class TextToVideo(TextToImage):
     video = True
+    layout = LatentLayout(video=True)
 
     def _video_request(self, prompt, num_inference_steps, guidance_scale, output_type, num_frames) -> tuple:
         """(prompts, steps, guidance scale, frames) of a request, the family's defaults filled in, checked."""

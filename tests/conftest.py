@@ -336,9 +336,9 @@ def qwen_packed_noise(n: int, height: int, width: int, seed: int = 0):
     """Latents as the Qwen-Image pipelines take them: (n, tokens, 64), 2 x 2 patches of the 16-channel latents."""
     import numpy as np
 
-    from runners.families.flux.conditions import pack
+    from runners.latents import LatentLayout
 
-    return pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
+    return LatentLayout(patch=2).pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
 
 
 def paired_runs(pair, noise):

@@ -164,8 +164,6 @@ def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
     transformer's patch embedding) and FluxControlNetPipeline. The control image's VAE sample takes our
     `control_noise`: SD3's one per half of the guided batch (diffusers encodes the doubled image), Flux's one
     per image (its ControlNet runs once, on the prompt's conditions, also under true CFG)."""
-    from runners.families.flux import pack
-
     family = case.split("_")[0]
     pipe, reference = loaded(case if case in _SETUPS else f"{family}_one")
     kwargs = dict(TRANSFORMER_CASES[case], prompt="a photo of a cat", num_inference_steps=STEPS, output_type="np")
@@ -174,7 +172,7 @@ def test_transformer_controlnets_match_diffusers(monkeypatch, loaded, case):
     height, width = kwargs["height"], kwargs["width"]
     rng = np.random.default_rng(len(case))
     latents = rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32)
-    latents = pack(latents) if family == "flux" else latents
+    latents = pipe.layout.as_diffusers(latents)
     control_noise = rng.standard_normal((2 if family == "sd3" else 1, 16, height // 8, width // 8), dtype=np.float32)
     monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
     control = edge_image(height, width, seed=2)
@@ -249,11 +247,9 @@ def test_flux_union_modes_and_refusals(monkeypatch, loaded, request, setup):
     than diffusers' modes 3 and 0 are to each other (a mode embedded as one text token among many changes the
     tiny model's image by less than the 1/255 of the parity case). A Union needs a mode, within its modes, and
     other ControlNets or artifacts take none."""
-    from runners.families.flux import pack
-
     pipe, reference = loaded(setup)
     rng = np.random.default_rng(3)
-    latents = pack(rng.standard_normal((1, 16, 8, 8), dtype=np.float32))
+    latents = pipe.layout.as_diffusers(rng.standard_normal((1, 16, 8, 8), dtype=np.float32))
     control_noise = rng.standard_normal((1, 16, 8, 8), dtype=np.float32)
     monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
     args = dict(prompt="a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
@@ -363,13 +359,11 @@ def test_transformer_plain_run_and_refusals(loaded, request, setup):
     """Without control_image, an artifact with a transformer family's ControlNet gives the base artifact's
     image (its transformer, exported again with residual inputs, gets zeros); and what diffusers has no
     pipeline for, or what a cached step would skip, is refused."""
-    from runners.families.flux import pack
-
     family = setup.split("_")[0]
     pipe, _ = loaded(setup)
     latents = np.random.default_rng(9).standard_normal((1, 16, 8, 8), dtype=np.float32)
     args = dict(prompt="a cat", height=64, width=64, num_inference_steps=2, output_type="np",
-                latents=pack(latents) if family == "flux" else latents)
+                latents=pipe.layout.as_diffusers(latents))
     plain = Pipeline.load(request.getfixturevalue(f"{family}_tiny_build").folder / "ort-fp32")
     # measured: sd3 below 1e-6, flux 2e-6 (another export's float rounding of the same graph)
     np.testing.assert_allclose(pipe(**args), plain(**args), rtol=0, atol=5e-6)
@@ -541,12 +535,10 @@ OTHER_TARGETS = {("ort", "int8"): INT8_MIN_PSNR, ("openvino", "bf16"): BF16_MIN_
 
 def _controlled_call(pipe, setup: str) -> np.ndarray:
     """A 64x64 image of `setup`'s ControlNet case, from fixed latents and a fixed edge map."""
-    from runners.families.flux import pack
-
     channels = pipe.manifest["constants"]["latent_channels"]
     latents = np.random.default_rng(1).standard_normal((1, channels, 8, 8), dtype=np.float32)
     return pipe(prompt="a photo of a cat", height=64, width=64, num_inference_steps=STEPS, output_type="np",
-                latents=pack(latents) if setup.startswith("flux") else latents,
+                latents=pipe.layout.as_diffusers(latents),
                 control_image=edge_image(64, 64, seed=0), seed=0)  # seed: SD3's control image VAE sample
 
 

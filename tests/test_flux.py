@@ -14,7 +14,6 @@ import torch
 
 from conftest import assert_real_image, compare_flux_image_task, flux_packed_latents, manifest, smooth_image
 from runners import Pipeline
-from runners.families.flux import pack, unpack
 
 BOUND = 1 / 255  # of [0, 1] image values
 LONG_PROMPT = "a watercolor painting of a red fox sitting in a snowy forest at dawn, soft light, mist between the trees"
@@ -102,15 +101,6 @@ def test_latent_output_is_packed_as_diffusers(pipes, references):
     assert np.abs(ours - ref).max() <= 1e-4
 
 
-def test_pack_is_diffusers_pack_and_unpack_inverts_it():
-    from diffusers import FluxPipeline
-
-    x = np.random.default_rng(0).standard_normal((2, 16, 6, 10), dtype=np.float32)
-    theirs = FluxPipeline._pack_latents(torch.from_numpy(x), 2, 16, 6, 10).numpy()
-    assert np.array_equal(pack(x), theirs)
-    assert np.array_equal(unpack(pack(x), 6, 10), x)
-
-
 @pytest.mark.parametrize("config", ["dev", "schnell"])
 @pytest.mark.parametrize("steps", [1, 4, 28])
 @pytest.mark.parametrize("tokens", [16, 1024, 4096])
@@ -177,8 +167,24 @@ def test_the_conditioned_models_options_are_refused(pipes):
         pipes["dev"]("a cat", max_area=64 * 64)
 
 
+def test_batched_serving_calls_equal_each_call_alone(pipes):
+    """Serving's batched run (one Pipeline call for requests of one batch key) draws each request's latents in the
+    loop's shape from its seed and hands them over as FluxPipeline's `latents=` takes them, packed (the layout,
+    runners/latents/): each image is the one its request gets alone, up to the kernels' batch-dependent rounding."""
+    from runners.serving.requests import run
+
+    settings = {"height": 64, "width": 64, "num_inference_steps": 2}
+    calls = [{"prompt": "a photo of a cat", "seed": 3, **settings}, {"prompt": "a red bus", "seed": 4, **settings}]
+    assert pipes["dev"].layout.patch == 2  # the export's patch_size, bound at load
+    together = run(pipes["dev"], calls)
+    alone = [run(pipes["dev"], [call])[0] for call in calls]
+    worst = max(int(np.abs(t.astype(int) - a).max()) for t, a in zip(together, alone))
+    assert worst <= 1, f"batched images differ from single ones by {worst}/255"
+    assert np.abs(alone[0].astype(int) - alone[1]).max() > 16  # two requests, two images
+
+
 def test_packed_latents_of_the_wrong_shape_are_refused(pipes):
-    with pytest.raises(ValueError, match=r"a 64x64 image takes packed latents \(images, 16, 64\)"):
+    with pytest.raises(ValueError, match=r"this request takes packed latents \(N, 16, 64\)"):
         pipes["dev"]("a cat", latents=np.zeros((1, 16, 8, 8), np.float32), height=64, width=64)
     with pytest.raises(ValueError, match="max_sequence_length=600 is not allowed: use an integer from 1 to 512"):
         pipes["dev"]("a cat", max_sequence_length=600)

@@ -236,13 +236,13 @@ def test_transformer_graph_with_references_equals_torch(flux2_klein_tiny_build):
     import onnxruntime as ort
     from diffusers import Flux2Transformer2DModel
 
-    from runners.families.flux2.tokens import positions, text_positions
+    from runners.latents.positions import flux2 as positions, flux2_text as text_positions
 
     model = Flux2Transformer2DModel.from_pretrained(flux2_klein_tiny_build.source.folder / "transformer").eval()
     session = ort.InferenceSession(str(flux2_klein_tiny_build.folder / "onnx" / "transformer.onnx"))
     rng = np.random.default_rng(0)
     for references in ((), ((4, 4),), ((4, 4), (2, 6))):
-        ids = np.concatenate([positions(4, 8)] + [positions(h, w, t=10 * (i + 1)) for i, (h, w) in
+        ids = np.concatenate([positions(4, 8)] + [positions(h, w, index=10 * (i + 1)) for i, (h, w) in
                                                   enumerate(references)])
         feeds = {"hidden_states": rng.standard_normal((2, len(ids), 128), dtype=np.float32),
                  "encoder_hidden_states": rng.standard_normal((2, 7, 96), dtype=np.float32),

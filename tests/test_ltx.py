@@ -15,6 +15,13 @@ FRAMES_ATOL = 5e-5
 CHANNELS = 128
 
 
+def pack(latents: np.ndarray) -> np.ndarray:
+    """A clip's latents as LTXPipeline takes them (its layout's packing: runners/latents/)."""
+    from runners.families.ltx import LTXPipeline
+
+    return LTXPipeline.layout.pack(latents)
+
+
 def _shape(n: int, frames: int, height: int, width: int) -> tuple:
     return n, CHANNELS, (frames - 1) // 8 + 1, height // 32, width // 32
 
@@ -37,8 +44,6 @@ def run_both(pair):
     """run(prompt, frames=9, height=64, width=64, steps=3, **options) -> (ours, diffusers') frames (N, F, H, W, 3)
     from the same noise: diffusers' generator draws (the image's posterior sample, the latents, the decode noise),
     given to ours; each request runs once."""
-    from runners.families.ltx import pack
-
     ours, reference, to_video = pair
     cache = {}
 
@@ -128,8 +133,6 @@ def test_decoder_and_encoder_equal_autoencoder(pair):
 
 def test_latent_output_is_diffusers(pair):
     """output_type="latent" gives the packed latents (N, tokens, 128), as LTXPipeline returns them."""
-    from runners.families.ltx import pack
-
     ours, reference, _ = pair
     latents = pack(np.random.default_rng(4).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32))
     call = dict(prompt="a red cat walking", height=64, width=64, num_frames=9, num_inference_steps=2)
@@ -143,8 +146,6 @@ def test_latent_output_is_diffusers(pair):
 def test_several_videos_each_read_their_own_prompt(pair):
     """Two prompts, two videos each: each video is its prompt's alone (diffusers pairs the states p0, p0, p1, p1 with
     the masks m0, m1, m0, m1, and its decode crashes: its decode timestep is per prompt)."""
-    from runners.families.ltx import pack
-
     ours, _, _ = pair
     prompts = ["a red cat walking", "waves on a beach at dusk, slow motion, golden light"]
     noise = np.random.default_rng(5).standard_normal(_shape(4, 9, 64, 64), dtype=np.float32)
@@ -204,8 +205,6 @@ def _target_videos(artifact):
     """An artifact's two 64x64, 9-frame videos of 4 steps: a prompt with guidance (the default 3) from fixed
     latents, and image to video with a negative prompt."""
     from runners import Pipeline
-    from runners.families.ltx import pack
-
     pipe = Pipeline.load(artifact)
     noise = np.random.default_rng(1).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32)
     common = dict(height=64, width=64, num_frames=9, num_inference_steps=4, decode_timestep=0.05, seed=2)
@@ -238,8 +237,6 @@ def test_tensorrt_rtx_builds_every_submodule(ltx_video_tiny_build, monkeypatch):
 
 
 def _noise(seed: int) -> np.ndarray:
-    from runners.families.ltx import pack
-
     return pack(np.random.default_rng(seed).standard_normal(_shape(1, 9, 64, 64), dtype=np.float32))
 
 

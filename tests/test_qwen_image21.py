@@ -176,7 +176,7 @@ def test_refusals_and_warnings(pair, caplog):
         ours("a cat", negative_prompt="blurry", latents=packed_noise(1, 64, 64), **call)
     assert "true_cfg_scale=3.0 does nothing without a negative_prompt" in caplog.text
     assert "negative_prompt does nothing with true_cfg_scale <= 1" in caplog.text
-    with pytest.raises(ValueError, match=r"latents have shape \(1, 4, 16\); a 64x64 image takes packed latents "
+    with pytest.raises(ValueError, match=r"latents have shape \(1, 4, 16\); this request takes packed latents "
                                          r"\(N, 16, 16\)"):
         ours("a cat", latents=np.zeros((1, 4, 16), np.float32), **call)
     with pytest.raises(ValueError, match="height=48 is not allowed: use a multiple of 32"):

@@ -77,7 +77,7 @@ class FirstBlockCache(StepCache):
         """The tail residuals the first-block graph adds: the contexts' parts of the batch side by side, zeros
         where a context has none yet for this shape (its step runs in full whatever the graph predicts)."""
         n = x.shape[0]
-        shape = (n // len(states), self.pipe.hidden_tokens(*x.shape[2:], conditions),
+        shape = (n // len(states), self.pipe.hidden_tokens(x.shape[2:], conditions),
                  self.pipe.manifest["constants"]["inner_dim"])
         return np.concatenate([s.tail if s.tail is not None and s.tail.shape == shape else np.zeros(shape, np.float32)
                                for s in states])

@@ -167,11 +167,10 @@ def run(pipe, group: list[dict]) -> list[np.ndarray]:
     first = group[0]
     per_prompt = first.get("num_images_per_prompt", 1)
     size = pipe.constants["default_image_size"]
-    scale = pipe.constants["vae_scale_factor"]
-    shape = (per_prompt, pipe.manifest["constants"]["latent_channels"],
-             first.get("height", size) // scale, first.get("width", size) // scale)
-    latents = np.concatenate([np.random.default_rng(c["seed"]).standard_normal(shape, dtype=np.float32)
-                              for c in group])
+    shape = pipe.layout.shape(pipe, per_prompt, first.get("height", size), first.get("width", size))
+    # each call's draw as the loop takes it, then as `latents=` takes it (FLUX.1's and Qwen-Image's packed)
+    latents = pipe.layout.as_diffusers(np.concatenate([np.random.default_rng(c["seed"]).standard_normal(
+        shape, dtype=np.float32) for c in group]))
     settings = {k: v for k, v in first.items() if k not in ("prompt", "negative_prompt", "seed")}
     images = pipe([c["prompt"] for c in group], negative_prompt=[c.get("negative_prompt", "") for c in group],
                   latents=latents, output_type="pil", **settings)

@@ -20,10 +20,8 @@ from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS, CONT
 from runners.families.flux.controlnet import FluxControlNets
 from runners.guidance import TRUE_CFG, EmbeddedGuidance
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH as T5_LENGTH, REQUEST, Option, options
-from runners.families.flux.conditions import (
-    KONTEXT_MAX_AREA, PACK, control_latents, image_ids, kontext_size, pack, reference_latents, unpack,
-    unpacked_latents,
-)
+from runners.families.flux.conditions import KONTEXT_MAX_AREA, control_latents, kontext_size, reference_latents
+from runners.latents import LatentLayout, positions
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage, task_of
 
 
@@ -50,12 +48,13 @@ MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 class FluxPipeline(FluxControlNets, TextToImage):
     family = "flux"
     # ComfyUI's latent_rgb_factors and bias for FLUX.1's latents (runners/preview.py)
-    latent_rgb = ([[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
-                   [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115],
-                   [0.0405, 0.0861, 0.0915], [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180],
-                   [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
-                   [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499],
-                   [-0.1262, -0.0982, -0.0778]], [-0.0329, -0.0718, -0.0851])
+    layout = LatentLayout(packed_latents=True, positions=positions.flux1, latent_rgb={16: (
+        [[-0.0346, 0.0244, 0.0681], [0.0034, 0.0210, 0.0687], [0.0275, -0.0668, -0.0433],
+         [-0.0174, 0.0160, 0.0617], [0.0859, 0.0721, 0.0329], [0.0004, 0.0383, 0.0115], [0.0405, 0.0861, 0.0915],
+         [-0.0236, -0.0185, -0.0259], [-0.0245, 0.0250, 0.1180], [0.1008, 0.0755, -0.0421],
+         [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036], [0.0817, 0.0765, 0.0749],
+         [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499], [-0.1262, -0.0982, -0.0778]],
+        [-0.0329, -0.0718, -0.0851])})
     image_sets_size = ()  # every Flux pipeline renders at the requested (or the default) size
     strength_whole_steps = False
     guidance = TRUE_CFG  # FluxPipeline's: true_cfg_scale with a negative prompt (runners/guidance.py)
@@ -163,7 +162,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
             raise ValueError(f"max_sequence_length={max_sequence_length!r} is not allowed: use an integer from {lo} "
                              f"to {hi} (this artifact's T5 range)")
         if latents is not None:
-            latents = unpacked_latents(self, latents, height, width, output_type, "FluxPipeline")
+            latents = self._given_latents(latents, height, width, output_type, "FluxPipeline")
         control = dict(control_image=control_image, noise=control_noise, seed=seed, vae_tiling=vae_tiling) \
             if control_image is not None else None
         result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
@@ -173,7 +172,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
                                      encoder_noise=encoder_noise, text_length=max_sequence_length,
                                      guidance=guidance_scale, control=control, reference=reference,
                                      controlnets=controlnets)
-        return pack(result) if output_type == "latent" else result
+        return self.layout.as_diffusers(result) if output_type == "latent" else result
 
     def calibration_options(self, image, index: int) -> dict:
         """Kontext's transformer runs on a reference only: one at every call, at the calibration's size."""
@@ -189,7 +188,7 @@ class FluxPipeline(FluxControlNets, TextToImage):
         size = self.constants["default_image_size"]
         height, width = kontext_size(size if height is None else height, size if width is None else width,
                                      KONTEXT_MAX_AREA if max_area is None else max_area,
-                                     self.constants["vae_scale_factor"] * PACK)
+                                     self.constants["vae_scale_factor"] * self.layout.patch)
         reference = dict(image=image, auto_resize=auto_resize, vae_tiling=vae_tiling) if image is not None else None
         return height, width, reference
 
@@ -223,15 +222,14 @@ class FluxPipeline(FluxControlNets, TextToImage):
         image token range together with the image's."""
         z = reference_latents(self, n_images=n_images, **reference)
         scale = self.constants["vae_scale_factor"]
-        tokens = (height // scale // PACK) * (width // scale // PACK) + (z.shape[2] // PACK) * (z.shape[3] // PACK)
+        tokens = self.layout.tokens((height // scale, width // scale)) + self.layout.tokens(z.shape[2:])
         most = self.dims["image_tokens"][2]
         if tokens > most:
             raise ValueError(f"the image and its reference image take {tokens} image tokens, more than this artifact's "
                              f"{most}: lower max_area=, pass auto_resize=False with a smaller image=, or export with a "
                              "larger --image-size")
-        ids = image_ids(*z.shape[2:])
-        ids[:, 0] = 1
-        return pack(z), ids
+        p = self.layout.patch
+        return self.layout.pack(z), self.layout.positions(z.shape[2] // p, z.shape[3] // p, index=1)
 
     def _inpainting_channels(self, small_mask, mask, masked) -> np.ndarray:
         """FLUX.1 Fill's (FluxFillPipeline.prepare_mask_latents): the masked image's latents, then the pixel
@@ -250,7 +248,8 @@ class FluxPipeline(FluxControlNets, TextToImage):
         control = conditions.get(CONTROL_LATENTS)
         if control is not None:  # the same control for guidance's halves
             x = np.concatenate([x, np.concatenate([control] * (n // len(control)))], axis=1)
-        tokens, ids = pack(x), image_ids(h, w)
+        p = self.layout.patch
+        tokens, ids = self.layout.pack(x), self.layout.positions(h // p, w // p)
         if REFERENCE in conditions:  # Kontext's reference tokens after the image's, for guidance's halves too
             reference, reference_ids = conditions[REFERENCE]
             tokens = np.concatenate([tokens, np.concatenate([reference] * (n // len(reference)))], axis=1)
@@ -261,11 +260,11 @@ class FluxPipeline(FluxControlNets, TextToImage):
                                             img_ids=ids, txt_ids=feeds["txt_ids"])
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep,
                        img_ids=ids, **feeds, **residuals, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"][:, :(h // PACK) * (w // PACK)], h, w)}
+        return {**out, "noise_pred": self.layout.unpack(out["noise_pred"], (h, w))}
 
-    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+    def hidden_tokens(self, sides: tuple, conditions: dict) -> int:
         reference = conditions.get(REFERENCE)
-        return super().hidden_tokens(h, w, conditions) + (0 if reference is None else reference[0].shape[1])
+        return super().hidden_tokens(sides, conditions) + (0 if reference is None else reference[0].shape[1])
 
 
 register_key_spelling("flux", lora_keys.to_diffusers_names)  # adapters in FLUX.1's original module names

@@ -2,7 +2,7 @@
 FLUX.1 Canny/Depth's control image as latents concatenated on the channel axis (FluxControlPipeline; a
 Flux ControlNet's are the same latents, packed), and FLUX.1 Kontext's reference image as tokens appended
 to the image's (FluxKontextPipeline), with Kontext's size rules. (FLUX.1 Fill's masked image and mask
-are inpainting's: FluxPipeline.) The latents' packing into tokens is here too."""
+are inpainting's: FluxPipeline.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -10,48 +10,11 @@ import numpy as np
 from runners.conditioning.images import to_model_input
 from runners.text_to_image import given_or_drawn
 
-PACK = 2  # latents are packed in PACK x PACK patches
 # FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS, (width, height): the sizes Kontext was trained at
 KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
                        (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
                        (1456, 720), (1504, 688), (1568, 672))
 KONTEXT_MAX_AREA = 1024**2  # FluxKontextPipeline's max_area
-
-
-def pack(latents: np.ndarray) -> np.ndarray:
-    """(N, C, h, w) -> (N, h/2 * w/2, 4C): diffusers' _pack_latents."""
-    n, c, h, w = latents.shape
-    patches = latents.reshape(n, c, h // PACK, PACK, w // PACK, PACK).transpose(0, 2, 4, 1, 3, 5)
-    return patches.reshape(n, (h // PACK) * (w // PACK), c * PACK * PACK)
-
-
-def unpack(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
-    """(N, h/2 * w/2, 4C) -> (N, C, h, w): diffusers' _unpack_latents (h, w: the latent's sides)."""
-    n, _, d = tokens.shape
-    c = d // (PACK * PACK)
-    patches = tokens.reshape(n, h // PACK, w // PACK, c, PACK, PACK).transpose(0, 3, 1, 4, 2, 5)
-    return patches.reshape(n, c, h, w)
-
-
-def unpacked_latents(pipe, latents, height, width, output_type, pipeline: str) -> np.ndarray:
-    """`latents=` packed, as diffusers' `pipeline` takes them (FluxPipeline's, QwenImagePipeline's), checked
-    against the request's size (None: the artifact's default), unpacked as the loop takes them."""
-    size = pipe.constants["default_image_size"]
-    height, width = size if height is None else height, size if width is None else width
-    pipe._check(height, width, 1, output_type)
-    h, w = (side // pipe.constants["vae_scale_factor"] for side in (height, width))
-    tokens, channels = (h // PACK) * (w // PACK), pipe.manifest["constants"]["latent_channels"] * PACK**2
-    latents = np.asarray(latents, dtype=np.float32)
-    if latents.ndim != 3 or latents.shape[1:] != (tokens, channels):
-        raise ValueError(f"latents have shape {latents.shape}; a {height}x{width} image takes packed latents "
-                         f"(images, {tokens}, {channels}), as diffusers' {pipeline} does")
-    return unpack(latents, h, w)
-
-
-def image_ids(h: int, w: int) -> np.ndarray:
-    """Each packed token's position (0, row, column): diffusers' _prepare_latent_image_ids."""
-    rows, cols = np.meshgrid(np.arange(h // PACK), np.arange(w // PACK), indexing="ij")
-    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
 
 
 def control_pixels(pipe, control_image, height, width, n_images) -> np.ndarray:
@@ -67,9 +30,8 @@ def control_latents(pipe, control_image, height, width, n_images, noise, seed, v
                     stream: int = 1) -> np.ndarray:
     """FluxControlPipeline's control latents: `control_pixels`, then a sample of its VAE
     posterior (`noise`, or drawn from a `stream` of `seed` the latents' does not use), scaled."""
-    scale = pipe.constants["vae_scale_factor"]
     pixels = control_pixels(pipe, control_image, height, width, n_images)
-    shape = (n_images, pipe.manifest["constants"]["latent_channels"], height // scale, width // scale)
+    shape = pipe.layout.shape(pipe, n_images, height, width)
     noise = given_or_drawn("control_noise", noise, shape, np.random.default_rng(None if seed is None else (seed, stream)))
     return pipe._image_latents(pixels, n_images, noise, vae_tiling)
 
@@ -105,11 +67,10 @@ def reference_size(image, auto_resize: bool, multiple: int) -> tuple[int, int]:
 def reference_latents(pipe, image, auto_resize: bool, vae_tiling, n_images: int) -> np.ndarray:
     """FluxKontextPipeline's reference: the image's VAE latents (the posterior's mode), scaled, repeated for
     the images to generate (the whole batch, as diffusers repeats it)."""
-    multiple = pipe.constants["vae_scale_factor"] * PACK
+    multiple = pipe.constants["vae_scale_factor"] * pipe.layout.patch
     pixels = to_model_input(image, *reference_size(image, auto_resize, multiple), multiple=multiple)
     if n_images % len(pixels):
         raise ValueError(f"{len(pixels)} reference images for {n_images} images to generate: pass one, or one per "
                          "prompt")
-    scaling, shift = pipe.vae_factors()
-    z = (pipe.vae_encode(pixels, tiling=vae_tiling)[0] - np.float32(shift)) * np.float32(scaling)
+    z = pipe.layout.normalisation.from_vae(pipe, pipe.vae_encode(pixels, tiling=vae_tiling)[0])
     return np.concatenate([z] * (n_images // len(z)))

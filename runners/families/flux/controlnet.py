@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from runners.conditioning.controlnet import ControlNets
-from runners.families.flux.conditions import control_latents, control_pixels, pack
+from runners.families.flux.conditions import control_latents, control_pixels
 from runners.text_to_image import IMAGE, INPAINT, TEXT
 
 
@@ -31,7 +31,7 @@ class FluxControlNets(ControlNets):
             return control_pixels(self, given, height, width, n_images)
         k = self.controlnets().index(name)
         noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
-        return pack(control_latents(self, given, height, width, n_images, noise, request.seed, request.vae_tiling,
+        return self.layout.pack(control_latents(self, given, height, width, n_images, noise, request.seed, request.vae_tiling,
                                     stream=2 + k))
 
     def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:

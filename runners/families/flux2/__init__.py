@@ -22,8 +22,9 @@ import numpy as np
 from runners.adapters.lora import register_key_spelling
 from runners.families.flux2 import lora_keys
 from runners.families.flux2.references import capped, reference_tokens
-from runners.families.flux2.tokens import pack, positions, text_positions, unpack, unpatchify
+from runners.families.flux2.tokens import unpatchify
 from runners.guidance import ClassifierFree, EmbeddedGuidance
+from runners.latents import LatentLayout, positions
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import encode_prompts
 from runners.conditioning.images import bilinear, to_model_input
@@ -41,6 +42,7 @@ DEV = {TEXT: Defaults(50, 4.0)}  # Flux2Pipeline's: the guidance embedding's sca
 
 class Flux2Pipeline(TextToImage):
     family = "flux2"
+    layout = LatentLayout(positions=positions.flux2)  # a token a latent pixel, 4-axis ids; latents= unpacked
     # diffusers calls klein's transformer for the prompt, then for "" ("cond", "uncond"); the runner batches both
     guidance = ClassifierFree(contexts="uncond,cond", help="klein base: the classifier-free guidance scale (default 4; "
                               "<= 1 turns it off); dev: its guidance embedding's (default 4); klein distilled: ignored")
@@ -153,7 +155,7 @@ class Flux2Pipeline(TextToImage):
         multiple = self.constants["vae_scale_factor"]
         pixels = to_model_input(image, image.height // multiple * multiple, image.width // multiple * multiple, multiple)
         latent = self.vae_encode(pixels, tiling=vae_tiling)[0]
-        tokens, ids = pack(latent), positions(*latent.shape[2:], t=10)
+        tokens, ids = self.layout.pack(latent), self.layout.positions(*latent.shape[2:], index=10)
         if image_reference is not None:
             more, more_ids, _ = reference_tokens(self, image_reference, vae_tiling, first=2)
             tokens, ids = np.concatenate([tokens, more], axis=1), np.concatenate([ids, more_ids])
@@ -174,7 +176,7 @@ class Flux2Pipeline(TextToImage):
         if cfg:
             negatives = self._encode(self._negatives(prompts, negative_prompt), per_prompt, max_length)
             embeds = self.guidance.batch(embeds, negatives)
-        conditions = {"encoder_hidden_states": embeds, "txt_ids": text_positions(embeds.shape[1])}
+        conditions = {"encoder_hidden_states": embeds, "txt_ids": positions.flux2_text(embeds.shape[1])}
         if embedded is not None:
             conditions.update(self.embedded.conditions(embedded, len(embeds)))
         if reference is not None:
@@ -195,7 +197,7 @@ class Flux2Pipeline(TextToImage):
         """The transformer on the packed latents (the references' tokens after them), its timestep divided by
         1000 as the pipeline feeds it: its outputs, `noise_pred` the latents' tokens' unpacked."""
         n, _, h, w = x.shape
-        tokens, ids = pack(x), positions(h, w)
+        tokens, ids = self.layout.pack(x), self.layout.positions(h, w)
         if self.kv:
             return self._predict_kv(tokens, ids, t, conditions, release, h, w)
         if REFERENCE in conditions:
@@ -206,7 +208,7 @@ class Flux2Pipeline(TextToImage):
         timestep = np.full(n, t, dtype=np.float32) / np.float32(1000)
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, img_ids=ids,
                        **feeds, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"][:, :h * w], h, w)}
+        return {**out, "noise_pred": self.layout.unpack(out["noise_pred"], (h, w))}
 
     def _predict_kv(self, tokens, ids, t, conditions: dict, release: bool, h: int, w: int) -> dict:
         """Flux2KleinKVPipeline's step (export/families/flux2_kv.py): with references, the call's first step runs
@@ -224,7 +226,7 @@ class Flux2Pipeline(TextToImage):
         else:
             keys, values = conditions[KV] if KV in conditions else (self._no_reference_kv(n),) * 2
             out = self.run("transformer", release=release, reference_keys=keys, reference_values=values, **common)
-        return {"noise_pred": unpack(out["noise_pred"], h, w)}
+        return {"noise_pred": self.layout.unpack(out["noise_pred"], (h, w))}
 
     def _no_reference_kv(self, n: int) -> np.ndarray:
         """Keys (or values) of no reference: text to image on the cached-mode graph."""

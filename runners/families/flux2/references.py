@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 
-from runners.families.flux2.tokens import pack, positions
 
 TIME_OFFSET = 10  # reference i's ids have T = 10 (i + 1)
 MIN_SIDE, MAX_RATIO = 64, 8  # Flux2ImageProcessor.check_image_input's
@@ -58,6 +57,6 @@ def reference_tokens(pipe, images, vae_tiling=None, first: int = 1) -> tuple[np.
         pixels = prepared(image, c["reference_area"], c["vae_scale_factor"])
         size = size or pixels.shape[2:]
         latent = pipe.vae_encode(pixels, tiling=vae_tiling)[0]  # the posterior's mode, as the pipeline reads it
-        tokens.append(pack(latent))
-        ids.append(positions(*latent.shape[2:], t=TIME_OFFSET * (i + first)))
+        tokens.append(pipe.layout.pack(latent))
+        ids.append(pipe.layout.positions(*latent.shape[2:], index=TIME_OFFSET * (i + first)))
     return np.concatenate(tokens, axis=1), np.concatenate(ids), tuple(int(s) for s in size)

@@ -17,21 +17,11 @@ import numpy as np
 
 from runners.conditioning.images import to_model_input
 from runners.guidance import ClassifierFree
+from runners.latents import PER_CHANNEL, LatentLayout
 from runners.options import IMAGE_TASKS, Option, options
 from runners.text_to_image import TEXT, Defaults, _is_int, given_or_drawn
 from runners.text_to_video import (FRAME_MASK, NUM_VIDEOS, FirstFrame, TextToVideo, first_frame_mask, frames_option,
                                    token_timesteps, video_request_options)
-
-def pack(latents: np.ndarray) -> np.ndarray:
-    """(N, C, F, h, w) -> the transformer's tokens (N, F * h * w, C): patches of one latent pixel, frame-major."""
-    n, c = latents.shape[:2]
-    return np.ascontiguousarray(latents.reshape(n, c, -1).transpose(0, 2, 1))
-
-
-def unpack(tokens: np.ndarray, frames: int, h: int, w: int) -> np.ndarray:
-    n, _, c = tokens.shape
-    return np.ascontiguousarray(tokens.transpose(0, 2, 1).reshape(n, c, frames, h, w))
-
 
 def video_coords(frames: int, h: int, w: int, frame_rate: float, spatial: int, temporal: int) -> np.ndarray:
     """Each token's (frame, row, column) as LTXVideoRotaryPosEmbed computes them from the integer sizes and the
@@ -43,6 +33,8 @@ def video_coords(frames: int, h: int, w: int, frame_rate: float, spatial: int, t
 
 class LTXPipeline(TextToVideo):
     family = "ltx"
+    # a token a latent pixel, frame-major; latents= packed; the VAE's statistics applied here, not in its graphs
+    layout = LatentLayout(video=True, packed_latents=True, normalisation=PER_CHANNEL)
     guidance = ClassifierFree()
     defaults = {TEXT: Defaults(50, 3.0)}
     options = options(
@@ -86,12 +78,10 @@ class LTXPipeline(TextToVideo):
         self._check(height, width, n_videos * (2 if cfg else 1), "np")
         rng = np.random.default_rng(seed)
         scale, temporal = c["vae_scale_factor"], c["vae_temporal_scale"]
-        shape = (n_videos, self.manifest["constants"]["latent_channels"], (num_frames - 1) // temporal + 1,
-                 height // scale, width // scale)
+        shape = self.layout.shape(self, n_videos, height, width, num_frames)
         first = None
         if latents is not None:
-            latents = unpack(given_or_drawn("latents", latents, (n_videos, np.prod(shape[2:]), shape[1]), rng),
-                             *shape[2:])
+            latents = given_or_drawn("latents", self.layout.from_diffusers(latents, shape, "LTXPipeline"), shape, rng)
             first = latents[:, :, :1] if image is not None else None
         elif image is not None:
             with self._timed("vae_encode"):
@@ -114,7 +104,7 @@ class LTXPipeline(TextToVideo):
         with self._timed("denoise"):
             latents = self._denoise(latents, schedule, guidance_scale, conditions, inpainting=hook)
         if output_type == "latent":
-            return pack(latents)
+            return self.layout.as_diffusers(latents)
         with self._timed("vae_decode"):
             noise_scale = decode_timestep if decode_noise_scale is None else decode_noise_scale
             video = self.decode_video(latents, decode_timestep, noise_scale, decode_noise, rng)
@@ -124,11 +114,11 @@ class LTXPipeline(TextToVideo):
         """One transformer call on 5-D latents: packed in, a timestep per token (0 on the first frame's for image to
         video), the prediction unpacked."""
         n, _, f, h, w = x.shape
-        feeds, timestep = token_timesteps(t, n, f * h * w, conditions)
-        out = self.run(engine or "transformer", release=release, hidden_states=pack(x), timestep=timestep, **feeds,
-                       **extra)
+        feeds, timestep = token_timesteps(t, n, self.layout.tokens((f, h, w)), conditions)
+        out = self.run(engine or "transformer", release=release, hidden_states=self.layout.pack(x), timestep=timestep,
+                       **feeds, **extra)
         if "noise_pred" in out:
-            out = {**out, "noise_pred": unpack(out["noise_pred"], f, h, w)}
+            out = {**out, "noise_pred": self.layout.unpack(out["noise_pred"], (f, h, w))}
         return out
 
     def calibration_options(self, image, index: int) -> dict:
@@ -138,9 +128,6 @@ class LTXPipeline(TextToVideo):
     def calibration_encode(self, output: np.ndarray) -> None:
         """Calibration: the VAE encoder on a clip's first frame, as image to video runs it."""
         self.run("vae_encoder", image=np.ascontiguousarray(output[:, 0].transpose(0, 3, 1, 2)) * 2 - 1)
-
-    def hidden_tokens(self, f: int, h: int, w: int, conditions: dict) -> int:
-        return f * h * w
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, max_length) -> dict:
         states, mask = self._encode(prompts, per_prompt, max_length)
@@ -166,21 +153,14 @@ class LTXPipeline(TextToVideo):
         mean, logvar = out["latent_mean"], out["latent_logvar"]
         noise = given_or_drawn("encoder_noise", encoder_noise, (len(pixels), mean.shape[1], 1, *mean.shape[2:]), rng)
         sample = mean[:, :, None] + np.exp(np.float32(0.5) * logvar[:, :, None]) * noise
-        stats = self._statistics()
-        latent = (sample - stats[0]) / stats[1]  # diffusers' _normalize_latents (its scaling factor 1.0)
+        latent = self.layout.normalisation.from_vae(self, sample)  # diffusers' _normalize_latents
         return np.repeat(np.broadcast_to(latent, (n_prompts, *latent.shape[1:])), per_prompt, axis=0)
-
-    def _statistics(self) -> tuple[np.ndarray, np.ndarray]:
-        """The VAE's per-channel latents_mean and latents_std, shaped to broadcast over (N, C, F, h, w)."""
-        return tuple(np.asarray(self.constants[k], dtype=np.float32).reshape(1, -1, 1, 1, 1)
-                     for k in ("latents_mean", "latents_std"))
 
     def decode_video(self, latents, decode_timestep: float, noise_scale: float, decode_noise, rng) -> np.ndarray:
         """The pipeline's latents (N, C, f, h, w) -> frames (N, F, H, W, 3) in [0, 1]: denormalised, the decode
         noise mixed in (a timestep-conditioned VAE's; each video's, where diffusers draws per prompt) and the clip
         decoded at once."""
-        mean, std = self._statistics()
-        z = latents * std / np.float32(self.constants["vae_scaling_factor"]) + mean
+        z = self.layout.normalisation.to_vae(self, latents)
         if self.constants["vae_timestep_conditioning"]:
             noise = given_or_drawn("decode_noise", decode_noise, z.shape, rng)
             s = np.float32(noise_scale)

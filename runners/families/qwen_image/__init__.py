@@ -2,7 +2,7 @@
 QwenImageInpaintPipeline: each prompt in the pipeline's template through Qwen2.5-VL's language model, the
 template's first 34 tokens' states dropped and the rest padded to the call's longest prompt with a mask
 (runners/prompts.py's "repadded"); the transformer on the latents packed in 2 x 2 patches (FLUX.1's packing:
-runners/families/flux/conditions.py) with their rotary positions (`positions`); true CFG only with a
+runners/latents/) with their rotary positions (runners/latents/positions.py's `qwen`); true CFG only with a
 negative prompt and `true_cfg_scale` above 1, each guided token rescaled to the norm of the prompt's
 (runners/guidance.py's RescaledTrueCFG); FLUX.1's flow-matching sigmas shifted by the image's tokens.
 
@@ -20,10 +20,10 @@ import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS, CONTROLNETS
-from runners.families.flux.conditions import PACK, pack, unpack, unpacked_latents
 from runners.families.qwen_image import lora_keys
 from runners.families.qwen_image.controlnet import QwenImageControlNets
 from runners.guidance import QWEN_TRUE_CFG
+from runners.latents import LatentLayout, positions
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
@@ -43,21 +43,6 @@ class References(NamedTuple):
 DEFAULTS = {TEXT: Defaults(50, 4.0), IMAGE: Defaults(50, 4.0, 0.6), INPAINT: Defaults(50, 4.0, 0.6)}
 # diffusers' frame axis in the image tasks' draws: the noise is drawn (N, 1, z, h, w), the posteriors (N, z, 1, h, w)
 FRAME_AXIS = {"noise": 1, "encoder_noise": 2, "control_noise": 2}
-
-
-def positions(rows: int, cols: int, frame: int = 0) -> np.ndarray:
-    """(rows * cols, 3) float32: each packed token's rotary position (frame, row, column), the rows and columns
-    centred as QwenEmbedRope's scale_rope numbers them (-ceil(n / 2) to n // 2 - 1). The image is frame 0; the
-    Edit pipelines' input images are frames 1, 2, ..."""
-    r, c = np.meshgrid(np.arange(rows) - (rows - rows // 2), np.arange(cols) - (cols - cols // 2), indexing="ij")
-    return np.stack([np.full_like(r, frame), r, c], axis=-1).reshape(-1, 3).astype(np.float32)
-
-
-def text_positions(length: int, shapes) -> np.ndarray:
-    """(length, 3) float32: the text's positions, on every axis after the largest half side of the images'
-    token grids `shapes` ((rows, cols) each)."""
-    first = max(max(rows // 2, cols // 2) for rows, cols in shapes)
-    return np.repeat(np.arange(first, first + length, dtype=np.float32)[:, None], 3, axis=1)
 
 
 def _without_frame(name: str, value, axis: int):
@@ -80,6 +65,7 @@ def padded(encoded: Encoded, length: int) -> Encoded:
 
 
 class QwenImagePipeline(QwenImageControlNets, TextToImage):
+    layout = LatentLayout(packed_latents=True, positions=positions.qwen)
     family = "qwen_image"
     guidance = QWEN_TRUE_CFG
     defaults = DEFAULTS
@@ -110,7 +96,7 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         max_sequence_length = min(max_sequence_length,
                                   self.dims["text_length"][2] - self.tokenizers["tokenizer"].drop_tokens)
         if latents is not None:
-            latents = unpacked_latents(self, latents, height, width, output_type, "QwenImagePipeline")
+            latents = self._given_latents(latents, height, width, output_type, "QwenImagePipeline")
         noise, encoder_noise = (_without_frame(name, value, FRAME_AXIS[name])
                                 for name, value in (("noise", noise), ("encoder_noise", encoder_noise)))
         if isinstance(control_noise, (list, tuple)):  # one per ControlNet
@@ -124,7 +110,7 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
             encoder_noise=encoder_noise, sigmas=sigmas, max_length=max_sequence_length, control_image=control_image,
             controlnet_conditioning_scale=controlnet_conditioning_scale, control_guidance_start=control_guidance_start,
             control_guidance_end=control_guidance_end, control_noise=control_noise)
-        return pack(result) if output_type == "latent" else result
+        return self.layout.as_diffusers(result) if output_type == "latent" else result
 
     def _check_text_options(self, guidance_scale, max_sequence_length) -> None:
         """diffusers' warning for guidance_scale and its range for max_sequence_length."""
@@ -160,29 +146,29 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         encoded = encode_prompts(self, "text_encoder", "tokenizer", prompts, drop + max_length, post="repadded")
         return Encoded(*(np.repeat(a, per_prompt, axis=0) for a in encoded))
 
-    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+    def hidden_tokens(self, sides: tuple, conditions: dict) -> int:
         """The image's tokens, and the Edit pipelines' input images' after them."""
         references = conditions.get(REFERENCE)
-        return super().hidden_tokens(h, w, conditions) + (0 if references is None else len(references.ids))
+        return super().hidden_tokens(sides, conditions) + (0 if references is None else len(references.ids))
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:
         """The transformer on the packed latents (the Edit pipelines' input images' tokens after them), its
         timestep divided by 1000 (as the pipeline feeds it), with the tokens' and the text's rotary positions and
         the ControlNets' residuals: its outputs, `noise_pred` the image's tokens' unpacked."""
         n, _, h, w = x.shape
-        rows, cols = h // PACK, w // PACK
+        rows, cols = h // self.layout.patch, w // self.layout.patch
         feeds = {k: v for k, v in conditions.items() if k not in (CONTROLNETS, REFERENCE)}
-        tokens, timestep = pack(x), np.full(n, t, dtype=np.float32) / np.float32(1000)
-        img_ids, shapes = positions(rows, cols), [(rows, cols)]
+        tokens, timestep = self.layout.pack(x), np.full(n, t, dtype=np.float32) / np.float32(1000)
+        img_ids, shapes = self.layout.positions(rows, cols), [(rows, cols)]
         references = conditions.get(REFERENCE)
         if references is not None:
             tokens = np.concatenate([tokens, np.repeat(references.tokens, n, axis=0)], axis=1)
             img_ids, shapes = np.concatenate([img_ids, references.ids]), shapes + references.shapes
-        ids = {"img_ids": img_ids, "txt_ids": text_positions(feeds["encoder_hidden_states"].shape[1], shapes)}
+        ids = {"img_ids": img_ids, "txt_ids": positions.qwen_text(feeds["encoder_hidden_states"].shape[1], shapes)}
         controlnets = conditions.get(CONTROLNETS)
         residuals = self._control_residuals(engine, tokens, timestep, feeds, release, controlnets, **ids)
         out = self.run(engine or "transformer", release=release, hidden_states=tokens, timestep=timestep, **ids,
                        **feeds, **residuals, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"][:, :rows * cols], h, w)}
+        return {**out, "noise_pred": self.layout.unpack(out["noise_pred"], (h, w))}
 
 register_key_spelling("qwen_image", lora_keys.to_diffusers_names)  # adapters in the trainers' module names

@@ -14,9 +14,9 @@ import logging
 
 import numpy as np
 
-from runners.families.flux2.tokens import pack, unpack  # a plain flatten, as FLUX.2's
-from runners.families.qwen_image import padded, positions
+from runners.families.qwen_image import padded
 from runners.guidance import TRUE_CFG
+from runners.latents import LatentLayout, positions
 from runners.options import REQUEST, Option, options
 from runners.prompts import Encoded, encode_prompts
 from runners.text_to_image import TEXT, Defaults, TextToImage
@@ -27,6 +27,7 @@ log = logging.getLogger("runners")
 
 class QwenImage21Pipeline(TextToImage):
     family = "qwen_image21"
+    layout = LatentLayout(packed_latents=True, positions=positions.qwen)  # a token a latent pixel (64 channels)
     guidance = TRUE_CFG
     defaults = {TEXT: Defaults(40, 1.0)}  # QwenImage21Pipeline's: 40 steps, no guidance
     options = options(REQUEST, guidance.options, (
@@ -49,23 +50,12 @@ class QwenImage21Pipeline(TextToImage):
         if sigmas is None:
             sigmas = self.constants.get("sample_sigmas")
         if latents is not None:
-            latents = self._unpacked(latents, height, width)
+            latents = self._given_latents(latents, height, width, output_type, "QwenImage21Pipeline")
         result = self._text_to_image(
             prompt, negative_prompt, height, width, num_inference_steps,
             true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt, seed, latents,
             output_type, vae_tiling, sigmas=sigmas)
-        return pack(result) if output_type == "latent" else result
-
-    def _unpacked(self, latents, height, width) -> np.ndarray:
-        """`latents=` as diffusers takes them, (N, h * w, C), as the loop's (N, C, h, w)."""
-        scale, size = self.constants["vae_scale_factor"], self.constants["default_image_size"]
-        h, w = (height or size) // scale, (width or size) // scale
-        latents = np.asarray(latents, dtype=np.float32)
-        channels = self.manifest["constants"]["latent_channels"]
-        if latents.ndim != 3 or latents.shape[1:] != (h * w, channels):
-            raise ValueError(f"latents have shape {latents.shape}; a {h * scale}x{w * scale} image takes packed "
-                             f"latents (N, {h * w}, {channels}), as QwenImage21Pipeline does")
-        return unpack(latents, h, w)
+        return self.layout.as_diffusers(result) if output_type == "latent" else result
 
     def _conditions(self, prompts, negative_prompt, per_prompt, cfg, height, width) -> dict:
         """Each branch's prompts padded to its longest (the image's rotary frame follows it, `frames`); with
@@ -96,7 +86,7 @@ class QwenImage21Pipeline(TextToImage):
         rotary frame after its branch's prompts, reading the prompts' keys and values."""
         n, _, h, w = x.shape
         feeds = {k: v for k, v in conditions.items() if k != "frames"}
-        img_ids = np.stack([positions(h, w, frame) for frame in conditions["frames"]])
-        out = self.run(engine or "transformer", release=release, hidden_states=pack(x),
+        img_ids = np.stack([self.layout.positions(h, w, frame) for frame in conditions["frames"]])
+        out = self.run(engine or "transformer", release=release, hidden_states=self.layout.pack(x),
                        timestep=np.full(n, t, dtype=np.float32) / np.float32(1000), img_ids=img_ids, **feeds, **extra)
-        return {**out, "noise_pred": unpack(out["noise_pred"], h, w)}
+        return {**out, "noise_pred": self.layout.unpack(out["noise_pred"], (h, w))}

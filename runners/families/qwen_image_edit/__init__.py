@@ -21,9 +21,8 @@ from dataclasses import replace
 import numpy as np
 
 from runners.adapters.lora import register_key_spelling
-from runners.families.flux.conditions import pack, unpacked_latents
 from runners.families.qwen_image import lora_keys
-from runners.families.qwen_image import REFERENCE, QwenImagePipeline, References, positions
+from runners.families.qwen_image import REFERENCE, QwenImagePipeline, References
 from runners.families.qwen_image_edit.vision import (VisionConfig, image_tokens, merged_in_order, mrope_positions,
                                                 pixel_patches, vision_layout)
 from runners.options import MAX_SEQUENCE_LENGTH, REQUEST, Option, options
@@ -82,7 +81,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         multiple = c["vae_scale_factor"] * c["latent_multiple"]
         height, width = height // multiple * multiple, width // multiple * multiple
         if latents is not None:
-            latents = unpacked_latents(self, latents, height, width, output_type, "QwenImageEditPipeline")
+            latents = self._given_latents(latents, height, width, output_type, "QwenImageEditPipeline")
         vae_images, vision_images = self._sized(images)
         with self._timed("vae_encode"):
             references = self._references(vae_images, vae_tiling)
@@ -90,7 +89,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
                                      true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt,
                                      seed, latents, output_type, vae_tiling, sigmas=sigmas,
                                      vision_images=vision_images, references=references)
-        return pack(result) if output_type == "latent" else result
+        return self.layout.as_diffusers(result) if output_type == "latent" else result
 
     @property
     def vision_config(self) -> VisionConfig:
@@ -121,9 +120,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
         for i, image in enumerate(images):
             pixels = to_model_input(image, image.height, image.width, self.constants["vae_scale_factor"])
             latent = self.vae_encode(pixels, tiling=vae_tiling)[0]
-            rows, cols = latent.shape[2] // 2, latent.shape[3] // 2
-            tokens.append(pack(latent))
-            ids.append(positions(rows, cols, frame=i + 1))
+            rows, cols = latent.shape[2] // self.layout.patch, latent.shape[3] // self.layout.patch
+            tokens.append(self.layout.pack(latent))
+            ids.append(self.layout.positions(rows, cols, index=i + 1))
             shapes.append((rows, cols))
         return References(np.concatenate(tokens, axis=1), np.concatenate(ids), shapes)
 

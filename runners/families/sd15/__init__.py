@@ -10,14 +10,17 @@ import numpy as np
 
 from runners.conditioning.controlnet import CONTROL_OPTIONS, GUESS_MODE, ControlNets
 from runners.options import IMAGE_TASKS, REQUEST, options
+from runners.latents import LatentLayout
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD15Pipeline(ControlNets, TextToImage):
     family = "sd15"
     # ComfyUI's latent_rgb_factors and bias for SD1.5's latents (runners/preview.py)
-    latent_rgb = ([[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
-                   [-0.2120, -0.2616, -0.7177]], [0.0, 0.0, 0.0])
+    layout = LatentLayout(latent_rgb={4: (
+        [[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
+         [-0.2120, -0.2616, -0.7177]],
+        [0.0, 0.0, 0.0])})
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 7.5), IMAGE: Defaults(50, 7.5, 0.8), INPAINT: Defaults(50, 7.5, 1.0)}
     options = options(REQUEST, TextToImage.guidance.options, IMAGE_TASKS, CONTROL_OPTIONS, (GUESS_MODE,))

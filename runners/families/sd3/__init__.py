@@ -10,18 +10,20 @@ import numpy as np
 from runners.families.sd3.controlnet import SD3ControlNets
 from runners.conditioning.controlnet import CONTROL_NOISE, CONTROL_OPTIONS
 from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, options
+from runners.latents import LatentLayout
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SD3Pipeline(SD3ControlNets, TextToImage):
     family = "sd3"
     # ComfyUI's latent_rgb_factors and bias for SD3's latents (runners/preview.py)
-    latent_rgb = ([[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458],
-                   [0.0856, 0.0339, 0.0902], [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309],
-                   [0.0978, 0.0306, 0.0427], [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669],
-                   [-0.0488, 0.0130, -0.0268], [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542],
-                   [0.0332, 0.0456, 0.0895], [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293],
-                   [-0.1448, -0.1463, -0.1189]], [0.2394, 0.2135, 0.1925])
+    layout = LatentLayout(latent_rgb={16: (
+        [[-0.0922, -0.0175, 0.0749], [0.0311, 0.0633, 0.0954], [0.1994, 0.0927, 0.0458], [0.0856, 0.0339, 0.0902],
+         [0.0587, 0.0272, -0.0496], [-0.0006, 0.1104, 0.0309], [0.0978, 0.0306, 0.0427],
+         [-0.0042, 0.1038, 0.1358], [-0.0194, 0.0020, 0.0669], [-0.0488, 0.0130, -0.0268],
+         [0.0922, 0.0988, 0.0951], [-0.0278, 0.0524, -0.0542], [0.0332, 0.0456, 0.0895],
+         [-0.0069, -0.0030, -0.0810], [-0.0596, -0.0465, -0.0293], [-0.1448, -0.1463, -0.1189]],
+        [0.2394, 0.2135, 0.1925])})
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(28, 7.0), IMAGE: Defaults(50, 7.0, 0.6), INPAINT: Defaults(50, 7.0, 0.6)}
     options = options(REQUEST, TextToImage.guidance.options, (replace(MAX_SEQUENCE_LENGTH, default=256),), IMAGE_TASKS,

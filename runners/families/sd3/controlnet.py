@@ -66,4 +66,4 @@ class SD3ControlNets(ControlNets):
         return [out[f"controlnet_block_{int(int(s['name'].rsplit('_', 1)[1]) / interval)}"] for s in specs]
 
     def _residual_dims(self, x: np.ndarray, conditions: dict) -> dict:
-        return {"batch": x.shape[0], "image_tokens": self.hidden_tokens(*x.shape[2:], {})}
+        return {"batch": x.shape[0], "image_tokens": self.hidden_tokens(x.shape[2:], {})}

@@ -13,14 +13,17 @@ import numpy as np
 
 from runners.conditioning.controlnet import CONTROL_OPTIONS, GUESS_MODE, ControlNets
 from runners.options import IMAGE_TASKS, REQUEST, Option, options
+from runners.latents import LatentLayout
 from runners.text_to_image import IMAGE, INPAINT, TEXT, Defaults, TextToImage
 
 
 class SDXLPipeline(ControlNets, TextToImage):
     family = "sdxl"
     # ComfyUI's latent_rgb_factors and bias for SDXL's latents (runners/preview.py)
-    latent_rgb = ([[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362],
-                   [-0.3165, -0.2492, -0.2188]], [0.1084, -0.0175, -0.0011])
+    layout = LatentLayout(latent_rgb={4: (
+        [[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362],
+         [-0.3165, -0.2492, -0.2188]],
+        [0.1084, -0.0175, -0.0011])})
     # diffusers' defaults: its text-to-image, Img2Img and Inpaint pipelines'
     defaults = {TEXT: Defaults(50, 5.0), IMAGE: Defaults(50, 5.0, 0.3), INPAINT: Defaults(50, 7.5, 0.9999)}
     control_defaults = {IMAGE: Defaults(50, 5.0, 0.8), INPAINT: Defaults(50, 5.0, 0.9999)}

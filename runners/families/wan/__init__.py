@@ -27,6 +27,7 @@ from runners.conditioning.images import to_model_input
 from runners.conditioning.inpainting import Inpainting
 from runners.families.wan import latent_rgb, lora_keys
 from runners.guidance import ClassifierFree
+from runners.latents import LatentLayout
 from runners.options import Option, options
 from runners.prompts import encode_prompts
 from runners.text_to_image import TEXT, Defaults, Handover, _is_int, given_or_drawn
@@ -54,6 +55,8 @@ class WanPipeline(TextToVideo):
     # WanPipeline runs the prompt's and the negative prompt's predictions as two calls ("cond", "uncond")
     guidance = ClassifierFree(contexts="uncond,cond")
     defaults = {TEXT: Defaults(50, 5.0)}
+    # the transformer patches the latents itself (a token a 1 x 2 x 2 patch); the VAE's graphs hold its statistics
+    layout = LatentLayout(video=True, latent_rgb=latent_rgb.BY_CHANNELS)
     options = options(
         video_request_options("480 x 832"), guidance.options,
         (frames_option(81), NUM_VIDEOS,
@@ -62,10 +65,6 @@ class WanPipeline(TextToVideo):
                 within=lambda v: v >= 1, allowed="an integer >= 1"),
          Option("guidance_scale_2", "float", "Wan 2.2 A14B: the guidance scale of the low-noise transformer, below "
                 "the boundary step (default: guidance_scale)", allowed="a finite number")))
-
-    @property
-    def latent_rgb(self) -> tuple:
-        return latent_rgb.BY_CHANNELS[self.manifest["constants"]["latent_channels"]]
 
     def generate(self, prompt, negative_prompt=None, image=None, height=None, width=None, num_frames=None,
                  num_inference_steps=None, guidance_scale=None, num_videos_per_prompt=1, seed=None, latents=None,
@@ -89,9 +88,7 @@ class WanPipeline(TextToVideo):
         self._check(height, width, n_videos * (2 if cfg else 1), "np")
         with self._timed("text_encoders"):
             conditions = self._conditions(prompts, negative_prompt, num_videos_per_prompt, cfg, max_sequence_length)
-        scale, temporal = c["vae_scale_factor"], c["vae_temporal_scale"]
-        shape = (n_videos, self.manifest["constants"]["latent_channels"], (num_frames - 1) // temporal + 1,
-                 height // scale, width // scale)
+        shape = self.layout.shape(self, n_videos, height, width, num_frames)
         latents = given_or_drawn("latents", latents, shape, np.random.default_rng(seed))
         schedule = self.scheduler.start(steps)
         latents = latents * np.float32(schedule.init_noise_sigma)
@@ -147,7 +144,7 @@ class WanPipeline(TextToVideo):
         if self.constants.get("expand_timesteps"):
             first = self._condition_latents(image, n_prompts, per_prompt, height, width, 1)
             conditions[FRAME_MASK] = first_frame_mask(rows, latents.shape[2],
-                                                      self.hidden_tokens(1, *latents.shape[3:], conditions))
+                                                      self.hidden_tokens((1, *latents.shape[3:]), conditions))
             return np.concatenate([first, latents[:, :, 1:]], axis=2), FirstFrame(first)
         condition = self._condition_latents(image, n_prompts, per_prompt, height, width, frames)
         mask = np.zeros((len(condition), self.constants["vae_temporal_scale"], *condition.shape[2:]), np.float32)
@@ -182,7 +179,7 @@ class WanPipeline(TextToVideo):
         """Wan 2.2 TI2V-5B's transformer takes a timestep per token (0 on an image's first frame)."""
         if not self.constants.get("expand_timesteps"):
             return super()._predict(x, t, conditions, release, engine, **extra)
-        feeds, timestep = token_timesteps(t, len(x), self.hidden_tokens(*x.shape[2:], conditions), conditions)
+        feeds, timestep = token_timesteps(t, len(x), self.hidden_tokens(x.shape[2:], conditions), conditions)
         return self.run(engine or "transformer", release=release, hidden_states=x, timestep=timestep, **feeds,
                         **extra)
 
@@ -194,11 +191,6 @@ class WanPipeline(TextToVideo):
 
     def calibration_encode(self, output: np.ndarray) -> None:
         self.encode_video(np.ascontiguousarray(output.transpose(0, 4, 1, 2, 3)) * 2 - 1)
-
-    def hidden_tokens(self, f: int, h: int, w: int, conditions: dict) -> int:
-        """The blocks' stream for latents of f frames of h x w: a token per 1 x 2 x 2 patch."""
-        patch = self.constants["patch_size"]
-        return f * (h // patch) * (w // patch)
 
     def _on_grid(self, height, width) -> tuple:
         """Sides rounded down to the transformer's patches in latent pixels, with diffusers' warning."""

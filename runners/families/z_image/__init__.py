@@ -87,11 +87,11 @@ class ZImagePipeline(ZImageControlNets, TextToImage):
         trimmed = encode_prompts(self, "text_encoder", "tokenizer", prompts, max_length, post="trimmed")
         return [e for e in trimmed for _ in range(per_prompt)]
 
-    def hidden_tokens(self, h: int, w: int, conditions: dict) -> int:
+    def hidden_tokens(self, sides: tuple, conditions: dict) -> int:
         """The blocks' stream: the image's patches, then the batch's longest caption, each padded to a multiple
         of 32 (the manifest's `token_multiple`: export/families/z_image.py)."""
         multiple = self.constants["token_multiple"]
-        image, caption = super().hidden_tokens(h, w, conditions), conditions["caption"].shape[1]
+        image, caption = super().hidden_tokens(sides, conditions), conditions["caption"].shape[1]
         return sum(-(-n // multiple) * multiple for n in (image, caption))
 
     def _predict(self, x, t, conditions: dict, release: bool, engine: str | None = None, **extra) -> dict:

@@ -68,4 +68,4 @@ class ZImageControlNets(ControlNets):
         return [np.zeros_like(next(iter(out.values()))) if r is None else r for r in taken]
 
     def _residual_dims(self, x: np.ndarray, conditions: dict) -> dict:
-        return {"batch": x.shape[0], "hidden_tokens": self.hidden_tokens(*x.shape[2:], conditions)}
+        return {"batch": x.shape[0], "hidden_tokens": self.hidden_tokens(x.shape[2:], conditions)}
