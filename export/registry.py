@@ -551,6 +551,11 @@ WAN21_I2V_TINY = {
                       "image_size": 224, "patch_size": 14, "hidden_act": "gelu", "projection_dim": 32},
     "image_processor": _CLIP_IMAGE_PROCESSOR,
 }
+# Wan 2.2 I2V A14B's layout (Wan-AI/Wan2.2-I2V-A14B-Diffusers): Wan 2.1 I2V's image channels in both transformers,
+# no image encoder, the handover at its model_index.json's boundary 0.9
+_WAN_I2V_TRANSFORMER = {**WAN_TINY["transformer"], "in_channels": 36}
+WAN22_I2V_A14B_TINY = {**WAN_TINY, "transformer": _WAN_I2V_TRANSFORMER, "transformer_2": _WAN_I2V_TRANSFORMER,
+                       "boundary_ratio": 0.9}
 # Wan 2.2's VAE statistics (its config's latents_mean and latents_std, 48 channels)
 _WAN22_LATENTS_MEAN = [
     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.157,
@@ -820,6 +825,14 @@ MODELS: dict[str, ModelEntry] = {
                    frames=(1, 9, 17), text_length=(1, 64, 512),
                    description="Wan 2.1 I2V architecture (the image as channels, a CLIP vision encoder) at tiny "
                                "widths, built offline"),
+        ModelEntry("wan2.2-i2v-a14b", "wan", hub_id="Wan-AI/Wan2.2-I2V-A14B-Diffusers", image_size=(256, 832, 1280),
+                   frames=(5, 81, 81), text_length=(1, 128, 512), batch=(1, 2, 4),
+                   description="Wan 2.2 image to video, A14B (the image as channels of two 14B transformers: high "
+                               "noise, then low noise)"),
+        ModelEntry("wan22-i2v-tiny", "wan", random_configs=WAN22_I2V_A14B_TINY, image_size=(64, 64, 256),
+                   frames=(1, 9, 17), text_length=(1, 64, 512),
+                   description="Wan 2.2 I2V A14B architecture (the image as channels, two transformers handing over "
+                               "at the boundary) at tiny widths, built offline"),
         ModelEntry("wan2.2-ti2v-5b", "wan", hub_id="Wan-AI/Wan2.2-TI2V-5B-Diffusers", image_size=(256, 704, 1280),
                    frames=(5, 121, 121), text_length=(1, 128, 512), batch=(1, 2, 4), extra={"fps": 24},
                    description="Wan 2.2 text and image to video, 5B (720p at 24 fps; a timestep per token, a 4x16x16 "

@@ -100,7 +100,8 @@ GROUP_SECONDS = {
     "test_bench_smoke.py::sd3": 170, "test_controlnet.py::flux": 160, "test_qwen_image_edit.py": 150,
     "test_controlnet.py::sd15": 130, "test_precision.py": 120, "test_qwen_image.py": 110, "test_passes.py": 80,
     "test_controlnet.py": 70, "test_image_to_image.py::sdxl": 70, "test_flux_conditioned.py::flux": 70,
-    "test_wan.py": 80, "test_ltx.py": 60, "test_wan_ti2v.py": 70, "test_wan21_i2v.py": 70, "test_serving.py": 60,
+    "test_wan.py": 80, "test_ltx.py": 60, "test_wan_ti2v.py": 70, "test_wan21_i2v.py": 70, "test_wan22_i2v.py": 50,
+    "test_serving.py": 60,
     "test_qwen_image21.py": 60, "test_tiny_vae.py": 50,
     "test_bench_smoke.py::qwen_image_edit": 50, "test_lazy_export.py": 50, "test_bench_smoke.py::flux2": 50,
     "test_flux.py::flux": 50, "test_controlnet.py::sdxl": 40, "test_bench_smoke.py::sd15": 40,
@@ -284,7 +285,7 @@ TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny":
                "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",
                "qwen-image-edit-2511-tiny": "qwen-image-edit-tiny", "qwen-image-2.1-tiny": None,
                "wan-tiny": None, "wan22-tiny": "wan-tiny", "wan22-ti2v-tiny": "wan-tiny",
-               "wan21-i2v-tiny": "wan-tiny",
+               "wan21-i2v-tiny": "wan-tiny", "wan22-i2v-tiny": "wan-tiny",
                "ltx-video-tiny": None}
 for _name, _shares_with in TINY_MODELS.items():
     globals()[f"{_name.replace('-', '_').replace('.', '_')}_build"] = _tiny_build_fixture(_name, _shares_with)

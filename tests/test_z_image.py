@@ -368,6 +368,32 @@ def test_controlnet_equal_to_diffusers(request, pair, case):
     assert compare_controlled(got, theirs, unused) <= IMAGE_ATOL
 
 
+def test_a_controlnet_pipeline_folder_exports_its_controlnet(pair, controlnet_one, shared_root, z_image_tiny_build,
+                                                             tmp_path):
+    """A folder saved by ZImageControlNetPipeline exports its ControlNet beside the rest, as --controlnet adds one
+    (at the tiny model's ranges the graphs are the fixture's export's, taken as they are: what this tests is the
+    folder's ControlNet found and wired)."""
+    import dataclasses
+    import json
+
+    import diffusers
+
+    from conftest import controlnet_folder
+    from export.api import export_model
+    from export.source import resolve
+
+    net = diffusers.ZImageControlNetModel.from_pretrained(controlnet_folder("z-image-controlnet-tiny"))
+    diffusers.ZImageControlNetPipeline(**pair[1].components, controlnet=net).save_pretrained(tmp_path / "pipeline")
+    src, tiny = resolve(str(tmp_path / "pipeline")), z_image_tiny_build.source.entry
+    src = dataclasses.replace(src, entry=dataclasses.replace(src.entry, image_size=tiny.image_size,
+                                                             text_length=tiny.text_length))
+    manifest = json.loads((export_model(src, tmp_path / "build", reuse_from=shared_root) / "manifest.json").read_text())
+    assert manifest["submodules"]["controlnet"]["source"].endswith("pipeline/controlnet")
+    added = json.loads((controlnet_one / "onnx" / "manifest.json").read_text())
+    for name in ("controlnet", "transformer"):
+        assert manifest["submodules"][name]["inputs"] == added["submodules"][name]["inputs"]
+
+
 def test_controlnet_graphs_plain_run_and_refusals(controlnet_one, controlnet_inpaint, z_image_tiny_build):
     """The transformer takes a residual at each place of the ControlNet (named by its layer), its first-block
     graph stays the base's; without control_image the artifact gives the base's image; what diffusers has no

@@ -320,10 +320,10 @@ def _runtime_constants(src) -> dict:
 
 
 def build_random(configs: dict, out_dir, seed: int = 0) -> None:
-    """Write a WanPipeline folder (WanImageToVideoPipeline's, with an image encoder) with random seeded weights from
-    component configs (see the registry): a T5 SentencePiece tokenizer trained offline (UMT5's kind), UMT5's encoder,
-    the transformer and the VAE at the configs' widths (Wan 2.1 I2V's CLIP vision tower and image processor too),
-    and Wan's UniPC scheduler."""
+    """Write a WanPipeline folder (WanImageToVideoPipeline's where the image is channels) with random seeded weights
+    from component configs (see the registry): a T5 SentencePiece tokenizer trained offline (UMT5's kind), UMT5's
+    encoder, the transformer and the VAE at the configs' widths (Wan 2.1 I2V's CLIP vision tower and image processor
+    too), and Wan's UniPC scheduler."""
     import tempfile
     from pathlib import Path
 
@@ -353,7 +353,9 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
             "vae": lambda: AutoencoderKLWan(**configs["vae"]),
             "text_encoder": lambda: UMT5EncoderModel(umt5), **second,
         }, seed, streamed=dtype is not None)
-        save_pipeline("WanImageToVideoPipeline" if "image_encoder" in configs else "WanPipeline", modules,
+        # image to video where the transformer reads the image as channels (Wan 2.1 I2V, Wan 2.2 I2V A14B)
+        channels = configs["transformer"]["in_channels"] > configs["transformer"]["out_channels"]
+        save_pipeline("WanImageToVideoPipeline" if channels else "WanPipeline", modules,
                       {"scheduler": UniPCMultistepScheduler(**configs["scheduler"]), "tokenizer": tokenizer, **flags},
                       out_dir, dtype, seed, configs.get("weights_for"))
 

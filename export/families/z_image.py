@@ -282,7 +282,8 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="z_image",
-    pipeline_classes=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"),
+    pipeline_classes=("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline", "ZImageControlNetPipeline",
+                      "ZImageControlNetInpaintPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
         *transformer_specs(TRANSFORMER, HIDDEN),
