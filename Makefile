@@ -135,7 +135,7 @@ bench: venv optimum-venv optimum-intel-venv
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory,caches,controlnet-residuals,controlnet \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
-	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals \
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals,calibration \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model z-image-bench --tables z-image \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))

@@ -37,8 +37,8 @@ def accuracy(reference: str, artifacts: dict[str, str], constants: dict, denoise
             feeds.append(dict(call))
 
     def images(pipe):
-        return [pipe(p, height=size, width=size, num_inference_steps=steps, latents=latents, output_type="np")
-                for p in PROMPTS]
+        return [pipe(p, height=size, width=size, num_inference_steps=steps, latents=pipe.layout.as_diffusers(latents),
+                     output_type="np") for p in PROMPTS]
 
     ref = Pipeline.load(reference, verify=False)
     ref.recorder = record

@@ -153,7 +153,8 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         calls = store.finish()
         write_manifest(tmp, {"stage": "calibration", "cache_key": key,
                              "settings": {**dataclasses.asdict(settings), "size": size},
-                             "prompts": list(prompts), "seeds": list(range(len(prompts))), "calls": calls})
+                             "prompts": list(prompts), "seeds": list(range(len(prompts))), "calls": calls,
+                             "seconds": round(time.monotonic() - started, 1)})
     _log(f"wrote {dest}")
     return dest
 
@@ -200,7 +201,8 @@ def describe(folder: Path) -> dict:
     """What the manifest of an artifact built from this calibration records about it."""
     data = read_manifest(folder, verify=False)
     return {"key": data["cache_key"], "settings": data["settings"], "prompts": data["prompts"],
-            "seeds": data["seeds"], "calls": data["calls"]}
+            "seeds": data["seeds"], "calls": data["calls"],
+            **({"seconds": data["seconds"]} if "seconds" in data else {})}  # what the recording took
 
 
 class _CompanionRecorder:

@@ -15,7 +15,7 @@ from typing import Callable
 
 # Registry order is run order: the tables that load every variant first, the slow builds later.
 _MODULES = ("submodules", "e2e", "passes", "profile", "precision", "openvino", "profiling", "tiling", "copies",
-            "memory", "serving", "lora", "flux", "z_image", "flux2", "qwen_image", "qwen_image_edit",
+            "memory", "serving", "lora", "calibration", "flux", "z_image", "flux2", "qwen_image", "qwen_image_edit",
             "flux2_references", "wan", "wan_vae", "ltx", "caches", "first_block_split", "tiny_vae",
             "controlnet_residuals", "controlnet", "export")
 
