@@ -3,8 +3,8 @@ prediction; a video's middle latent frame) made visible, through the artifact's 
 one (`vae_decoder_tiny`), else through a fixed linear map of the latent channels to RGB. The time they
 take is the call's `timings["previews"]`; they never touch the latents the loop carries on with.
 
-The latent-to-RGB matrices (channels x RGB, and a bias; each family's layout's `latent_rgb`) are ComfyUI's `latent_rgb_factors` and
-`latent_rgb_factors_bias` (comfy/latent_formats.py, fitted by its authors on real images); they
+The latent-to-RGB matrices (channels x RGB, and a bias; each family's layout's `latent_rgb`) are ComfyUI's
+`latent_rgb_factors` and `latent_rgb_factors_bias` (comfy/latent_formats.py, fitted by its authors on real images); they
 apply to the latents as the denoiser sees them (scaled, and shifted for SD3 and Flux), and give
 RGB in [-1, 1] at the latent resolution, enlarged here to the image's size."""
 from __future__ import annotations

@@ -104,6 +104,47 @@ def test_edit_equal_to_diffusers(run_both, case):
     assert_case_equal(run_both, CASES, case, IMAGE_ATOL, "qwen-image-edit", 20 * IMAGE_ATOL)
 
 
+def test_inpainting_equal_to_diffusers(pair, monkeypatch):
+    """QwenImageEditInpaintPipeline on the Edit artifact, with true CFG: the image is the reference and inpainting's
+    image, at its own size; diffusers' noise and VAE sample are ours, in the shapes it draws them (its randn_tensor
+    patched). Only the mask's part changes: outside it the image stays the input's, and the mask changes the edit."""
+    import diffusers
+    import diffusers.models.autoencoders.vae as diffusers_vae
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_inpaint as edit_inpaint
+
+    from conftest import assert_real_image, soft_mask
+
+    ours, edit = pair
+    real = edit_inpaint.calculate_dimensions
+    monkeypatch.setattr(edit_inpaint, "calculate_dimensions",
+                        lambda area, ratio: real(AREA if area == 1024 * 1024 else area, ratio))
+    reference = diffusers.QwenImageEditInpaintPipeline(**edit.components)
+    reference.set_progress_bar_config(disable=True)
+    image = input_image(200, 150, 1)  # 224 x 160 at the tiny model's area
+    rng = np.random.default_rng(5)
+    encoder_noise, noise = (rng.standard_normal(shape, dtype=np.float32)
+                            for shape in ((1, 16, 1, 20, 28), (1, 1, 16, 20, 28)))
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(encoder_noise))
+    monkeypatch.setattr(edit_inpaint, "randn_tensor", lambda shape, **kw: torch.from_numpy(noise))
+    request = dict(prompt="make the sky red", image=image, mask_image=soft_mask(150, 200), strength=0.6,
+                   num_inference_steps=4, output_type="np", **CFG)
+    with torch.no_grad():
+        theirs = reference(**request).images
+    got = ours(noise=noise, encoder_noise=encoder_noise, **request)
+    assert got.shape == theirs.shape == (1, 160, 224, 3)
+    assert_real_image(theirs)
+    print(f"qwen-image-edit inpainting: |ours - diffusers| {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+    from PIL import Image
+
+    whole = ours(noise=noise, encoder_noise=encoder_noise, **{**request, "mask_image": Image.new("L", (200, 150), 255)})
+    assert np.abs(got - whole).max() > 0.01  # the mask kept part of the image
+    with pytest.raises(ValueError, match="QwenImageEditInpaintPipeline paints at the image's size"):
+        ours(height=64, **request)
+    with pytest.raises(ValueError, match="strength: inpainting's"):
+        ours("make it red", image=image, strength=0.5, num_inference_steps=1)
+
+
 def test_diffusers_loses_the_image_positions(pair, qwen_image_edit_tiny_build):
     """What diffusers #14194 costs: its text encoder without mm_token_type_ids gives other prompt states."""
     _, reference = pair

@@ -22,12 +22,12 @@ import numpy as np
 
 from runners.adapters.lora import register_key_spelling
 from runners.families.qwen_image import lora_keys
-from runners.families.qwen_image import REFERENCE, QwenImagePipeline, References
+from runners.families.qwen_image import FRAME_AXIS, REFERENCE, QwenImagePipeline, References, _without_frame
 from runners.families.qwen_image_edit.vision import (VisionConfig, image_tokens, merged_in_order, mrope_positions,
                                                 pixel_patches, vision_layout)
-from runners.options import MAX_SEQUENCE_LENGTH, REQUEST, Option, options
+from runners.options import IMAGE_TASKS, MAX_SEQUENCE_LENGTH, REQUEST, Option, options
 from runners.prompts import POST_STEPS, Encoded
-from runners.text_to_image import TEXT, Defaults
+from runners.text_to_image import INPAINT, TEXT, Defaults, _prompts, given_or_drawn
 
 VISION_PAD = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -57,24 +57,38 @@ def _images(image, several: bool, most: int) -> list:
 
 class QwenImageEditPipeline(QwenImagePipeline):
     family = "qwen_image_edit"
-    defaults = {TEXT: Defaults(50, 4.0)}  # QwenImageEditPipeline's signature defaults
+    # QwenImageEditPipeline's and QwenImageEditInpaintPipeline's signature defaults
+    defaults = {TEXT: Defaults(50, 4.0), INPAINT: Defaults(50, 4.0, 0.6)}
     options = options(REQUEST, QwenImagePipeline.guidance.options, (
         Option("image", "image", "the input image to edit (required); Qwen-Image-Edit-2509's pipeline takes up to 3 "
                "(the CLI's --image repeated), the last setting the size left unset", repeat=True, group="image"),
         replace(MAX_SEQUENCE_LENGTH, default=512, within=lambda v: 1 <= v <= 1024, allowed="an integer from 1 to 1024",
                 help="checked as diffusers checks it; the Edit pipelines read every token of the prompt"),
         *(o for o in QwenImagePipeline.options if o.name in ("guidance_scale", "sigmas")),
+        *(replace(o, help="QwenImageEditInpaintPipeline: " + o.help) for o in IMAGE_TASKS if o.name != "image"),
     ))
 
     def generate(self, prompt, image=None, negative_prompt=None, true_cfg_scale=4.0, height=None, width=None,
                  num_inference_steps=None, sigmas=None, guidance_scale=None, num_images_per_prompt=1, seed=None,
-                 latents=None, output_type="pil", max_sequence_length=512, vae_tiling=None):
+                 latents=None, output_type="pil", max_sequence_length=512, vae_tiling=None, mask_image=None,
+                 strength=None, noise=None, encoder_noise=None):
         """Edit `image` (one PIL image; a list for Qwen-Image-Edit-2509) as the `prompt` instructs. The size left
         unset is the (last) input image's at about 1024 x 1024 pixels. Classifier-free guidance runs only with a
-        `negative_prompt` and `true_cfg_scale` above 1, as in diffusers. `latents` are packed, (N, h/2 * w/2, 64)."""
+        `negative_prompt` and `true_cfg_scale` above 1, as in diffusers. `latents` are packed, (N, h/2 * w/2, 64).
+        With `mask_image`, QwenImageEditInpaintPipeline: only the mask's white part of the image is edited, from
+        `strength` (default 0.6), at the image's size; `noise` and `encoder_noise` as Qwen-Image's inpainting takes
+        them, the image's VAE sample (`encoder_noise`) being its reference too."""
         self._check_text_options(guidance_scale, max_sequence_length)
         c = self.constants
         images = _images(image, c["several_images"], c["references"])
+        if mask_image is not None:
+            return self._inpaint(prompt, images, mask_image, negative_prompt, true_cfg_scale, height, width,
+                                 num_inference_steps, sigmas, num_images_per_prompt, seed, latents, output_type,
+                                 max_sequence_length, vae_tiling, strength, noise, encoder_noise)
+        given = [n for n, v in (("strength", strength), ("noise", noise), ("encoder_noise", encoder_noise))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: inpainting's (QwenImageEditInpaintPipeline); pass mask_image= too")
         ratio = images[-1].width / images[-1].height
         width, height = (given or calculated for given, calculated in
                          zip((width, height), calculate_dimensions(c["image_area"], ratio)))
@@ -112,14 +126,47 @@ class QwenImageEditPipeline(QwenImagePipeline):
         return vae, [i.resize(calculate_dimensions(CONDITION_AREA, i.width / i.height), Image.Resampling.LANCZOS)
                      for i in images]
 
-    def _references(self, images, vae_tiling) -> References:
-        """Each image's latents (its posterior's mode, normalised), packed, as frames 1, 2, ... after the image."""
+    def _inpaint(self, prompt, images, mask_image, negative_prompt, true_cfg_scale, height, width, num_inference_steps,
+                 sigmas, num_images_per_prompt, seed, latents, output_type, max_sequence_length, vae_tiling, strength,
+                 noise, encoder_noise):
+        """QwenImageEditInpaintPipeline: the image, at its own size of about 1024 x 1024 pixels, is the reference to
+        edit and inpainting's image; its reference tokens are the same VAE sample that inpainting starts from and
+        blends back (the loop's draws: the image's sample, then the noise, as every inpainting call draws them)."""
+        if self.constants["several_images"]:
+            raise ValueError("mask_image: Qwen-Image-Edit-2509's pipeline (QwenImageEditPlusPipeline) has no "
+                             "inpainting; inpaint with a Qwen-Image-Edit artifact")
+        refused = [n for n, v in (("height", height), ("width", width), ("latents", latents)) if v is not None]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: QwenImageEditInpaintPipeline paints at the image's size (about "
+                             "1024 x 1024 pixels at its aspect ratio) from the image: resize the image instead, and "
+                             "pass noise= to fix the starting noise")
+        (vae_image,), vision_images = self._sized(images)
+        height, width = vae_image.height, vae_image.width
+        rng = np.random.default_rng(seed)
+        n_images = len(_prompts("prompt", prompt)) * num_images_per_prompt
+        shape = self.layout.shape(self, n_images, height, width)
+        encoder_noise, noise = (given_or_drawn(name, _without_frame(name, value, FRAME_AXIS[name]), drawn, rng)
+                                for name, value, drawn in (("encoder_noise", encoder_noise, (1, *shape[1:])),
+                                                           ("noise", noise, shape)))
+        with self._timed("vae_encode"):
+            references = self._references([vae_image], vae_tiling, encoder_noise)
+        result = self._text_to_image(prompt, negative_prompt, height, width, num_inference_steps,
+                                     true_cfg_scale if negative_prompt is not None else 1.0, num_images_per_prompt,
+                                     seed, None, output_type, vae_tiling, image=images[0], mask_image=mask_image,
+                                     strength=strength, noise=noise, encoder_noise=encoder_noise, sigmas=sigmas,
+                                     vision_images=vision_images, references=references)
+        return self.layout.as_diffusers(result) if output_type == "latent" else result
+
+    def _references(self, images, vae_tiling, encoder_noise=None) -> References:
+        """Each image's latents (its posterior's mode, normalised; with `encoder_noise`, that sample of it, as the
+        inpainting pipeline reads its image), packed, as frames 1, 2, ... after the image."""
         from runners.conditioning.images import to_model_input
 
         tokens, ids, shapes = [], [], []
         for i, image in enumerate(images):
             pixels = to_model_input(image, image.height, image.width, self.constants["vae_scale_factor"])
-            latent = self.vae_encode(pixels, tiling=vae_tiling)[0]
+            posterior = self.vae_encode(pixels, tiling=vae_tiling)
+            latent = posterior[0] if encoder_noise is None else self._posterior_latents(posterior, encoder_noise)
             rows, cols = latent.shape[2] // self.layout.patch, latent.shape[3] // self.layout.patch
             tokens.append(self.layout.pack(latent))
             ids.append(self.layout.positions(rows, cols, index=i + 1))
