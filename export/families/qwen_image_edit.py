@@ -212,7 +212,7 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
 
 FAMILY = Family(
     name="qwen_image_edit",
-    pipeline_classes=("QwenImageEditPipeline", "QwenImageEditPlusPipeline"),
+    pipeline_classes=("QwenImageEditPipeline", "QwenImageEditInpaintPipeline", "QwenImageEditPlusPipeline"),
     submodules=(
         IMAGE_ENCODER,
         TEXT_ENCODER,
