@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                              device_map=parse_device_map(args.device_map), vae="tiny" if args.tiny_vae else "full",
                              loras=loras)
         _refuse_undeclared(pipe, request)
-        _check_out(args.out, pipe.video)
+        _check_out(args.out, pipe.layout.video)
         pipe.enable_cache(cache)
         previews = {} if args.preview_dir is None else {
             "preview_every": args.preview_every,
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         outputs = pipe(profile=args.profile, **previews, **request)
         timings.update(pipe.timings)
         paths = _numbered(Path(args.out), len(outputs))
-        if pipe.video:  # each video's frames (F, H, W, 3): an mp4 or a folder of PNGs, each written whole
+        if pipe.layout.video:  # each video's frames (F, H, W, 3): an mp4 or a folder of PNGs, each written whole
             fps = request.get("frame_rate") or pipe.constants["fps"]  # LTX-Video's frame_rate, as the model is told
             for frames, path in zip(outputs, paths):
                 write_video(frames, path, fps)

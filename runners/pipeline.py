@@ -33,7 +33,6 @@ VAE_ENGINES = {"full": ("vae_decoder", "vae_encoder"), "tiny": ("vae_decoder_tin
 class Pipeline:
     family = ""
     options: tuple = ()  # the request options a call takes (runners/options.py), declared by the family's steps
-    video = False  # a family that makes videos: a call returns each video's frames (runners/video.py writes them)
 
     def __init_subclass__(cls, **kwargs):
         # A family module registers itself by defining its class: `load` never imports the

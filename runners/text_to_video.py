@@ -74,8 +74,7 @@ NUM_VIDEOS = Option("num_videos_per_prompt", "int", "videos per prompt", default
 
 
 class TextToVideo(TextToImage):
-    video = True
-    layout = LatentLayout(video=True)
+    layout = LatentLayout(video=True)  # a call returns each video's frames (runners/video.py writes them)
 
     def _video_request(self, prompt, num_inference_steps, guidance_scale, output_type, num_frames) -> tuple:
         """(prompts, steps, guidance scale, frames) of a request, the family's defaults filled in, checked."""

@@ -45,7 +45,7 @@ class BadField(ValueError):
 def create_app(pipe, model_name: str, adapter_sets=None):
     """The FastAPI app serving `pipe` (a loaded Pipeline) as `model_name`; `adapter_sets` (an AdapterSets:
     runners/serving/adapters.py) lets a request name LoRA adapters in `loras`."""
-    if pipe.video:
+    if pipe.layout.video:
         raise ValueError(f"{pipe.folder} makes videos, which OpenAI's images API cannot return: serve it with Triton "
                          "(`python -m runners serve ARTIFACT`: its frames, and mp4 files on request)")
     app = FastAPI(title="diffusion-aot images API", docs_url=None, redoc_url=None)

@@ -62,7 +62,7 @@ def inputs_for(manifest: dict) -> tuple[Tensor, ...]:
 
 def outputs_for(manifest: dict) -> tuple[Tensor, ...]:
     """The Triton model's outputs for an artifact: its images, or a video model's frames and mp4 files."""
-    return VIDEO_OUTPUTS if FAMILIES[manifest["model"]["family"]].video else (OUTPUT,)
+    return VIDEO_OUTPUTS if FAMILIES[manifest["model"]["family"]].layout.video else (OUTPUT,)
 
 
 def _text(name: str, row: int, value) -> str:
@@ -160,7 +160,7 @@ def run(pipe, group: list[dict]) -> list[np.ndarray]:
     each prompt's starting latents drawn from its own seed as it would be alone. The adapters a call
     names are the model's to apply before (`AdapterSets.activate`)."""
     group = [{k: v for k, v in call.items() if k not in _BEFORE_THE_RUN} for call in group]
-    if pipe.video:  # each call alone (the model batches no video requests): its frames, rounded as PIL's are
+    if pipe.layout.video:  # each call alone (the model batches no video requests): its frames, rounded as PIL's are
         return [(pipe(**call) * 255).round().astype(np.uint8) for call in group]
     if len(group) == 1:
         return [np.stack([np.asarray(image) for image in pipe(**group[0], output_type="pil")])]

@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.pipe = Pipeline.load(artifact, threads=threads, device_map=device_map)
         self.adapters = AdapterSets(params.get("lora_dir"), int(params.get("max_loras", "4")),
                                     int(params.get("lora_cache_mib", "2048")) * 2**20, log=lambda m: print(m, flush=True))
-        self.batched = params.get("batch_requests", "false") == "true" and not self.pipe.video
+        self.batched = params.get("batch_requests", "false") == "true" and not self.pipe.layout.video
         self.names = [t.name for t in rq.inputs_for(self.pipe.manifest)]
         guidance_batch = self.pipe.dims["batch"][2]
         self.max_images = max(1, guidance_batch // 2)  # guidance doubles the denoiser's batch
@@ -83,7 +83,7 @@ class TritonPythonModel:
         for r in range(len(requests)):
             if answers[r] is None:
                 per_prompt = [images[r][i] for i in sorted(images[r])]
-                if self.pipe.video:  # at the rate the model was told (LTX-Video's frame_rate), else the model card's
+                if self.pipe.layout.video:  # at the rate the model was told (LTX-Video's frame_rate), else the model card's
                     fps = next(call for owner, _, call in rows if owner == r).get("frame_rate") or \
                         self.pipe.constants["fps"]
                     answers[r] = _videos(per_prompt, requests[r], fps)
