@@ -318,6 +318,44 @@ def controlnet_folder(name: str):
     return _FOLDERS[name]
 
 
+def with_wan_prompt_cleaning() -> None:
+    """diffusers' WanImageToVideoPipeline calls ftfy even where it is not installed (WanPipeline only where it is):
+    it gets the text to video pipeline's cleaning, which it is without ftfy."""
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean
+
+
+def wan_image_to_video_pair(build: TinyBuild):
+    """(our pipeline on the build's ort-fp32 artifact, diffusers' WanImageToVideoPipeline on its folder)."""
+    from diffusers import WanImageToVideoPipeline
+
+    from runners import Pipeline
+
+    with_wan_prompt_cleaning()
+    reference = WanImageToVideoPipeline.from_pretrained(build.source.folder)
+    reference.set_progress_bar_config(disable=True)
+    return Pipeline.load(build.folder / "ort-fp32"), reference
+
+
+def cached_video_runs(ours, reference, request):
+    """run(*args, **kwargs) -> (ours, diffusers') frames (N, F, H, W, 3) of the request `request(*args, **kwargs)`
+    makes ((latents, call)), from the same latents; each request runs once."""
+    import torch
+
+    cache = {}
+
+    def run(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in cache:
+            latents, call = request(*args, **kwargs)
+            with torch.no_grad():
+                theirs = reference(latents=torch.from_numpy(latents), output_type="np", **call).frames
+            cache[key] = ours(latents=latents, **call), theirs
+        return cache[key]
+    return run
+
+
 def ours_and_diffusers(build: TinyBuild, pipeline_class: str):
     """(our pipeline on the build's ort-fp32 artifact, diffusers' `pipeline_class` on the same weights)."""
     import diffusers

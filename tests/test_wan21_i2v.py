@@ -8,7 +8,6 @@ import importlib.util
 
 import numpy as np
 import pytest
-import torch
 
 # Measured: at most 4.0e-6 (frames in [0, 1]) over the cases below; 1/255 is 3.9e-3.
 FRAMES_ATOL = 5e-5
@@ -27,38 +26,22 @@ def _image(seed: int, height: int = 64, width: int = 64):
 
 @pytest.fixture(scope="module")
 def pair(wan21_i2v_tiny_build):
-    from diffusers import WanImageToVideoPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from conftest import wan_image_to_video_pair
 
-    from runners import Pipeline
-
-    # diffusers' WanImageToVideoPipeline calls ftfy even where it is not installed (WanPipeline only where it is):
-    # the text to video pipeline's cleaning, which it is without ftfy
-    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean
-    reference = WanImageToVideoPipeline.from_pretrained(wan21_i2v_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(wan21_i2v_tiny_build.folder / "ort-fp32"), reference
+    return wan_image_to_video_pair(wan21_i2v_tiny_build)
 
 
 @pytest.fixture(scope="module")
 def run_both(pair):
     """run(prompt, image, frames=9, height=64, width=64, steps=3, **options) -> (ours, diffusers') frames
     (N, F, H, W, 3) from the same latents; each request runs once."""
-    ours, reference = pair
-    cache = {}
+    from conftest import cached_video_runs
 
-    def run(prompt, image, frames=9, height=64, width=64, steps=3, **options):
-        key = repr((prompt, image, frames, height, width, steps, sorted(options.items())))
-        if key not in cache:
-            n = len(prompt) if isinstance(prompt, list) else 1
-            latents = _latents(n, frames, height, width)
-            call = dict(prompt=prompt, image=_image(image, 48, 80), height=height, width=width, num_frames=frames,
-                        num_inference_steps=steps, **options)
-            with torch.no_grad():
-                theirs = reference(latents=torch.from_numpy(latents), output_type="np", **call).frames
-            cache[key] = ours(latents=latents, **call), theirs
-        return cache[key]
-    return run
+    def request(prompt, image, frames=9, height=64, width=64, steps=3, **options):
+        latents = _latents(len(prompt) if isinstance(prompt, list) else 1, frames, height, width)
+        return latents, dict(prompt=prompt, image=_image(image, 48, 80), height=height, width=width,
+                             num_frames=frames, num_inference_steps=steps, **options)
+    return cached_video_runs(*pair, request)
 
 
 CASES = {  # name: (arguments, the case whose frames it must change)

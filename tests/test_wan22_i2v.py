@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from conftest import smooth_image
 
@@ -21,35 +20,22 @@ def _latents(n: int, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def pair(wan22_i2v_tiny_build):
-    from diffusers import WanImageToVideoPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from conftest import wan_image_to_video_pair
 
-    from runners import Pipeline
-
-    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean  # as tests/test_wan21_i2v.py: diffusers' ftfy call
-    reference = WanImageToVideoPipeline.from_pretrained(wan22_i2v_tiny_build.source.folder)
-    reference.set_progress_bar_config(disable=True)
-    return Pipeline.load(wan22_i2v_tiny_build.folder / "ort-fp32"), reference
+    return wan_image_to_video_pair(wan22_i2v_tiny_build)
 
 
 @pytest.fixture(scope="module")
 def run_both(pair):
     """run(prompt, **options) -> (ours, diffusers') frames of 9 frames at 64x64, 4 steps (timesteps 999 and 900 on
     the first transformer, 750 and 500 on transformer_2), from the same latents and image; each request runs once."""
-    ours, reference = pair
-    cache = {}
+    from conftest import cached_video_runs
 
-    def run(prompt, **options):
-        key = repr((prompt, sorted(options.items())))
-        if key not in cache:
-            call = dict(prompt=prompt, image=smooth_image(48, 80, 1), height=64, width=64, num_frames=9,
-                        num_inference_steps=4, **options)
-            latents = _latents(len(prompt) if isinstance(prompt, list) else 1)
-            with torch.no_grad():
-                theirs = reference(latents=torch.from_numpy(latents), output_type="np", **call).frames
-            cache[key] = ours(latents=latents, **call), theirs
-        return cache[key]
-    return run
+    def request(prompt, **options):
+        return _latents(len(prompt) if isinstance(prompt, list) else 1), dict(
+            prompt=prompt, image=smooth_image(48, 80, 1), height=64, width=64, num_frames=9, num_inference_steps=4,
+            **options)
+    return cached_video_runs(*pair, request)
 
 
 CASES = {  # name: (arguments, the case whose frames it must change)

@@ -24,13 +24,11 @@ def _latents(n: int, frames: int, height: int, width: int, seed: int = 0) -> np.
 @pytest.fixture(scope="module")
 def pair(wan22_ti2v_tiny_build):
     from diffusers import WanImageToVideoPipeline, WanPipeline
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
 
+    from conftest import with_wan_prompt_cleaning
     from runners import Pipeline
 
-    # diffusers' WanImageToVideoPipeline calls ftfy even where it is not installed (WanPipeline only where it is):
-    # the text to video pipeline's cleaning, which it is without ftfy
-    pipeline_wan_i2v.prompt_clean = pipeline_wan.prompt_clean
+    with_wan_prompt_cleaning()
     reference = WanPipeline.from_pretrained(wan22_ti2v_tiny_build.source.folder)
     reference.set_progress_bar_config(disable=True)
     assert reference.config.expand_timesteps
