@@ -18,7 +18,8 @@ from runners.latents.normalisation import PER_CHANNEL, SCALED, PerChannel, Scale
 
 @dataclass(frozen=True)
 class LatentLayout:
-    # a denoiser token's side in latent pixels: its hidden stream is the latents' patches (a frame's, each frame)
+    # a denoiser token's side in latent pixels: its hidden stream is the latents' patches (a frame's, each frame);
+    # the export's patch_size, bound when a pipeline loads (TextToImage.__init__)
     patch: int = 1
     video: bool = False  # latents (N, C, F, h, w), F the causal 3D VAE's latent frames
     # diffusers' pipeline takes `latents=` and returns output_type="latent" as the transformer's tokens,
