@@ -93,5 +93,5 @@ def _arguments(group) -> None:
 
 TABLE = Table("calibration", "Calibration settings of", "the calibrated artifact once per calibration setting",
               ("sd3", "flux"), measure, _arguments,
-              # the recording the tests' fp16 builds made (engines' defaults at the tiny model's 128x128), reused
+              # one setting: engines' default counts at the tiny model's 128x128 (a few seconds of recording)
               smoke=("--precision-steps", "1", "--calibration-grid", "32x8@128", "--calibration-artifact", "ort-fp16"))
