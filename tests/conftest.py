@@ -377,7 +377,8 @@ def qwen_packed_noise(n: int, height: int, width: int, seed: int = 0):
 
     from runners.latents import LatentLayout
 
-    return LatentLayout(patch=2).pack(np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32))
+    noise = np.random.default_rng(seed).standard_normal((n, 16, height // 8, width // 8), dtype=np.float32)
+    return LatentLayout(patch=2).pack(noise)
 
 
 def paired_runs(pair, noise):

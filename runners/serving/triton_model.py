@@ -83,7 +83,7 @@ class TritonPythonModel:
         for r in range(len(requests)):
             if answers[r] is None:
                 per_prompt = [images[r][i] for i in sorted(images[r])]
-                if self.pipe.layout.video:  # at the rate the model was told (LTX-Video's frame_rate), else the model card's
+                if self.pipe.layout.video:  # at the rate the model was told (LTX's frame_rate), else the card's
                     fps = next(call for owner, _, call in rows if owner == r).get("frame_rate") or \
                         self.pipe.constants["fps"]
                     answers[r] = _videos(per_prompt, requests[r], fps)

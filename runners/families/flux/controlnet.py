@@ -31,8 +31,8 @@ class FluxControlNets(ControlNets):
             return control_pixels(self, given, height, width, n_images)
         k = self.controlnets().index(name)
         noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
-        return self.layout.pack(control_latents(self, given, height, width, n_images, noise, request.seed, request.vae_tiling,
-                                    stream=2 + k))
+        return self.layout.pack(control_latents(self, given, height, width, n_images, noise, request.seed,
+                                                request.vae_tiling, stream=2 + k))
 
     def _residual_feeds(self, name: str, out: dict, specs: list[dict]) -> list[np.ndarray]:
         """double_residual_i and single_residual_j from ControlNet `name`'s k and k' outputs by diffusers'
