@@ -2,6 +2,7 @@
 `python -m bench` (functions sent to a child must live in an importable module)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -56,3 +57,20 @@ def build_memory(build: Path) -> Path:
     from engines.api import build_artifact
 
     return build_artifact(build, "ort", "fp32", memory=True)
+
+
+def sibling_build(build: Path, name: str) -> Path:
+    """A build folder beside `build` that shares its export, fp32 artifact and calibration. Those are made
+    first: through a link to a folder not made yet, an int8 build would write its calibration's fp32 build
+    into the link and fail."""
+    from engines.api import build_artifact
+
+    build_artifact(build, "ort", "fp32")  # cached; the tables' error reference anyway
+    (build / "calibration").mkdir(exist_ok=True)
+    sibling = build / name
+    sibling.mkdir(exist_ok=True)
+    for shared in ("onnx", "ort-fp32", "calibration"):
+        link = sibling / shared
+        if not os.path.lexists(link):
+            os.symlink(Path("..") / shared, link)
+    return sibling

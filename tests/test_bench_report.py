@@ -11,10 +11,10 @@ import pytest
 
 import bench.run
 from bench import accuracy
-from bench.prepare import default_precision
+from bench.prepare import default_precision, sibling_build
 from bench.report import cpu_line, cpu_name, has_vnni, render
 from bench.run import Run
-from bench.tables import caches, openvino
+from bench.tables import caches
 from engines.plan import _recipe
 from engines.targets import TargetError
 
@@ -146,7 +146,7 @@ def test_a_cache_table_builds_the_reference_artifact_only_when_it_has_that_row(m
 
 
 def test_a_sibling_build_links_an_fp32_artifact_and_calibration_that_exist(tmp_path, monkeypatch):
-    """The openvino table's sibling build (no passes) shares the export's ort-fp32 and calibration
+    """A sibling build (the openvino table's without passes, the calibration table's per setting) shares the export's ort-fp32 and calibration
     through links: made before their targets, an int8 build wrote into a dangling link and failed."""
     import engines.api
 
@@ -154,7 +154,7 @@ def test_a_sibling_build_links_an_fp32_artifact_and_calibration_that_exist(tmp_p
     monkeypatch.setattr(engines.api, "build_artifact", lambda build, target, precision: built.append(
         (target, precision)) or (build / f"{target}-{precision}").mkdir(exist_ok=True))
     (tmp_path / "onnx").mkdir()
-    sibling = openvino._sibling(tmp_path, "no-passes")
+    sibling = sibling_build(tmp_path, "no-passes")
     assert built == [("ort", "fp32")]
     for shared in ("onnx", "ort-fp32", "calibration"):
         assert (sibling / shared).is_symlink() and (sibling / shared).resolve() == (tmp_path / shared).resolve()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from bench import accuracy
 from bench.harness import in_child
+from bench.prepare import sibling_build
 from bench.tables import Table
-from bench.tables.openvino import _sibling
 
 
 def _setting(text: str) -> dict:
@@ -33,7 +33,7 @@ def _build(build: Path, settings: list[dict], target: str, precision: str) -> di
     from engines.api import build_artifact
     from engines.calibration import CalibrationSettings
 
-    return {_label(s): str(build_artifact(_sibling(build, f"calibrated-{s['prompts']}x{s['steps']}-"
+    return {_label(s): str(build_artifact(sibling_build(build, f"calibrated-{s['prompts']}x{s['steps']}-"
                                                          f"{s['size'] or 'default'}"),
                                           target, precision, calibration=CalibrationSettings(**s)))
             for s in settings}

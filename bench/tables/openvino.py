@@ -7,36 +7,19 @@ OpenVINO to our default, each one change on top of the previous:
 - openvino-int8 compiled for the CPU at build time for the table's size (`--ov-device CPU
   --ov-sizes`: static shapes built for a list of sizes, and the ahead-of-time load).
 
-Every variant is built through the same API. Plain OpenVINO's is built into a sibling build folder whose
+Every variant is built through the same API. Plain OpenVINO's is built into a sibling build folder (bench.prepare) whose
 export, fp32 artifact and calibration are links to this one's: the same graphs and recordings, but a folder
 of its own (an artifact's name says its target, precision and options, not its passes).
 """
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 
 from bench import accuracy
 from bench.harness import Variant, against_first, interleaved_fresh, log, running
+from bench.prepare import sibling_build
 from bench.tables import Table
-
-
-def _sibling(build: Path, name: str) -> Path:
-    """A build folder beside `build` that shares its export, fp32 artifact and calibration. Those are made
-    first: through a link to a folder not made yet, an int8 build would write its calibration's fp32 build
-    into the link and fail."""
-    from engines.api import build_artifact
-
-    build_artifact(build, "ort", "fp32")  # cached; the table's error reference anyway
-    (build / "calibration").mkdir(exist_ok=True)
-    sibling = build / name
-    sibling.mkdir(exist_ok=True)
-    for shared in ("onnx", "ort-fp32", "calibration"):
-        link = sibling / shared
-        if not os.path.lexists(link):
-            os.symlink(Path("..") / shared, link)
-    return sibling
 
 
 def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | None = None) -> dict[str, str]:
@@ -50,7 +33,7 @@ def build_openvino(build: Path, calibration: dict, size: int, only: list[str] | 
     builds = {"ort-int8": lambda: build_artifact(build, "ort", "int8"),
               "openvino-fp32": lambda: build_artifact(build, "openvino", "fp32"),
               "openvino-bf16, no passes, dynamic shapes": lambda: build_artifact(
-                  _sibling(build, "no-passes"), "openvino", "bf16", passes=[], options=dynamic),
+                  sibling_build(build, "no-passes"), "openvino", "bf16", passes=[], options=dynamic),
               "openvino-bf16, dynamic shapes": lambda: build_artifact(build, "openvino", "bf16", options=dynamic),
               "openvino-bf16": lambda: build_artifact(build, "openvino", "bf16"),
               # What a full-size model's run fits in (sd3-fullsize: its T5's bf16 weights take 14 GiB compiled)
