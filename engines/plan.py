@@ -150,8 +150,8 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     calibrated = None
     if any(PassPipeline(names).needs_calibration for names in lists.values()) or (own and own.quantize):
         fp32 = plan(build_dir, "ort", "fp32")  # the precision is measured on this artifact's own engine calls
-        # The model's default size named, so that leaving it out and naming it are the same recordings.
-        sized = dataclasses.replace(calibration, size=calibration.size or source["pipeline"]["default_image_size"])
+        # The size resolved, so that leaving it out and naming it are the same recordings.
+        sized = dataclasses.replace(calibration, size=calibration_size(calibration, source))
         calibrated = Calibration(fp32, sized, recordings_folder(fp32.dest, fp32.cache_key, sized))
     settings = {"target": target, "precision": precision, "backend": tgt.backend,
                 "backend_version": tgt.backend_version(),
@@ -164,6 +164,17 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{options.variant()}"
     return BuildPlan(build_dir, tgt, precision, options, source, lists, base, own, memory_passes, memory_budget,
                      fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key), force)
+
+
+def calibration_size(calibration: CalibrationSettings, source: dict) -> int:
+    """The image side the calibration records at: its own, else the model's default size. One the export's graphs
+    cannot take is refused here, before the fp32 artifact is built for it."""
+    side = calibration.size or source["pipeline"]["default_image_size"]
+    low, _, high = source["dims"]["image_height"]
+    if not low <= side <= high:
+        raise TargetError(f"--calibration-size {side}: this export takes images of {low} to {high} px a side; "
+                          f"name a size in that range, or leave it out for the model's default")
+    return side
 
 
 def describe(p: BuildPlan) -> str:

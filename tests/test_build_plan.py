@@ -92,6 +92,18 @@ def test_execute_calibrates_on_the_fp32_artifact_its_plan_names(fresh_build, cap
     assert "[calibration] prompt 2/2 recorded\n" in out
 
 
+def test_a_calibration_size_the_export_cannot_take_is_refused_before_anything_is_built(fresh_build, capsys):
+    """sd3-tiny's export takes 64 to 512 px a side: 1024 would fail at the first recorded prompt, after the fp32
+    artifact was built for it."""
+    before = _files(fresh_build)
+    assert engines_main([str(fresh_build), "--precision", "fp8", "--calibration-size", "1024"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --calibration-size 1024: this export takes images of 64 to 512 px a side; name a size in that "
+        "range, or leave it out for the model's default")
+    assert _files(fresh_build) == before
+    assert plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1, size=64)).calibration.settings.size == 64
+
+
 def test_calibration_progress_says_the_time_left():
     from engines.calibration import time_left
 
