@@ -101,7 +101,8 @@ def test_a_calibration_size_the_export_cannot_take_is_refused_before_anything_is
         "error: --calibration-size 1024: this export takes images of 64 to 512 px a side; name a size in that "
         "range, or leave it out for the model's default")
     assert _files(fresh_build) == before
-    assert plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1, size=64)).calibration.settings.size == 64
+    named = plan(fresh_build, "ort", "fp8", calibration=CalibrationSettings(1, 1, size=64))
+    assert named.calibration.settings.size == 64
 
 
 def test_calibration_progress_says_the_time_left():
