@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engines.calibration import CalibrationSettings
+from engines.calibration import LARGEST_DEFAULT_SIZE, CalibrationSettings
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -51,7 +51,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
     calib.add_argument("--calibration-steps", type=int, default=CalibrationSettings.steps,
                        help="denoising steps per prompt, all recorded (default: %(default)s)")
     calib.add_argument("--calibration-size", type=int, default=None,
-                       help="image side in pixels (default: the model's default size)")
+                       help="image side in pixels (default: the model's default size, at most "
+                            f"{LARGEST_DEFAULT_SIZE})")
     return p, flags
 
 

@@ -82,12 +82,23 @@ PROMPTS = (
 )
 
 
+# The largest side a calibration records at unless told: NNCF's int8 statistics of SD3's real VAE decoder on one
+# 1024x1024 call did not fit a 24 GiB machine (the process was killed; its peak is per call, not per call count),
+# and a recording's time grows with the pixels.
+LARGEST_DEFAULT_SIZE = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class CalibrationSettings:
     prompts: int = 32  # the first N of PROMPTS
     steps: int = 8  # denoising steps per prompt: all of them are recorded
-    size: int | None = None  # image side in pixels; None: the model's default size
+    size: int | None = None  # image side in pixels; None: the model's default size, at most LARGEST_DEFAULT_SIZE
     guidance_scale: float = 7.0
+
+    def side(self, default: int, least: int) -> int:
+        """The image side recorded at: the settings' own, else the model's `default` up to LARGEST_DEFAULT_SIZE and
+        no less than the export's `least`."""
+        return self.size or max(least, min(default, LARGEST_DEFAULT_SIZE))
 
     def __post_init__(self):
         if not 1 <= self.prompts <= len(PROMPTS):
@@ -139,7 +150,7 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         pipe.recorder = _with_tiny_vae(pipe, store.record)
         for graph, denoiser, output in _companions(pipe):
             pipe.run = _CompanionRecorder(pipe, store, graph, denoiser, output)
-        size = settings.size or pipe.constants["default_image_size"]
+        size = settings.side(pipe.constants["default_image_size"], pipe.dims["image_height"][0])
         inpainting = pipe.inpainting_denoiser()
         started = time.monotonic()
         # a family whose pipeline has no guidance_scale (Qwen-Image 2.1's) calibrates at its default guidance

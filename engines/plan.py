@@ -167,10 +167,10 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
 
 
 def calibration_size(calibration: CalibrationSettings, source: dict) -> int:
-    """The image side the calibration records at: its own, else the model's default size. One the export's graphs
-    cannot take is refused here, before the fp32 artifact is built for it."""
-    side = calibration.size or source["pipeline"]["default_image_size"]
+    """The image side the calibration records at (`CalibrationSettings.side`). One the export's graphs cannot take
+    is refused here, before the fp32 artifact is built for it."""
     low, _, high = source["dims"]["image_height"]
+    side = calibration.side(source["pipeline"]["default_image_size"], low)
     if not low <= side <= high:
         raise TargetError(f"--calibration-size {side}: this export takes images of {low} to {high} px a side; "
                           f"name a size in that range, or leave it out for the model's default")

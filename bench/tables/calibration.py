@@ -15,7 +15,7 @@ from bench.tables import Table
 
 
 def _setting(text: str) -> dict:
-    """A --calibration-grid entry, "PROMPTSxSTEPS@SIZE" ("@default": the model's default size)."""
+    """A --calibration-grid entry, "PROMPTSxSTEPS@SIZE" ("@default": engines' own size, CalibrationSettings.side)."""
     counts, _, size = text.partition("@")
     prompts, _, steps = counts.partition("x")
     try:
@@ -83,9 +83,10 @@ def measure(run) -> list[dict]:
 
 
 def _arguments(group) -> None:
-    group.add_argument("--calibration-grid", default="32x8@default,32x4@512,16x4@512,8x4@512,8x4@256,4x2@256",
+    group.add_argument("--calibration-grid", default="32x8@512,16x4@512,8x4@512,8x4@256,4x2@256",
                        help="comma-separated calibration settings of the calibration table, PROMPTSxSTEPS@SIZE "
-                            "(@default: the model's default size); the first is the reference of its last column")
+                            "(@default: what engines records at when no size is named); the first is the "
+                            "reference of its last column")
     group.add_argument("--calibration-artifact", default="openvino-int8",
                        help="the calibrated artifact the calibration table builds per setting: openvino-int8, "
                             "ort-fp8 or ort-fp16")
