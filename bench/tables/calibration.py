@@ -68,8 +68,8 @@ def measure(run) -> list[dict]:
     timesteps = ", ".join(errors[next(iter(built))]["denoiser_rel_err"])
     return [{
         "reps": 1,
-        "title": f"Calibration settings of {a.calibration_artifact}: recording time against the image's error "
-                 f"(images at {a.size}x{a.size}, {a.precision_steps} steps)",
+        "title": f"Calibration settings of {a.calibration_artifact} on {run.src.entry.name}: recording time against "
+                 f"the image's error (images at {a.size}x{a.size}, {a.precision_steps} steps)",
         "columns": ["calibration (prompts x steps at size)", "recorded at", "denoiser steps recorded",
                     "recording s", "quantize and compile s", "image PSNR dB vs ort-fp32 (worst of 4)",
                     "image max abs", f"{run.denoiser} rel. err at t = {timesteps}", "PSNR vs the first row dB"],
@@ -93,6 +93,6 @@ def _arguments(group) -> None:
 
 
 TABLE = Table("calibration", "Calibration settings of", "the calibrated artifact once per calibration setting",
-              ("sd3", "flux"), measure, _arguments,
+              ("sd3", "flux", "sd15"), measure, _arguments,  # sd15-bench: a real-size model's cost
               # one setting: engines' default counts at the tiny model's 128x128 (a few seconds of recording)
               smoke=("--precision-steps", "1", "--calibration-grid", "32x8@128", "--calibration-artifact", "ort-fp16"))
