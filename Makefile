@@ -126,14 +126,15 @@ $(OPTIMUM_INTEL_VENV)/.installed: Makefile
 # Builds sd3-bench (SD3-medium widths, 2 layers) once, times diffusers, Optimum-ONNX and our
 # artifacts on the same weights and latents, and writes BENCHMARKS.md.
 # Then the U-Net's activation memory: sd15-bench (SD1.5's real architecture) at its own size and
-# batch, the Flux, Z-Image and FLUX.2 tables against optimum-intel and openvino.genai, FLUX.2's reference
-# table on klein KV, the Qwen-Image tables and the video tables, Wan's and LTX-Video's (the latter against
-# optimum-intel and openvino.genai too; all skipped when BENCH_ARGS picks --tables: that names the sd3-bench
-# tables to re-measure).
+# batch, and what the default calibration costs that real-size model; the Flux, Z-Image and FLUX.2 tables
+# against optimum-intel and openvino.genai, FLUX.2's reference table on klein KV, the Qwen-Image tables and
+# the video tables, Wan's and LTX-Video's (the latter against optimum-intel and openvino.genai too; all
+# skipped when BENCH_ARGS picks --tables: that names the sd3-bench tables to re-measure).
 bench: venv optimum-venv optimum-intel-venv
 	$(PY) -m bench --model sd3-bench --optimum-python $(OPTIMUM_VENV)/bin/python \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS)
-	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench --tables memory,caches,controlnet-residuals,controlnet \
+	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model sd15-bench \
+	  --tables memory,caches,controlnet-residuals,controlnet,calibration --calibration-grid default \
 	  --memory-size 512 --memory-batch 2 --memory-submodules unet $(BENCH_ARGS))
 	$(if $(findstring --tables,$(BENCH_ARGS)),,$(PY) -m bench --model flux-bench --tables flux,caches,first-block-split,controlnet-residuals,calibration \
 	  --optimum-intel-python $(OPTIMUM_INTEL_VENV)/bin/python $(BENCH_ARGS))

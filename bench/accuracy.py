@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.harness import in_child
+from engines.calibration import LARGEST_DEFAULT_SIZE, CalibrationSettings
 
 PROMPTS = ("a photo of an astronaut riding a horse on the moon, detailed, golden light",
            "a red fox in fresh snow, telephoto", "a bowl of ramen with a soft-boiled egg", "")
@@ -100,11 +101,15 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("error and calibration (precision, openvino)")
     group.add_argument("--precision-steps", type=int, default=4,
                        help="steps of the end-to-end runs whose images are compared with the fp32 artifact's")
-    group.add_argument("--calibration-size", type=int, default=256, help="image side of the fp16/fp8/int8 calibration run")
-    group.add_argument("--calibration-steps", type=int, default=4, help="denoising steps per calibration prompt")
-    group.add_argument("--calibration-prompts", type=int, default=32, help="prompts of the calibration run")
+    group.add_argument("--calibration-size", type=int, default=LARGEST_DEFAULT_SIZE,
+                       help="image side of the fp16/fp8/int8 calibration run")
+    group.add_argument("--calibration-steps", type=int, default=CalibrationSettings.steps,
+                       help="denoising steps per calibration prompt")
+    group.add_argument("--calibration-prompts", type=int, default=CalibrationSettings.prompts,
+                       help="prompts of the calibration run")
 
 
 # The smoke test's: one step, and the calibration the tests' builds use (engines.calibration's defaults at
 # the tiny models' 128x128), so that its calibrated artifacts are the ones the tests built before it.
-SMOKE = ("--precision-steps", "1", "--calibration-size", "128", "--calibration-steps", "8", "--calibration-prompts", "32")
+SMOKE = ("--precision-steps", "1", "--calibration-size", "128", "--calibration-steps", str(CalibrationSettings.steps),
+         "--calibration-prompts", str(CalibrationSettings.prompts))

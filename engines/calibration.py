@@ -82,15 +82,18 @@ PROMPTS = (
 )
 
 
-# The largest side a calibration records at unless told: NNCF's int8 statistics of SD3's real VAE decoder on one
-# 1024x1024 call did not fit a 24 GiB machine (the process was killed; its peak is per call, not per call count),
-# and a recording's time grows with the pixels.
-LARGEST_DEFAULT_SIZE = 512
+# The defaults (BENCHMARKS.md, "Calibration settings": python -m bench --tables calibration). On sd3-bench every
+# setting from 32 prompts x 8 steps at 512 down to 4 x 2 at 256 gave an OpenVINO int8 image within 0.1 dB of the
+# first's, but a U-Net's activations change with the timestep: sd15-tiny's int8 image lost 16 dB at 4 x 2, 3-4 dB
+# at 4 x 4, none at 4 x 8. So few prompts, a schedule's worth of steps, and a small size: a recording's time grows
+# with its pixels and calls, and at 1024x1024 NNCF's int8 statistics of SD3's real VAE decoder did not fit a 24 GiB
+# machine at all (the OpenVINO int8 build of sd3-bench was killed for memory).
+LARGEST_DEFAULT_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationSettings:
-    prompts: int = 32  # the first N of PROMPTS
+    prompts: int = 4  # the first N of PROMPTS
     steps: int = 8  # denoising steps per prompt: all of them are recorded
     size: int | None = None  # image side in pixels; None: the model's default size, at most LARGEST_DEFAULT_SIZE
     guidance_scale: float = 7.0

@@ -173,3 +173,15 @@ def test_our_calls_release_working_memory_as_a_run_does():
     for name in ("text_encoder", "transformer", "vae_decoder"):
         ours.call(name, {})
     assert calls == [("text_encoder", True), ("transformer", False), ("vae_decoder", True)]
+
+
+def test_a_calibration_grid_entry_names_a_setting_or_engines_default():
+    from bench.tables.calibration import _setting
+    from engines.calibration import CalibrationSettings
+
+    assert _setting("8x4@512") == {"prompts": 8, "steps": 4, "size": 512}
+    assert _setting("32x8@default") == {"prompts": 32, "steps": 8, "size": None}
+    default = CalibrationSettings()
+    assert _setting("default") == {"prompts": default.prompts, "steps": default.steps, "size": None}
+    with pytest.raises(ValueError, match="write PROMPTSxSTEPS@SIZE"):
+        _setting("8@512")

@@ -300,7 +300,7 @@ def test_int4_weights_are_within_half_a_step_per_block(tmp_path):
 
 def test_nncf_calibrates_on_calls_spread_over_the_recording():
     assert spread(5) == [0, 1, 2, 3, 4]
-    picked = spread(416)  # sd15-tiny's U-Net: 32 prompts x 8 steps, and the image tasks' calls
+    picked = spread(416)  # e.g. a U-Net's 32 prompts x 8 steps, and the image tasks' calls
     assert len(picked) == CALIBRATION_CALLS and picked == sorted(set(picked))
     assert picked[0] == 0 and picked[-1] > 416 - 2 * 416 / CALIBRATION_CALLS  # the last prompts too
 
@@ -319,7 +319,8 @@ def test_int8_records_what_nncf_quantized(tiny_build, ov_int8):
     assert {sub["engine"]["weights"] for sub in manifest["submodules"].values()} == {"i8 and f16"}
     transformer = manifest["submodules"]["transformer"]["quantization"]
     recorded = manifest["calibration"]["calls"]["transformer"]
-    assert transformer["calls_recorded"] == recorded > CALIBRATION_CALLS == transformer["calibration_calls"]
+    assert transformer["calls_recorded"] == recorded
+    assert transformer["calibration_calls"] == min(recorded, CALIBRATION_CALLS)  # all of the default's
     export = _manifest(tiny_build / "onnx")["submodules"]["transformer"]
     proto = onnx.load(tiny_build / "onnx" / export["file"], load_external_data=False)
     scoped = nodes_in_scopes(proto, export["quantization"]["keep_scopes"], ["MatMul"])

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from bench.accuracy import psnr as _psnr
 from conftest import assert_real_image, image_task_outputs, int8_bounds, manifest
-from engines.calibration import CalibrationFeeds, _FeedStore
+from engines.calibration import CalibrationFeeds, CalibrationSettings, _FeedStore
 from engines.passes import PassContext, PassFailed, run_passes
 from runners.backends.ort import OrtSession
 from runners.pipeline import Pipeline
@@ -138,8 +138,10 @@ def test_reports_and_manifest(artifacts, tiny_source):
     calibration = fp16["calibration"]
     assert calibration["prompts"][:2] == ["a photograph of an astronaut riding a horse",
                                          "a red fox in fresh snow, telephoto, golden hour"]
-    assert calibration["seeds"] == list(range(32))
-    assert calibration["calls"]["transformer"] == 32 * 8 and calibration["calls"]["vae_encoder"] == 32
+    default = CalibrationSettings()
+    assert calibration["seeds"] == list(range(default.prompts))
+    assert calibration["calls"]["transformer"] == default.prompts * default.steps
+    assert calibration["calls"]["vae_encoder"] == default.prompts
     for name, sub in fp16["submodules"].items():
         report = sub["passes"][-1]
         assert report["name"] == "to_fp16" and report["details"]["fp32_islands"] == [], name

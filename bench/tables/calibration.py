@@ -12,10 +12,14 @@ from bench import accuracy
 from bench.harness import in_child
 from bench.prepare import sibling_build
 from bench.tables import Table
+from engines.calibration import CalibrationSettings
 
 
 def _setting(text: str) -> dict:
-    """A --calibration-grid entry, "PROMPTSxSTEPS@SIZE" ("@default": engines' own size, CalibrationSettings.side)."""
+    """A --calibration-grid entry, "PROMPTSxSTEPS@SIZE" ("@default": engines' own size, CalibrationSettings.side;
+    "default" alone: what engines records with no calibration option)."""
+    if text == "default":
+        text = f"{CalibrationSettings.prompts}x{CalibrationSettings.steps}@default"
     counts, _, size = text.partition("@")
     prompts, _, steps = counts.partition("x")
     try:
@@ -83,10 +87,10 @@ def measure(run) -> list[dict]:
 
 
 def _arguments(group) -> None:
-    group.add_argument("--calibration-grid", default="32x8@512,16x4@512,8x4@512,8x4@256,4x2@256",
+    group.add_argument("--calibration-grid", default="32x8@512,16x4@512,8x4@512,8x4@256,4x8@256,4x2@256",
                        help="comma-separated calibration settings of the calibration table, PROMPTSxSTEPS@SIZE "
-                            "(@default: what engines records at when no size is named); the first is the "
-                            "reference of its last column")
+                            "(@default: what engines records at when no size is named; 'default': engines' whole "
+                            "default); the first is the reference of its last column")
     group.add_argument("--calibration-artifact", default="openvino-int8",
                        help="the calibrated artifact the calibration table builds per setting: openvino-int8, "
                             "ort-fp8 or ort-fp16")
@@ -94,5 +98,6 @@ def _arguments(group) -> None:
 
 TABLE = Table("calibration", "Calibration settings of", "the calibrated artifact once per calibration setting",
               ("sd3", "flux", "sd15"), measure, _arguments,  # sd15-bench: a real-size model's cost
-              # one setting: engines' default counts at the tiny model's 128x128 (a few seconds of recording)
-              smoke=("--precision-steps", "1", "--calibration-grid", "32x8@128", "--calibration-artifact", "ort-fp16"))
+              # one setting: engines' default counts at the tiny model's 128x128 (the tests' own recording)
+              smoke=("--precision-steps", "1", "--calibration-artifact", "ort-fp16",
+                     "--calibration-grid", f"{CalibrationSettings.prompts}x{CalibrationSettings.steps}@128"))
