@@ -54,7 +54,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(fresh_build, capsys):
     assert out[0] == f"target ort, precision fp8 -> {fresh_build / 'ort-fp8'} (to build)"
     assert f"  transformer: {', '.join(ORT_PASSES)}, quantize_fp8" in out
     assert sum(line.startswith("  text_encoder") for line in out) == 3
-    assert out[-1].startswith(f"  calibration: 2 prompts x {CalibrationSettings.steps} steps on {fresh_build / 'ort-fp32'} (to build first), "
+    steps, fp32 = CalibrationSettings.steps, fresh_build / "ort-fp32"
+    assert out[-1].startswith(f"  calibration: 2 prompts x {steps} steps on {fp32} (to build first), "
                               f"recorded in {fresh_build / 'calibration'}/")
 
 
