@@ -84,8 +84,9 @@ PROMPTS = (
 
 # The defaults (BENCHMARKS.md, "Calibration settings": python -m bench --tables calibration). On sd3-bench every
 # setting from 32 prompts x 8 steps at 512 down to 4 x 2 at 256 gave an OpenVINO int8 image within 0.1 dB of the
-# first's, but a U-Net's activations change with the timestep: sd15-tiny's int8 image lost 16 dB at 4 x 2, 3-4 dB
-# at 4 x 4, none at 4 x 8. So few prompts, a schedule's worth of steps, and a small size: a recording's time grows
+# first's, but a U-Net's activations change with the timestep: on sd15-bench (SD1.5 at its real size) 4 x 2 at 256
+# lost 9.9 dB against 32 x 8 at 512 and 4 x 8 at 256 0.4 dB; sd15-tiny's test image lost 16 dB at 4 x 2 and 3-4 dB
+# at 4 x 4. So few prompts, a schedule's worth of steps, and a small size: a recording's time grows
 # with its pixels and calls, and at 1024x1024 NNCF's int8 statistics of SD3's real VAE decoder did not fit a 24 GiB
 # machine at all (the OpenVINO int8 build of sd3-bench was killed for memory).
 LARGEST_DEFAULT_SIZE = 256
