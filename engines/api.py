@@ -17,7 +17,7 @@ from engines.passes import PassContext, PassPipeline
 from engines.passes.ort_tools import request_session_options
 from engines.plan import BuildPlan, passes_fingerprint, plan, submodule_entry
 from engines.targets import BuildInput, SubmoduleBuildFailed, TargetOptions, target_options
-from runners.manifest import atomic_folder, exclusive, is_current, load_onnx, write_manifest
+from runners.manifest import atomic_folder, exclusive, is_current, load_onnx, read_manifest, write_manifest
 from runners.adapters.provenance import WeightTable, table_path
 
 # plan and target_options are the Python API's, as the CLI's --dry-run and target flags;
@@ -63,8 +63,12 @@ def execute(p: BuildPlan) -> Path:
 def _write(p: BuildPlan) -> Path:
     recordings = p.calibration and collect(execute(p.calibration.artifact), p.calibration.settings)
     assert not recordings or recordings == p.calibration.folder, (recordings, p.calibration.folder)
+    fp32 = p.prepared
+    prepared = fp32 and is_current(fp32.dest, fp32.cache_key) and read_manifest(fp32.dest, verify=False)
+    if prepared:
+        _log(f"target passes ({', '.join(p.base)}): taking their graphs from {p.prepared.dest}")
     with atomic_folder(p.dest) as tmp:
-        submodules = {name: _build_submodule(p, name, tmp, recordings) for name in p.source["submodules"]}
+        submodules = {name: _build_submodule(p, name, tmp, recordings, prepared) for name in p.source["submodules"]}
         onnx_dir = p.build_dir / "onnx"
         for entry in list(p.source["tokenizers"].values()) + [p.source["scheduler"]]:
             (tmp / entry["file"]).parent.mkdir(parents=True, exist_ok=True)
@@ -74,18 +78,33 @@ def _write(p: BuildPlan) -> Path:
     return p.dest
 
 
-def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None) -> dict:
+def _start(p: BuildPlan, name: str, prepared: dict | None):
+    """(graph, weight table, reports of the passes already run, the passes left) of submodule `name`: the
+    export's graph with all its passes to run, or the prepared artifact's (`prepared`: its manifest), which ran
+    the target passes on the same graph (fold_constants and infer_shapes alone take minutes on a real-size one).
+    Weights in external data stay on disk (memory-mapped)."""
+    names, done = p.passes[name], prepared and prepared["submodules"][name]["passes"]
+    if done and [r["name"] for r in done] == p.base == names[:len(p.base)]:
+        graph = p.prepared.dest / prepared["submodules"][name]["file"]
+        weights = WeightTable.load(table_path(graph))
+        weights.unlocate()  # where the weights are in that artifact's files is that artifact's
+        reused = [{**r, "reused_from": p.prepared.dest.name} for r in done]
+        return load_onnx(graph), weights, reused, names[len(p.base):]
+    onnx_file = p.build_dir / "onnx" / p.source["submodules"][name]["file"]
+    return load_onnx(onnx_file), WeightTable.load(table_path(onnx_file)), [], names
+
+
+def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None, prepared: dict | None) -> dict:
     """Submodule `name` through its passes and the target's builder (or the fallback's, when the
     target rejects it): its manifest entry."""
     t0 = time.perf_counter()
     sub = p.source["submodules"][name]
-    onnx_file = p.build_dir / "onnx" / sub["file"]
-    model = load_onnx(onnx_file)  # weights in external data stay on disk (memory-mapped)
+    model, weights, reports, left = _start(p, name, prepared)
     feeds = recordings and CalibrationFeeds(recordings, name)
-    weights = WeightTable.load(table_path(onnx_file))
     plan_dims = {**p.source["constants"], **{d: v[1] for d, v in p.source["dims"].items()}}
     context = PassContext(name, sub, feeds, plan_dims, p.memory_budget, weights)
-    model, reports = PassPipeline(p.passes[name])(model, name, log=_log, context=context)
+    model, run = PassPipeline(left)(model, name, log=_log, context=context)
+    reports += run
     if p.memory is not None:
         request_session_options(model, **p.target.memory.options_for(name))
     entry = p.entry(name)

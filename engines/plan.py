@@ -49,6 +49,9 @@ class BuildPlan:
     dest: Path
     up_to_date: bool  # `dest` holds this cache key (and no rebuild was forced)
     forced: bool = False  # built again even when `dest` holds this cache key
+    # The fp32 ONNX Runtime artifact whose graphs are this build's after `base` (the same target passes on
+    # the same export): when it is up to date, the build starts from its graphs instead of running them again.
+    prepared: BuildPlan | None = None
 
     def entry(self, name: str) -> dict:
         """Submodule `name`'s artifact manifest entry, as the target's options build it."""
@@ -134,7 +137,8 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     build_dir = Path(build_dir)
     tgt = get_target(target, precision)  # unknown target/precision, missing backend or GPU: fail first
     if fallback not in (None, "ort") or fallback == target:
-        raise TargetError(f"--fallback {fallback} on target '{target}': the only fallback is 'ort', for the other targets")
+        raise TargetError(f"--fallback {fallback} on target '{target}': the only fallback is 'ort', for the other "
+                          "targets")
     fallback_target = get_target(fallback, precision) if fallback else None
     options = _options(tgt, options)
     source = _source(build_dir)
@@ -162,8 +166,11 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
     cache_key = digest([ARTIFACT_FORMAT, export_read(source), settings, calibrated and calibrated.folder.name,
                         passes_fingerprint(lists)])
     dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{options.variant()}"
+    fp32 = None if memory or (target, precision) == ("ort", "fp32") or source.get("dtype", "float32") != "float32" \
+        else calibrated.artifact if calibrated else plan(build_dir, "ort", "fp32")
     return BuildPlan(build_dir, tgt, precision, options, source, lists, base, own, memory_passes, memory_budget,
-                     fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key), force)
+                     fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key),
+                     force, fp32 if fp32 and base and fp32.base == base else None)
 
 
 def calibration_size(calibration: CalibrationSettings, source: dict) -> int:
@@ -183,6 +190,9 @@ def describe(p: BuildPlan) -> str:
     lines = [f"target {p.target.name}, precision {p.precision} -> {p.dest} ({state})",
              f"  settings: {p.settings}"]
     lines += [f"  {name}: {', '.join(names) or 'no passes'}" for name, names in p.passes.items()]
+    if p.prepared:
+        lines.append(f"  {', '.join(p.base)}: their graphs taken from {p.prepared.dest} if it is up to date at build "
+                     f"({'it is' if p.prepared.up_to_date else 'not yet'}), else run")
     if p.calibration:
         fp32 = p.calibration.artifact
         lines.append(f"  calibration: {p.calibration.settings.prompts} prompts x {p.calibration.settings.steps} steps "

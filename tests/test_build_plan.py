@@ -55,6 +55,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(fresh_build, capsys):
     assert f"  transformer: {', '.join(ORT_PASSES)}, quantize_fp8" in out
     assert sum(line.startswith("  text_encoder") for line in out) == 3
     steps, fp32 = CalibrationSettings.steps, fresh_build / "ort-fp32"
+    assert out[-2] == (f"  {', '.join(ORT_PASSES)}: their graphs taken from {fp32} if it is up to date at build "
+                       "(not yet), else run")
     assert out[-1].startswith(f"  calibration: 2 prompts x {steps} steps on {fp32} (to build first), "
                               f"recorded in {fresh_build / 'calibration'}/")
 
@@ -121,6 +123,31 @@ def test_calibration_progress_says_the_time_left():
     assert time_left(10.0, 1, 32) == " (about 5 min 10 s left)"
     assert time_left(400.0, 1, 32) == " (about 3 h 26 min 40 s left)"
     assert time_left(1.0, 1, 32) == " (about 31 s left)" and time_left(5.0, 32, 32) == ""
+
+
+@pytest.mark.parametrize("target, precision", [("ort", "fp16"), ("openvino", "bf16")])
+def test_a_build_takes_the_target_passes_graphs_from_the_fp32_artifact(tiny_build, tmp_path, target, precision):
+    """Every target runs the same passes before its precision's: a build after the fp32 ONNX Runtime artifact
+    takes its graphs, weight tables and pass reports rather than running them again, and writes the same files
+    as a build that runs them."""
+    import dataclasses
+
+    p = plan(tiny_build, target, precision)
+    assert (p.prepared.dest, p.prepared.up_to_date) == (tiny_build / "ort-fp32", True)
+    assert plan(tiny_build).prepared is None and plan(tiny_build, memory=True).prepared is None
+    built = {how: execute(dataclasses.replace(p, prepared=prepared, dest=tmp_path / how, up_to_date=False))
+             for how, prepared in (("run", None), ("taken", p.prepared))}
+    # OpenVINO numbers the nodes it names with a counter of the process: Constant_12 in one build is
+    # Constant_2049 in the next
+    contents = {how: {f: re.sub(rb"(?<=[A-Za-z])_[0-9]+", b"_N", (folder / f).read_bytes())
+                      for f in _files(folder) if (folder / f).is_file() and f != "manifest.json"}
+                for how, folder in built.items()}
+    assert contents["taken"] == contents["run"]
+    built = {how: manifest(folder) for how, folder in built.items()}
+    for name, sub in built["taken"]["submodules"].items():
+        reports, run = sub["passes"], built["run"]["submodules"][name]["passes"]
+        assert [r["name"] for r in reports] == [r["name"] for r in run] == p.passes[name]
+        assert [r.get("reused_from") for r in reports] == ["ort-fp32"] * 5 + [None] * (len(reports) - 5)
 
 
 def test_the_entry_points_stay_short():

@@ -38,6 +38,15 @@ def int8_against_peers(rows: dict, variants) -> list[str]:
             "(goal 1.5x)" for theirs, what in ((genai, "openvino.genai's default"), (peer, "optimum-intel's"))]
 
 
+def load_goal(rows: dict) -> str:
+    """Our artifacts' load plus first call against the issues' 10 s, in words: the fastest (what a deployment
+    would choose) and the slowest, each named."""
+    ours = sorted((r["first"], label.removeprefix("ours ")) for label, r in rows.items() if label.startswith("ours"))
+    (fastest, which), (slowest, what) = ours[0], ours[-1]
+    return (f"our fastest load + first call is {fastest:.1f} s ({which}), the slowest {slowest:.1f} s ({what}) "
+            "(goal under 10 s)")
+
+
 @dataclass(frozen=True)
 class FamilyTable:
     name: str  # the table's (`--tables`), its options' prefix and its workload's (bench.family_variants.WORKLOADS)

@@ -2,8 +2,7 @@
 to image and editing from one and two references (bench/tables/family_table.py), and its goals."""
 from __future__ import annotations
 
-from bench.tables.family_table import FamilyTable, make_table
-from bench.tables.z_image import OURS_INT8
+from bench.tables.family_table import OURS_INT8, FamilyTable, load_goal, make_table
 
 
 def goals(size: str, references: int, measured: dict, variants) -> str | None:
@@ -22,8 +21,7 @@ def goals(size: str, references: int, measured: dict, variants) -> str | None:
              if v.kind.endswith(kind)]
     said = [f"openvino-int8 end to end is {rows[label]['e2e'] / ours['e2e']:.2f}x as fast as {what} (goal 1.5x)"
             for label, what in peers]
-    first = max(r["first"] for label, r in rows.items() if label.startswith("ours"))
-    return f"Goals {where}: {'; '.join(said)}; our slowest load + first call is {first:.1f} s (goal under 10 s)."
+    return f"Goals {where}: {'; '.join([*said, load_goal(rows)])}."
 
 
 TABLE = make_table(FamilyTable("flux2", "flux2", "FLUX.2 klein", steps=4, settings="distilled: no guidance",

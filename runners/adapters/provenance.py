@@ -89,6 +89,11 @@ class WeightTable(dict):
             if isinstance(tensor, ir.ExternalTensor):
                 record["location"] = {"file": tensor.location, "offset": tensor.offset, "length": tensor.length}
 
+    def unlocate(self) -> None:
+        """Forget where `locate` found the weights (another graph file's places)."""
+        for record in self.values():
+            record.pop("location", None)
+
     def parameters(self) -> set[tuple[str, str]]:
         """Every (component, checkpoint key) some initializer holds."""
         return {(p["component"], p["key"]) for r in self.values() for p in r["parts"]}
