@@ -20,13 +20,14 @@ from pathlib import Path
 # 27:56 and 29:02 pinned (within the spread of runs).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    _share = max(1, (os.cpu_count() or 1) // _workers)
+    _pinnable = hasattr(os, "sched_getaffinity")  # Linux; elsewhere the thread share only
+    _cores = sorted(os.sched_getaffinity(0)) if _pinnable else list(range(os.cpu_count() or 1))
+    _share = max(1, len(_cores) // _workers)
     for _variable in ("DIFFUSION_AOT_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_variable, str(_share))
-    _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-    if len(_cores) >= _workers:
-        os.sched_setaffinity(0, _cores[_worker * _share % len(_cores):][:_share])
+    if _pinnable and len(_cores) >= _workers:
+        _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+        os.sched_setaffinity(0, _cores[_worker * _share:][:_share])
 
 from runners.backends import cpu_threads  # noqa: E402
 from runners.backends.openvino import avoid_one_thread_amx_crash  # noqa: E402
