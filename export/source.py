@@ -5,6 +5,7 @@ at a time through the components' own `from_pretrained`, as a user's folder woul
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
@@ -126,7 +127,9 @@ def _build_random(entry: ModelEntry) -> Path:
 
     def build(tmp: Path) -> None:
         print(f"[export] building {entry.name} with random seeded weights -> {folder}", flush=True)
-        FAMILIES[entry.family].build_random(entry.random_configs, tmp)
+        # A copy: transformers' config classes fill in a nested dict they are given (Qwen2.5-VL's rope_scaling
+        # gained rope_theta), which changed the entry's key in this process and built the model a second time.
+        FAMILIES[entry.family].build_random(copy.deepcopy(entry.random_configs), tmp)
 
     return write_once(folder, "model_index.json", build)
 

@@ -31,9 +31,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 from runners.backends import cpu_threads  # noqa: E402
 from runners.backends.openvino import avoid_one_thread_amx_crash  # noqa: E402
+from engines.targets.openvino import without_usage_telemetry  # noqa: E402
 
 # Before any test compiles an OpenVINO model in this process (oneDNN reads its ISA cap once).
 avoid_one_thread_amx_crash(cpu_threads(None))
+without_usage_telemetry()  # the tests that call OpenVINO's converter themselves send none either
 
 import numpy as np  # noqa: E402 (after the thread settings above)
 import pytest  # noqa: E402

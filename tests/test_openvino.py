@@ -265,6 +265,34 @@ def _linear(op: str, weight: np.ndarray):
                     ir_version=9)
 
 
+def test_a_build_sends_no_usage_telemetry(monkeypatch, tmp_path):
+    """OpenVINO's converter reports each call through openvino_telemetry's one instance per process, whose consent
+    is on by default (no consent file); a build turns it off, in an instance made before it (NNCF makes one when
+    imported) and in the next process's first. Nothing is sent by this test: the sender only records."""
+    import onnx_ir as ir
+    import openvino as ov
+    from openvino_telemetry import Telemetry
+    from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    from openvino_telemetry.utils.sender import TelemetrySender
+
+    from engines.targets.openvino import without_usage_telemetry
+
+    sent = []
+    monkeypatch.setattr(TelemetrySender, "send", lambda self, backend, message: sent.append(message))
+    ir.save(_linear("MatMul", np.ones((4, 3), np.float32)), tmp_path / "m.onnx")
+    ov.convert_model(tmp_path / "m.onnx")  # makes the instance, if no test did
+    monkeypatch.setattr(Telemetry(), "consent", True)  # as on a user's machine
+    monkeypatch.setattr(OptInChecker, "_run_in_ci", staticmethod(lambda: False))
+    monkeypatch.setattr(OptInChecker, "consent_file", lambda self: str(tmp_path / "no-consent-file"))
+    ov.convert_model(tmp_path / "m.onnx")
+    assert sent, "the converter reported nothing with telemetry on: this test would prove nothing"
+    sent.clear()
+    without_usage_telemetry()
+    ov.convert_model(tmp_path / "m.onnx")
+    assert not sent
+    assert OptInChecker().check(enable_opt_in_dialog=False, disable_in_ci=True) == ConsentCheckResult.DECLINED
+
+
 def test_int4_weights_are_within_half_a_step_per_block(tmp_path):
     """`--ov-weights int4`: a scale per output channel and 128 inputs, each block's largest weight at
     7; OpenVINO reads the blocked DequantizeLinear and computes what it says. An input width that no

@@ -159,6 +159,30 @@ def test_random_model_key_covers_code_and_libraries(monkeypatch, tmp_path):
     assert source._random_key(entry) != key
 
 
+def test_building_a_random_model_leaves_its_key_as_it_was(monkeypatch, tmp_path):
+    """The family's builder gets a copy of the entry's configs: transformers' config classes fill in nested dicts
+    they are given (Qwen2.5-VL's rope_scaling gains rope_theta), which changed the key in the building process, so
+    that the next `resolve` there built the model a second time under another name."""
+    import dataclasses
+    import json
+
+    import export.source as source
+
+    def build_random(configs, out_dir):  # what Qwen2_5_VLConfig does to the rope_scaling it is handed
+        configs["text_encoder"]["rope_scaling"]["rope_theta"] = 1e6
+        (out_dir / "model_index.json").write_text(json.dumps({}))
+
+    entry = MODELS["qwen-image-tiny"]
+    assert "rope_scaling" in entry.random_configs["text_encoder"]
+    monkeypatch.setenv("DIFFUSION_AOT_CACHE", str(tmp_path))
+    family = source.FAMILIES[entry.family]
+    monkeypatch.setitem(source.FAMILIES, entry.family, dataclasses.replace(family, build_random=build_random))
+    key = source._random_key(entry)
+    folder = source._build_random(entry)
+    assert folder.name.endswith(key) and source._random_key(entry) == key
+    assert "rope_theta" not in entry.random_configs["text_encoder"]["rope_scaling"]
+
+
 def test_random_model_key_leaves_out_what_has_keys_of_its_own(monkeypatch, tmp_path):
     """A change to the code of the random ControlNets or tiny autoencoders rebuilds those, not every model
     (their folders have keys of their own); a change to a family's builders still rebuilds the model."""

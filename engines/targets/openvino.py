@@ -54,6 +54,25 @@ IMAGE_SHAPES = "per-size"
 SHAPES = ("dynamic", "per-size")
 
 
+def without_usage_telemetry() -> None:
+    """A build sends no usage telemetry. OpenVINO's converter (`convert_model`) and NNCF report each call to
+    Google Analytics through openvino_telemetry, on by default for both, from threads of their own. Its one
+    instance per process decides when it is made, and both have it decline in CI jobs: that check answers yes
+    here, and an instance made before (NNCF makes one when imported) is told no. Besides the traffic, the
+    threads took the CPU: wan-tiny's openvino-bf16 build on one core took 12.3 s with them and 4.5 s without
+    (each `compile_model` after a `convert_model` ran 4 times slower)."""
+    try:
+        from openvino_telemetry import Telemetry
+        from openvino_telemetry.utils.opt_in_checker import OptInChecker
+    except ImportError:  # openvino's own stub then, which sends nothing
+        return
+    OptInChecker._run_in_ci = staticmethod(lambda: True)
+    try:
+        Telemetry().consent = False
+    except RuntimeError:  # no instance yet (made without its application's name)
+        pass
+
+
 
 def _hint(hint: str, quantize: bool = False) -> TargetRecipe:
     return TargetRecipe({HINT: hint}, quantize)
@@ -187,6 +206,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         # Compiled for a device, a per-size submodule ships its default size's static model.
         sizes = options.sizes or ((_opt_size(sub),) if options.device and shapes == "per-size" else ())
     config = {HINT: sub.precision.runtime[HINT]}
+    without_usage_telemetry()  # before the converter's and NNCF's first report in this process
     core = openvino_core(cpu_threads(None))  # before NNCF's first compile in this process
     if options.device:
         check_device(core, options.device)
