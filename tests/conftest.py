@@ -102,27 +102,23 @@ def _group(item: pytest.Item) -> str:
 
 
 # Seconds each group took in a whole run on two workers (`--durations=0`, setup included: a group that waits for
-# a build another worker makes pays the wait), on a 2-core AMD EPYC (2026-12-04: 3839 s of test time, 38 minutes).
+# a build another worker makes pays the wait), on a 2-core Xeon with AMX (2026-12-05: 2748 s of test time, 24 minutes).
 # They only order the groups, longest first (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own
 # is by test count), so that both workers end together; rough numbers do. A group not listed goes after these,
 # as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 450, "test_flux2.py": 290, "test_family_targets.py::flux": 220,
-    "test_family_targets.py::sdxl": 220, "test_trt.py": 210, "test_openvino.py": 210, "test_z_image.py": 200,
-    "test_bench_smoke.py::sd3": 170, "test_controlnet.py::flux": 160, "test_qwen_image_edit.py": 150,
-    "test_controlnet.py::sd15": 130, "test_precision.py": 120, "test_qwen_image.py": 110, "test_passes.py": 80,
-    "test_controlnet.py": 70, "test_image_to_image.py::sdxl": 70, "test_flux_conditioned.py::flux": 70,
-    "test_wan.py": 80, "test_ltx.py": 60, "test_wan_ti2v.py": 70, "test_wan21_i2v.py": 70, "test_wan22_i2v.py": 50,
-    "test_serving.py": 60,
-    "test_qwen_image21.py": 60, "test_tiny_vae.py": 50,
-    "test_bench_smoke.py::qwen_image_edit": 50, "test_lazy_export.py": 50, "test_bench_smoke.py::flux2": 50,
-    "test_flux.py::flux": 50, "test_controlnet.py::sdxl": 40, "test_bench_smoke.py::sd15": 40,
-    "test_bench_smoke.py::wan": 70, "test_bench_smoke.py::ltx": 40, "test_bench_smoke.py::qwen_image": 30, "test_lora_openvino.py::sdxl": 30,
-    "test_streamed_parity.py::flux": 30,
-    "test_export.py": 20, "test_bench_smoke.py::flux": 20, "test_lora_openvino.py::sd15": 20,
-    "test_tiny_vae.py::sdxl": 20, "test_tiny_vae.py::sd15": 20, "test_lora.py::flux": 20,
-    "test_lora_openvino.py": 20, "test_bench_smoke.py::z_image": 20, "test_memory.py": 20,
-    "test_tiny_vae.py::flux": 20, "test_lora.py": 20,
+    "test_family_targets.py::sd15": 180, "test_wan.py": 180, "test_wan_ti2v.py": 170,
+    "test_bench_smoke.py::sd3": 150, "test_z_image.py": 140, "test_qwen_image_edit.py": 120, "test_ltx.py": 110,
+    "test_flux2.py": 100, "test_family_targets.py::sdxl": 90, "test_openvino.py": 90, "test_wan21_i2v.py": 80,
+    "test_family_targets.py::flux": 70, "test_serving.py": 70, "test_qwen_image21.py": 70,
+    "test_controlnet.py::sd15": 70, "test_controlnet.py::flux": 60, "test_trt.py": 60, "test_qwen_image.py": 60,
+    "test_precision.py": 60, "test_image_to_image.py::sdxl": 50, "test_passes.py": 50,
+    "test_flux_conditioned.py::flux": 50, "test_lazy_export.py": 50, "test_controlnet.py": 40,
+    "test_wan22_i2v.py": 40, "test_bench_smoke.py::flux2": 40, "test_bench_smoke.py::wan": 30,
+    "test_bench_smoke.py::sd15": 30, "test_controlnet.py::sdxl": 30, "test_bench_smoke.py::qwen_image_edit": 30,
+    "test_flux.py::flux": 20, "test_bench_smoke.py::flux": 20, "test_bench_smoke.py::qwen_image": 20,
+    "test_bench_smoke.py::z_image": 20, "test_bench_smoke.py::ltx": 20, "test_lora.py::flux": 20,
+    "test_tiny_vae.py": 20, "test_build_plan.py": 20,
 }
 
 
@@ -509,12 +505,17 @@ def library_deep_cache(reference, interval: int):
         helper.disable()
 
 
-def rtx_options(**kwargs):
+def rtx_options(shared: Path | None = None, **kwargs):
     """TrtOptions for TensorRT-RTX: on a machine without a GPU the build needs the generations to
-    target (it refuses to guess), SM89 here; with a GPU, the default is that GPU's."""
+    target (it refuses to guess), SM89 here; with a GPU, the default is that GPU's. `shared`: a build
+    folder in the session's shared root, whose engine cache is then the root's, every model's: an engine
+    of a graph that tiny models share (Z-Image's VAE is FLUX.1's, Wan's variants share its text encoder)
+    is built once (the cache is keyed by the graph's bytes and the settings)."""
     from engines.targets.trt import TrtOptions
     from runners.backends.trt import gpu_count
 
+    if shared is not None:
+        kwargs.setdefault("cache_dir", Path(shared).parent / "engine-cache")
     return TrtOptions(compute_capabilities=() if gpu_count() else ("SM89",), **kwargs)
 
 
@@ -550,7 +551,7 @@ def assert_rtx_builds_every_submodule(folder, images, monkeypatch) -> None:
     from engines.calibration import CalibrationSettings
     from gpu_double import SharedBuffers
 
-    built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options(),
+    built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options(folder),
                            calibration=CalibrationSettings(prompts=4, steps=4))
     m = manifest(built)
     assert sorted(m["submodules"]) == sorted(manifest(folder / "onnx")["submodules"])

@@ -569,7 +569,7 @@ def test_tensorrt_rtx_builds_the_controlnets(loaded, request, setup, monkeypatch
     from gpu_double import SharedBuffers
 
     build, (fp32, _) = request.getfixturevalue(setup), loaded(setup)
-    folder = build_artifact(build, "trt-rtx", "fp16", options=rtx_options())
+    folder = build_artifact(build, "trt-rtx", "fp16", options=rtx_options(build))
     subs = manifest(folder)["submodules"]
     assert residual_inputs(subs["transformer"])
     for name in ("controlnet", "transformer"):

@@ -141,7 +141,7 @@ def test_tensorrt_rtx_builds_every_submodule(build, fp32_images, precision, monk
     profiles, with reused output buffers), which must give ONNX Runtime's images exactly."""
     from engines.api import build_artifact
 
-    folder = build_artifact(build.folder, "trt-rtx", precision, options=rtx_options())
+    folder = build_artifact(build.folder, "trt-rtx", precision, options=rtx_options(build.folder))
     m = manifest(folder)
     assert m["target"] == "trt-rtx" and sorted(m["submodules"]) == sorted(manifest(build.folder / "onnx")["submodules"])
     for name, sub in m["submodules"].items():

@@ -15,6 +15,7 @@ TensorRT's demo/Diffusion.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import tempfile
 import time
@@ -268,7 +269,7 @@ def _build_engine(trt, rtx, onnx_path, shapes, capabilities, options, cache, des
         engine = _compile(trt, rtx, network, config, timing, bool(refit))
     if engine is None:
         raise _build_error(name, recorder.errors)
-    tmp = dest.with_name(dest.name + ".tmp")
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")  # builds in other processes may share the cache
     tmp.write_bytes(memoryview(engine))
     tmp.replace(dest)  # the cache never holds half an engine
     _log(f"{name}: engine built in {time.perf_counter() - t0:.1f} s, {dest.stat().st_size / 2**20:.1f} MiB")
