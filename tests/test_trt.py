@@ -42,7 +42,8 @@ SUBMODULES = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer",
 def rtx(tiny_build):
     from engines.api import build_artifact
 
-    return {p: build_artifact(tiny_build, "trt-rtx", p, options=rtx_options(tiny_build)) for p in ("fp32", "fp16", "bf16", "fp8")}
+    return {p: build_artifact(tiny_build, "trt-rtx", p, options=rtx_options(tiny_build))
+            for p in ("fp32", "fp16", "bf16", "fp8")}
 
 
 @needs_rtx
