@@ -73,7 +73,6 @@ def without_usage_telemetry() -> None:
         pass
 
 
-
 def _hint(hint: str, quantize: bool = False) -> TargetRecipe:
     return TargetRecipe({HINT: hint}, quantize)
 
