@@ -15,7 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
-from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, export_submodule
+from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, SharedTraces, export_submodule
 from export.peak_rss import peak_mib, reset_peak
 from export.prompt_formats import load_tokenizer, rendered
 from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
@@ -27,7 +27,7 @@ from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
                               read_manifest, write_manifest)
 
-EXPORT_FORMAT = 8  # bump when the graphs this code writes change for the same inputs
+EXPORT_FORMAT = 9  # bump when the graphs this code writes change for the same inputs
 
 
 def _quiet_libraries() -> None:
@@ -154,6 +154,7 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     earlier = {} if force else _exported_before(dest, keys, reuse_from)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
+    traces = SharedTraces(specs)
     with atomic_folder(dest) as tmp:
         submodules, known = {}, {}
         for spec in specs:
@@ -161,7 +162,7 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
             if report is not None:
                 _log(f"{spec.name}: exported before from the same inputs: taken from {earlier[spec.name][0]}")
             else:
-                report = _export_one(spec, sources[spec.name], dtype, constants, dynamic, probes, tmp, opset)
+                report = _export_one(spec, sources[spec.name], dtype, constants, dynamic, probes, tmp, opset, traces)
             submodules[spec.name] = {
                 "file": f"{spec.name}.onnx",
                 "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in spec.inputs],
@@ -192,11 +193,11 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     return dest
 
 
-def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset) -> dict:
+def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, traces) -> dict:
     _log(f"{spec.name}: tracing without weights, then streaming them from {src.folder / spec.component}")
     t0 = time.perf_counter()
     measured = reset_peak()
-    report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset)
+    report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset, traces)
     report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
     worst = max(p["max_abs_err"] for p in report["parity"])
     report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
@@ -214,7 +215,8 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
     alike (FLUX.1's in Z-Image), whatever image sizes the export is for."""
     tensors = (*spec.inputs, *spec.outputs)
     names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
-    return digest([settings, spec.name, spec.component, _code_name(spec.wrap), spec.load_kwargs, spec.quantization,
+    cut = [_code_name(spec.cut_from[0].wrap), _code_name(spec.cut_from[1])] if spec.cut_from else None
+    return digest([settings, spec.name, spec.component, _code_name(spec.wrap), cut, spec.load_kwargs, spec.quantization,
                    [str(t) for t in tensors],
                    {d: r for d, r in ranges.items() if d in names},
                    [{d: p[d] for d in p if d in names} for p in probes],

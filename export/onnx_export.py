@@ -7,6 +7,7 @@ ONNX Runtime opens the graph: at no point are two copies of the weights in memor
 """
 from __future__ import annotations
 
+import collections
 import gc
 import inspect
 import re
@@ -182,27 +183,58 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
     return program
 
 
+class SharedTraces:
+    """The traces an export's graphs share (`SubmoduleSpec.cut_from`), each kept until the last graph of the export
+    cut from it takes it."""
+
+    def __init__(self, specs):
+        self._left = collections.Counter(id(s.cut_from[0]) for s in specs if s.cut_from)
+        self._models = {}
+
+    def take(self, traced: SubmoduleSpec, make):
+        key = id(traced)
+        model = self._models.pop(key, None) or make()
+        self._left[key] -= 1
+        if self._left[key] > 0:
+            self._models[key] = model
+            return model.clone()
+        return model
+
+
+def traced_graph(spec: SubmoduleSpec, component, dtype: str, constants: dict, dynamic: set[str], probe: dict,
+                 opset: int = DEFAULT_OPSET, traces: SharedTraces | None = None):
+    """(`spec`'s graph traced from `component`, not yet optimized; the module traced): its own trace, or the trace it
+    shares (`spec.cut_from`, taken from `traces` where an earlier graph of the export made it) cut to it."""
+    shared, cut = spec.cut_from or (spec, None)
+    module = wrapped(shared, component, dtype)
+    make = lambda: trace(shared, module, constants, dynamic, probe, opset, optimize=False).model  # noqa: E731
+    if cut is None:
+        return make(), module
+    model = traces.take(shared, make) if traces is not None else make()
+    cut(model, spec)
+    return model, module
+
+
 def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str], probe: dict,
-                      opset: int = DEFAULT_OPSET):
+                      opset: int = DEFAULT_OPSET, traces: SharedTraces | None = None):
     """The submodule's graph traced without weights, then given them from the checkpoint (still
     on disk: they are read when the graph is written). Returns (onnx-ir model, the weights'
     provenance, counts)."""
     component = weightless_component(src, spec.component, dtype, **spec.load_kwargs)
-    module = wrapped(spec, component, dtype)
-    program = trace(spec, module, constants, dynamic, probe, opset, optimize=False)
+    model, module = traced_graph(spec, component, dtype, constants, dynamic, probe, opset, traces)
     table = WeightTable()
     index = checkpoint_index(src.folder / spec.component)
-    counts = attach_weights(program.model, module, index, spec.component, table, loaded_names(component, index))
-    counts["transposes_deferred"] = defer_weight_transposes(program.model, table)
-    table.reconcile(initializer_types(program.model))  # the transposed weights' sources are gone
-    small = {name: program.model.graph.initializers[name].const_value for name, r in table.items()
+    counts = attach_weights(model, module, index, spec.component, table, loaded_names(component, index))
+    counts["transposes_deferred"] = defer_weight_transposes(model, table)
+    table.reconcile(initializer_types(model))  # the transposed weights' sources are gone
+    small = {name: model.graph.initializers[name].const_value for name, r in table.items()
              if np.prod(r["shape"]) <= MERGED_SIZE_LIMIT}
-    optimize(program)
-    counts["parameters_merged"] = _record_merged(table, small, program.model)
-    counts.update(table.reconcile(initializer_types(program.model)))
+    optimize(model)
+    counts["parameters_merged"] = _record_merged(table, small, model)
+    counts.update(table.reconcile(initializer_types(model)))
     # What the wrapper cut from the component (an LLM encoder's layers past the deepest read): the report's
-    program.model.meta["export_notes"] = getattr(getattr(module, "wrapper", module), "export_notes", None)
-    return program.model, table, counts
+    model.meta["export_notes"] = getattr(getattr(module, "wrapper", module), "export_notes", None)
+    return model, table, counts
 
 
 # onnxscript's rewrite rules that the export's optimizer skips. SlicesSplit has two output nodes, and
@@ -212,9 +244,9 @@ def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyn
 SKIPPED_REWRITE_RULES = ("SlicesSplit",)
 
 
-def optimize(program) -> None:
-    """The exporter's own optimizer, as torch.onnx.export(optimize=True) runs it (onnxscript's constant
-    folding, rewrite rules and fusions), less SKIPPED_REWRITE_RULES. onnxscript's optimizer takes no
+def optimize(model) -> None:
+    """The exporter's own optimizer on `model`, in place, as torch.onnx.export(optimize=True) runs it (onnxscript's
+    constant folding, rewrite rules and fusions), less SKIPPED_REWRITE_RULES. onnxscript's optimizer takes no
     rule list: its default list is replaced for this call only."""
     from unittest import mock
 
@@ -222,7 +254,7 @@ def optimize(program) -> None:
 
     kept = tuple(r for r in rewriter._DEFAULT_REWRITE_RULES if getattr(r, "name", None) not in SKIPPED_REWRITE_RULES)
     with mock.patch.object(rewriter, "_DEFAULT_REWRITE_RULES", kept):
-        program.optimize()
+        torch.onnx.ONNXProgram(model, None).optimize()
 
 
 MERGED_SIZE_LIMIT = 1024  # onnx-ir's DeduplicateInitializersPass (run by the optimizer) merges up to this size
@@ -249,11 +281,12 @@ def _record_merged(table, small: dict, model) -> int:
 
 
 def export_submodule(spec: SubmoduleSpec, src, dtype: str, constants: dict, dynamic: set[str],
-                     probes: list[dict], out_path: Path, opset: int = DEFAULT_OPSET) -> dict:
+                     probes: list[dict], out_path: Path, opset: int = DEFAULT_OPSET,
+                     traces: SharedTraces | None = None) -> dict:
     """Export `spec`'s component of `src` with `dtype` weights to `out_path` and check it against
-    PyTorch; returns the report."""
+    PyTorch; returns the report. `traces`: the export's shared traces (`SharedTraces`)."""
     t0 = time.perf_counter()
-    model, table, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset)
+    model, table, counts = export_weightless(spec, src, dtype, constants, dynamic, probes[0], opset, traces)
     files = save_graph(model, out_path)
     table.save(table_path(out_path))
     notes = model.meta["export_notes"]

@@ -53,6 +53,11 @@ class SubmoduleSpec:
     # patch: a constant's name; 1: the latent itself), or None where it takes no latent. The export's example
     # must give that level a side of at least 2 (export/shapes.py, check_example_size).
     latent_divisor: int | str | None = None
+    # Where the graph is cut from a trace it shares with another submodule's instead of traced alone: (the
+    # description traced, the function that turns a copy of that trace into this graph, (onnx-ir model, this
+    # description) -> None, in place). A transformer's graph and its first-block graph share one
+    # (export/families/first_block.py): tracing the first block alone traced the embedders and block 0 twice.
+    cut_from: tuple[SubmoduleSpec, Callable[[Any, SubmoduleSpec], None]] | None = None
 
     def applies(self, src) -> bool:
         return src.has(self.component) and (self.when is None or self.when(src))

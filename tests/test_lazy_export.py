@@ -11,11 +11,12 @@ import re
 import numpy as np
 import onnx_ir as ir
 import pytest
+import torch
 
 from conftest import manifest
 from export.families import FAMILIES
 from export.lazy_weights import WeightsError, attach_weights, checkpoint_index
-from export.onnx_export import SKIPPED_REWRITE_RULES, export_weightless, trace, wrapped
+from export.onnx_export import SKIPPED_REWRITE_RULES, export_weightless, trace, traced_graph, wrapped
 from runners.adapters.provenance import WeightTable
 from export.shapes import dim_ranges, probe_dims
 
@@ -90,7 +91,8 @@ def test_lazy_export_gives_the_ordinary_graph(tiny_source, tiny_build, setting, 
     export = manifest(tiny_build / "onnx")["submodules"][name]
     lazy, counts = load_onnx(tiny_build / "onnx" / export["file"]), export["export"]["weights"]
     component = tiny_source.load(spec.component, **spec.load_kwargs).eval()
-    ordinary = trace(spec, wrapped(spec, component), constants, dynamic, probe).model
+    ordinary, _ = traced_graph(spec, component, "float32", constants, dynamic, probe)  # cut, where it is, alike
+    torch.onnx.ONNXProgram(ordinary, None).optimize()  # the exporter's whole optimizer
     assert counts["weights_mapped"] > 0 and counts["weights_converted"] == 0
     lazy_nodes, lazy_weights = canonical(lazy)
     nodes, weights = canonical(ordinary)
@@ -100,6 +102,26 @@ def test_lazy_export_gives_the_ordinary_graph(tiny_source, tiny_build, setting, 
         np.testing.assert_array_equal(lazy_weights[key], value, err_msg=key)
     if name != "vae_decoder" and name != "vae_encoder":  # convolutions only: no linear layer to transpose
         assert counts["transposes_deferred"] > 0
+    if name == "transformer_first_block":  # cut from the whole transformer's trace: block 0 is all it keeps
+        blocks = {int(w.split(".")[2]) for w in weights if w.startswith("transformer.transformer_blocks.")}
+        assert blocks == {0}
+
+
+def test_graphs_sharing_a_trace_take_it_once():
+    """Each graph but the last cut from a shared trace gets a copy (the cut changes it); the last, the trace."""
+    from export.onnx_export import SharedTraces
+
+    class Model:
+        def clone(self):
+            return ("copy", self)
+
+    shared = SD3.submodules[[s.name for s in SD3.submodules].index("transformer")].cut_from[0]
+    specs = [s for s in SD3.submodules if s.cut_from]
+    assert len(specs) == 2 and all(s.cut_from[0] is shared for s in specs)
+    traces, made = SharedTraces(specs), []
+    make = lambda: made.append(Model()) or made[-1]  # noqa: E731
+    first, second = traces.take(shared, make), traces.take(shared, make)
+    assert len(made) == 1 and first == ("copy", made[0]) and second is made[0]
 
 
 def test_buffers_the_checkpoint_holds_come_from_it(lazy_export):

@@ -77,11 +77,13 @@ def adopt(module, wrapper) -> None:
 
 
 class WithTailResidual(torch.nn.Module):
-    """A family's transformer wrapper whose outputs gain `tail_residual`."""
+    """A family's transformer wrapper whose outputs gain `tail_residual` (and, with `head_residual`, then the first
+    block's residual: the trace both graphs are cut from)."""
 
-    def __init__(self, wrapper):
+    def __init__(self, wrapper, head_residual: bool = False):
         super().__init__()
         adopt(self, wrapper)
+        self.head_residual = head_residual
 
     def forward(self, *inputs):
         head, tail = blocks(self.wrapper.transformer)[0], blocks(self.wrapper.transformer)[-1]
@@ -90,11 +92,13 @@ class WithTailResidual(torch.nn.Module):
         def take(name):
             def hook(block, args, kwargs, output):
                 taken[name] = _hidden_output(block, output)
+                taken[f"{name}_input"] = _hidden_input(args, kwargs)
             return hook
 
         with hooked(head, take("head")), hooked(tail, take("tail")):
             outputs = self.wrapper(*inputs)
-        return (*outputs, taken["tail"] - taken["head"])
+        head_residual = (taken["head"] - taken["head_input"],) if self.head_residual else ()
+        return (*outputs, taken["tail"] - taken["head"], *head_residual)
 
 
 def _first_block_only(transformer):
@@ -141,14 +145,61 @@ HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stre
 
 def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN) -> tuple[SubmoduleSpec, SubmoduleSpec]:
     """The family's transformer description, and its first-block graph's (see the module's docstring);
-    `hidden`: the dims of the hidden stream the blocks pass on."""
-    tail = T("tail_residual", "float32", hidden)
-    full = dataclasses.replace(spec, outputs=(*spec.outputs, tail),
+    `hidden`: the dims of the hidden stream the blocks pass on. Both graphs are cut from one trace of the
+    transformer that returns both residuals (`cut_to_outputs`, `cut_after_first_block`); the descriptions' own
+    wrappers are what the export checks each graph against."""
+    tail, residual = T("tail_residual", "float32", hidden), T("first_block_residual", "float32", hidden)
+    traced = dataclasses.replace(spec, outputs=(*spec.outputs, tail, residual),
+                                 wrap=lambda component: WithTailResidual(spec.wrap(component), head_residual=True))
+    full = dataclasses.replace(spec, outputs=(*spec.outputs, tail), cut_from=(traced, cut_to_outputs),
                                wrap=lambda component: WithTailResidual(spec.wrap(component)))
-    first = dataclasses.replace(spec, name=NAME, inputs=(*spec.inputs, tail),
-                                outputs=(*spec.outputs, T("first_block_residual", "float32", hidden)),
+    first = dataclasses.replace(spec, name=NAME, inputs=(*spec.inputs, tail), cut_from=(traced, cut_after_first_block),
+                                outputs=(*spec.outputs, residual),
                                 wrap=lambda component: FirstBlock(spec.wrap, component))
     return full, first
+
+
+def cut_to_outputs(model, spec: SubmoduleSpec) -> None:
+    """The traced graph less the outputs `spec` does not name, and what only they needed."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    wanted = {t.name for t in spec.outputs}
+    kept = [v for v in model.graph.outputs if v.name in wanted]
+    model.graph.outputs.clear()
+    model.graph.outputs.extend(kept)
+    RemoveUnusedNodesPass()(model)
+
+
+def cut_after_first_block(model, spec: SubmoduleSpec) -> None:
+    """The first-block graph from the trace of the whole transformer: the output layers read the first block's
+    hidden output plus a new input, `tail_residual`, where they read the last block's; the blocks after the first,
+    read by nothing then, go. The trace's `tail_residual` output (last minus first block's hidden output, cast to
+    float32 in an fp16 graph) names the two streams."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    outputs = {v.name: v for v in graph.outputs}
+    sub = outputs["tail_residual"].producer()
+    if sub.op_type == "Cast":
+        sub = sub.inputs[0].producer()
+    if sub.op_type != "Sub":
+        raise ValueError(f"{spec.name}: the trace's tail_residual comes from {sub.op_type}, not the subtraction of the "
+                         "first block's hidden output from the last's")
+    last, first = sub.inputs
+    given = ir.Value(name="tail_residual", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(spec.inputs[-1].shape))
+    nodes = []
+    if first.dtype != ir.DataType.FLOAT:  # an fp16 graph computes in fp16 what it takes in float32
+        nodes.append(ir.node("Cast", [given], {"to": first.dtype}, name="tail_residual_cast"))
+    nodes.append(ir.node("Add", [first, nodes[-1].outputs[0] if nodes else given], name="first_block_plus_tail"))
+    for node in nodes:  # the traced values' type and shape, as the exporter gives every value
+        node.outputs[0].type, node.outputs[0].shape = first.type, ir.Shape(list(first.shape))
+    graph.insert_after(last.producer(), nodes)  # before anything that reads the last block's output
+    add = nodes[-1]
+    for user, index in list(last.uses()):
+        if user is not sub:
+            user.replace_input_with(index, add.outputs[0])
+    graph.inputs.append(given)
+    cut_to_outputs(model, spec)
 
 
 def inner_dim(transformer_config: dict) -> int:
