@@ -115,7 +115,7 @@ def test_graphs_sharing_a_trace_take_it_once():
         def clone(self):
             return ("copy", self)
 
-    shared = SD3.submodules[[s.name for s in SD3.submodules].index("transformer")].cut_from[0]
+    shared = next(s for s in SD3.submodules if s.name == "transformer").cut_from[0]
     specs = [s for s in SD3.submodules if s.cut_from]
     assert len(specs) == 2 and all(s.cut_from[0] is shared for s in specs)
     traces, made = SharedTraces(specs), []

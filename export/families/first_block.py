@@ -89,16 +89,15 @@ class WithTailResidual(torch.nn.Module):
         head, tail = blocks(self.wrapper.transformer)[0], blocks(self.wrapper.transformer)[-1]
         taken = {}
 
-        def take(name):
+        def take(name):  # (the block's hidden input, its hidden output)
             def hook(block, args, kwargs, output):
-                taken[name] = _hidden_output(block, output)
-                taken[f"{name}_input"] = _hidden_input(args, kwargs)
+                taken[name] = _hidden_input(args, kwargs), _hidden_output(block, output)
             return hook
 
         with hooked(head, take("head")), hooked(tail, take("tail")):
             outputs = self.wrapper(*inputs)
-        head_residual = (taken["head"] - taken["head_input"],) if self.head_residual else ()
-        return (*outputs, taken["tail"] - taken["head"], *head_residual)
+        (head_in, head_out), (_, tail_out) = taken["head"], taken["tail"]
+        return (*outputs, tail_out - head_out, *((head_out - head_in,) if self.head_residual else ()))
 
 
 def _first_block_only(transformer):
@@ -178,8 +177,7 @@ def cut_after_first_block(model, spec: SubmoduleSpec) -> None:
     import onnx_ir as ir
 
     graph = model.graph
-    outputs = {v.name: v for v in graph.outputs}
-    sub = outputs["tail_residual"].producer()
+    sub = next(v for v in graph.outputs if v.name == "tail_residual").producer()
     if sub.op_type == "Cast":
         sub = sub.inputs[0].producer()
     if sub.op_type != "Sub":
