@@ -154,12 +154,13 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     earlier = {} if force else _exported_before(dest, keys, reuse_from)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
-    traces = SharedTraces(specs)
+    traces = SharedTraces({s.name: _trace_key(s, sources[s.name]) for s in specs})
     with atomic_folder(dest) as tmp:
         submodules, known = {}, {}
         for spec in specs:
             report = _link_earlier(earlier.get(spec.name), tmp, known)
             if report is not None:
+                traces.skip(spec)
                 _log(f"{spec.name}: exported before from the same inputs: taken from {earlier[spec.name][0]}")
             else:
                 report = _export_one(spec, sources[spec.name], dtype, constants, dynamic, probes, tmp, opset, traces)
@@ -198,6 +199,8 @@ def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, 
     t0 = time.perf_counter()
     measured = reset_peak()
     report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset, traces)
+    if traces.maker(spec):
+        report["trace_of"] = traces.maker(spec)
     report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
     worst = max(p["max_abs_err"] for p in report["parity"])
     report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
@@ -221,6 +224,17 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
                    {d: r for d, r in ranges.items() if d in names},
                    [{d: p[d] for d in p if d in names} for p in probes],
                    {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
+
+
+def _trace_key(spec, src: ModelSource) -> str:
+    """What a graph's trace depends on within one export, where the settings and shapes are the same for every
+    graph: the code traced (a graph cut from a trace: that trace's), its inputs and outputs, and its component's
+    class and configuration, not its weights. Graphs of one key take one trace (`SharedTraces`): Wan 2.2 A14B's two
+    transformers, and each transformer's graph and its first-block graph."""
+    traced = spec.cut_from[0] if spec.cut_from else spec
+    config = {k: v for k, v in src.config(spec.component).items() if k != "_name_or_path"}  # where it was read
+    return digest([_code_name(traced.wrap), [str(t) for t in (*traced.inputs, *traced.outputs)], traced.load_kwargs,
+                   src.model_index()[spec.component], config])
 
 
 def _code_name(fn) -> str:

@@ -184,34 +184,52 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
 
 
 class SharedTraces:
-    """The traces an export's graphs share (`SubmoduleSpec.cut_from`), each kept until the last graph of the export
-    cut from it takes it."""
+    """The traces an export's graphs share, each kept until the last graph of the export that takes it has: the
+    graphs cut from one trace (`SubmoduleSpec.cut_from`), and the graphs of components of one architecture (Wan 2.2
+    A14B's two transformers), whose traces before their weights are the same. `keys`: {graph name: what its trace
+    depends on} (export.api's `trace_key`)."""
 
-    def __init__(self, specs):
-        self._left = collections.Counter(id(s.cut_from[0]) for s in specs if s.cut_from)
+    def __init__(self, keys: dict[str, str]):
+        self._keys = keys
+        self._left = collections.Counter(keys.values())
         self._models = {}
+        self._makers = {}  # trace key -> the graph that traced it
 
-    def take(self, traced: SubmoduleSpec, make):
-        key = id(traced)
-        model = self._models.pop(key, None) or make()
+    def take(self, spec: SubmoduleSpec, make):
+        key = self._keys[spec.name]
+        model = self._models.pop(key, None)
+        if model is None:
+            model, self._makers[key] = make(), spec.name
         self._left[key] -= 1
         if self._left[key] > 0:
             self._models[key] = model
             return model.clone()
         return model
 
+    def skip(self, spec: SubmoduleSpec) -> None:
+        """`spec`'s graph is not traced (an earlier export's is linked): a trace is not kept for it."""
+        key = self._keys[spec.name]
+        self._left[key] -= 1
+        if self._left[key] == 0:
+            self._models.pop(key, None)
+
+    def maker(self, spec: SubmoduleSpec) -> str | None:
+        """The graph whose trace `spec`'s graph was made from, if not its own."""
+        maker = self._makers.get(self._keys[spec.name])
+        return maker if maker != spec.name else None
+
 
 def traced_graph(spec: SubmoduleSpec, component, dtype: str, constants: dict, dynamic: set[str], probe: dict,
                  opset: int = DEFAULT_OPSET, traces: SharedTraces | None = None):
-    """(`spec`'s graph traced from `component`, not yet optimized; the module traced): its own trace, or the trace it
-    shares (`spec.cut_from`, taken from `traces` where an earlier graph of the export made it) cut to it."""
+    """(`spec`'s graph traced from `component`, not yet optimized; the module traced): its own trace, or the one it
+    shares (`traces`: made by an earlier graph of the export), cut to it where it is cut from a trace
+    (`spec.cut_from`)."""
     shared, cut = spec.cut_from or (spec, None)
     module = wrapped(shared, component, dtype)
     make = lambda: trace(shared, module, constants, dynamic, probe, opset, optimize=False).model  # noqa: E731
-    if cut is None:
-        return make(), module
-    model = traces.take(shared, make) if traces is not None else make()
-    cut(model, spec)
+    model = traces.take(spec, make) if traces is not None else make()
+    if cut is not None:
+        cut(model, spec)
     return model, module
 
 

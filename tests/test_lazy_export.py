@@ -108,20 +108,49 @@ def test_lazy_export_gives_the_ordinary_graph(tiny_source, tiny_build, setting, 
 
 
 def test_graphs_sharing_a_trace_take_it_once():
-    """Each graph but the last cut from a shared trace gets a copy (the cut changes it); the last, the trace."""
+    """Each graph but the last of a trace's key gets a copy (a cut changes it); the last, the trace; a graph of
+    another key, a trace of its own; a graph linked instead of traced keeps none. The report names the graph that
+    made a shared trace."""
     from export.onnx_export import SharedTraces
 
     class Model:
         def clone(self):
             return ("copy", self)
 
-    shared = next(s for s in SD3.submodules if s.name == "transformer").cut_from[0]
-    specs = [s for s in SD3.submodules if s.cut_from]
-    assert len(specs) == 2 and all(s.cut_from[0] is shared for s in specs)
-    traces, made = SharedTraces(specs), []
+    graphs = {name: next(s for s in SD3.submodules if s.name == name)
+              for name in ("transformer", "transformer_first_block", "vae_decoder")}
+    traces, made = SharedTraces({"transformer": "k", "transformer_first_block": "k", "vae_decoder": "j"}), []
     make = lambda: made.append(Model()) or made[-1]  # noqa: E731
-    first, second = traces.take(shared, make), traces.take(shared, make)
+    first, second = traces.take(graphs["transformer"], make), traces.take(graphs["transformer_first_block"], make)
     assert len(made) == 1 and first == ("copy", made[0]) and second is made[0]
+    assert traces.take(graphs["vae_decoder"], make) is made[1]
+    assert [traces.maker(g) for g in graphs.values()] == [None, "transformer", None]
+    linked = SharedTraces({"transformer": "k", "transformer_first_block": "k"})  # the first block linked instead
+    linked.take(graphs["transformer"], make)
+    linked.skip(graphs["transformer_first_block"])
+    assert not linked._models  # nothing kept for a graph not traced
+
+
+def test_a_trace_is_keyed_by_the_architecture_not_the_weights(tiny_source, tmp_path):
+    """A transformer's graph and its first-block graph share the transformer's trace; another component of the same
+    class and configuration (new weights: Wan 2.2 A14B's second transformer) shares it too, one configured
+    otherwise does not."""
+    import dataclasses
+    import json
+    import shutil
+
+    from export.api import _trace_key
+
+    graphs = {s.name: s for s in SD3.submodules}
+    key = functools.partial(_trace_key, src=tiny_source)
+    assert key(graphs["transformer"]) == key(graphs["transformer_first_block"]) != key(graphs["vae_decoder"])
+    shutil.copy(tiny_source.folder / "model_index.json", tmp_path)
+    config = json.loads((tiny_source.folder / "transformer" / "config.json").read_text())
+    (tmp_path / "transformer").mkdir()
+    other = dataclasses.replace(tiny_source, folder=tmp_path)
+    for change, same in (({"_name_or_path": "elsewhere"}, True), ({"num_layers": config["num_layers"] + 1}, False)):
+        (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, **change}))
+        assert (_trace_key(graphs["transformer"], other) == key(graphs["transformer"])) == same, change
 
 
 def test_buffers_the_checkpoint_holds_come_from_it(lazy_export):

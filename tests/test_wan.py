@@ -430,7 +430,8 @@ def pair22(wan22_tiny_build):
 def test_wan22_hands_over_to_transformer_2_as_diffusers(pair22, wan_tiny_build, wan22_tiny_build):
     """Wan 2.2 A14B's two transformers (wan22-tiny: boundary_ratio 0.875): the steps at timesteps from 875 run
     `transformer`, the others `transformer_2`, with guidance_scale_2 (by default the first scale), equal to diffusers'
-    WanPipeline; guidance_scale_2 changes the video. The text encoder's and VAE's graphs are wan-tiny's (linked)."""
+    WanPipeline; guidance_scale_2 changes the video. The text encoder's and VAE's graphs are wan-tiny's (linked); the
+    second transformer's first-block graph is cut from its trace."""
     ours, reference = pair22
     calls = []
     ours.recorder = lambda submodule, feeds: calls.append(submodule)
@@ -456,6 +457,11 @@ def test_wan22_hands_over_to_transformer_2_as_diffusers(pair22, wan_tiny_build, 
     for name in ("text_encoder", "vae_decoder"):
         assert (wan22_tiny_build.folder / "onnx" / f"{name}.onnx").stat().st_ino == \
             (wan_tiny_build.folder / "onnx" / f"{name}.onnx").stat().st_ino
+    from conftest import manifest
+
+    reports = {name: s["export"] for name, s in manifest(wan22_tiny_build.folder / "onnx")["submodules"].items()}
+    assert reports["transformer_2_first_block"]["trace_of"] == "transformer_2"
+    assert "trace_of" not in reports["transformer_2"]
 
 
 def test_wan22_refusals(pair):
