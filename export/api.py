@@ -21,8 +21,9 @@ from export.prompt_formats import load_tokenizer, rendered
 from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
-from export.source import ModelSource, resolve
+from export.source import ModelSource, cache_root, resolve
 from export.spec import SubmoduleSpec
+from export.trace_cache import TraceCache
 from export.versions import package_versions
 from runners.manifest import (ManifestError, atomic_folder, digest, exclusive, is_current, link_or_copy,
                               read_manifest, write_manifest)
@@ -154,7 +155,9 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
     earlier = {} if force else _exported_before(dest, keys, reuse_from)
     _log(f"{entry.name}: {len(specs)} submodule{'s' if len(specs) != 1 else ''} in {dtype} from {src.folder}")
     dynamic = set(ranges)
-    traces = SharedTraces({s.name: _trace_key(s, sources[s.name]) for s in specs})
+    # --force traces every graph again; otherwise a graph whose architecture an earlier export traced takes its trace
+    traces = SharedTraces({s.name: _trace_key(s, sources[s.name], graph_settings, ranges, probes, constants)
+                           for s in specs}, None if force else TraceCache(cache_root() / "traces"))
     with atomic_folder(dest) as tmp:
         submodules, known = {}, {}
         for spec in specs:
@@ -216,25 +219,28 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
     constants only those its inputs and outputs name. A text encoder's graph is then the same in every model
     whose text encoder is (FLUX.1 dev's in Fill's and Kontext's), a VAE's in every family that describes it
     alike (FLUX.1's in Z-Image), whatever image sizes the export is for."""
-    tensors = (*spec.inputs, *spec.outputs)
-    names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
     cut = [_code_name(spec.cut_from[0].wrap), _code_name(spec.cut_from[1])] if spec.cut_from else None
     return digest([settings, spec.name, spec.component, _code_name(spec.wrap), cut, spec.load_kwargs, spec.quantization,
-                   [str(t) for t in tensors],
-                   {d: r for d, r in ranges.items() if d in names},
-                   [{d: p[d] for d in p if d in names} for p in probes],
-                   {c: v for c, v in constants.items() if c in names}, src.component_digest(spec.component)])
+                   _shapes_named(spec, ranges, probes, constants), src.component_digest(spec.component)])
 
 
-def _trace_key(spec, src: ModelSource) -> str:
-    """What a graph's trace depends on within one export, where the settings and shapes are the same for every
-    graph: the code traced (a graph cut from a trace: that trace's), its inputs and outputs, and its component's
-    class and configuration, not its weights. Graphs of one key take one trace (`SharedTraces`): Wan 2.2 A14B's two
-    transformers, and each transformer's graph and its first-block graph."""
+def _trace_key(spec, src: ModelSource, settings: list, ranges: dict, probes: list[dict], constants: dict) -> str:
+    """What a graph's trace depends on: the exporter's settings, the code traced (a graph cut from a trace: that
+    trace's), the shapes and constants its inputs and outputs name, and its component's class and configuration,
+    not its weights. Graphs of one key take one trace (`SharedTraces`, `export.trace_cache`): a transformer's graph
+    and its first-block graph, Wan 2.2 A14B's two transformers, a fine-tune of a model exported before."""
     traced = spec.cut_from[0] if spec.cut_from else spec
     config = {k: v for k, v in src.config(spec.component).items() if k != "_name_or_path"}  # where it was read
-    return digest([_code_name(traced.wrap), [str(t) for t in (*traced.inputs, *traced.outputs)], traced.load_kwargs,
-                   src.model_index()[spec.component], config])
+    return digest([settings, _code_name(traced.wrap), traced.load_kwargs,
+                   _shapes_named(traced, ranges, probes, constants), src.model_index()[spec.component], config])
+
+
+def _shapes_named(spec, ranges: dict, probes: list[dict], constants: dict) -> list:
+    """The graph's inputs and outputs, and the ranges, probe shapes and constants they name."""
+    tensors = (*spec.inputs, *spec.outputs)
+    names = {d for t in tensors for d in (*t.shape, t.high) if isinstance(d, str)}
+    return [[str(t) for t in tensors], {d: r for d, r in ranges.items() if d in names},
+            [{d: p[d] for d in p if d in names} for p in probes], {c: v for c, v in constants.items() if c in names}]
 
 
 def _code_name(fn) -> str:

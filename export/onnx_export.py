@@ -22,6 +22,7 @@ from export.lazy_weights import (attach_weights, checkpoint_index, defer_weight_
                                  weightless_component)
 from export.shapes import concrete
 from export.spec import SubmoduleSpec
+from export.trace_cache import TraceCache, weightless
 from runners.backends import cpu_threads
 from runners.manifest import save_graph
 from runners.adapters.provenance import WeightTable, initializer_types, table_path
@@ -183,23 +184,33 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
     return program
 
 
+CACHED = "trace cache"  # SharedTraces.maker of a trace an earlier export stored
+
+
 class SharedTraces:
     """The traces an export's graphs share, each kept until the last graph of the export that takes it has: the
     graphs cut from one trace (`SubmoduleSpec.cut_from`), and the graphs of components of one architecture (Wan 2.2
     A14B's two transformers), whose traces before their weights are the same. `keys`: {graph name: what its trace
-    depends on} (export.api's `trace_key`)."""
+    depends on} (export.api's `_trace_key`). With `cache`, a trace is taken from it where an earlier export stored
+    one of the key, and stored there once made."""
 
-    def __init__(self, keys: dict[str, str]):
-        self._keys = keys
+    def __init__(self, keys: dict[str, str], cache: TraceCache | None = None):
+        self._keys, self._cache = keys, cache
         self._left = collections.Counter(keys.values())
         self._models = {}
-        self._makers = {}  # trace key -> the graph that traced it
+        self._makers = {}  # trace key -> the graph that traced it, or CACHED
 
     def take(self, spec: SubmoduleSpec, make):
         key = self._keys[spec.name]
         model = self._models.pop(key, None)
         if model is None:
+            model = self._cache.load(key) if self._cache else None
+            self._makers[key] = CACHED
+        if model is None:
             model, self._makers[key] = make(), spec.name
+            if self._cache:
+                weightless(model)
+                self._cache.store(key, model)
         self._left[key] -= 1
         if self._left[key] > 0:
             self._models[key] = model
@@ -214,7 +225,7 @@ class SharedTraces:
             self._models.pop(key, None)
 
     def maker(self, spec: SubmoduleSpec) -> str | None:
-        """The graph whose trace `spec`'s graph was made from, if not its own."""
+        """The graph whose trace `spec`'s graph was made from (CACHED: an earlier export's), if not its own."""
         maker = self._makers.get(self._keys[spec.name])
         return maker if maker != spec.name else None
 

@@ -142,7 +142,7 @@ def test_a_trace_is_keyed_by_the_architecture_not_the_weights(tiny_source, tmp_p
     from export.api import _trace_key
 
     graphs = {s.name: s for s in SD3.submodules}
-    key = functools.partial(_trace_key, src=tiny_source)
+    key = functools.partial(_trace_key, src=tiny_source, **_key_settings(tiny_source))
     assert key(graphs["transformer"]) == key(graphs["transformer_first_block"]) != key(graphs["vae_decoder"])
     shutil.copy(tiny_source.folder / "model_index.json", tmp_path)
     config = json.loads((tiny_source.folder / "transformer" / "config.json").read_text())
@@ -150,7 +150,37 @@ def test_a_trace_is_keyed_by_the_architecture_not_the_weights(tiny_source, tmp_p
     other = dataclasses.replace(tiny_source, folder=tmp_path)
     for change, same in (({"_name_or_path": "elsewhere"}, True), ({"num_layers": config["num_layers"] + 1}, False)):
         (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, **change}))
-        assert (_trace_key(graphs["transformer"], other) == key(graphs["transformer"])) == same, change
+        assert (_trace_key(graphs["transformer"], other, **_key_settings(tiny_source)) ==
+                key(graphs["transformer"])) == same, change
+
+
+def _key_settings(src) -> dict:
+    constants = SD3.constants(src)
+    return dict(settings=["settings"], ranges=dim_ranges(src.entry, SD3, constants),
+                probes=probe_dims(src.entry, SD3, constants), constants=constants)
+
+
+def test_a_trace_from_the_cache_gives_the_graph_traced(tiny_source, tmp_path):
+    """An export that finds its trace in the trace cache (an earlier export's, of the same architecture) writes the
+    graph the trace made, node for node and weight for weight, and says where its trace came from."""
+    from export.api import _trace_key
+    from export.onnx_export import CACHED, SharedTraces, export_submodule
+    from export.trace_cache import TraceCache
+
+    spec, settings = next(s for s in SD3.submodules if s.name == "transformer_first_block"), _key_settings(tiny_source)
+    graphs = []
+    for run in ("traced", "cached"):
+        traces = SharedTraces({spec.name: _trace_key(spec, tiny_source, **settings)}, TraceCache(tmp_path / "traces"))
+        out = tmp_path / run / f"{spec.name}.onnx"
+        out.parent.mkdir()
+        export_submodule(spec, tiny_source, "float32", settings["constants"], set(settings["ranges"]),
+                         settings["probes"], out, traces=traces)
+        assert traces.maker(spec) == (CACHED if run == "cached" else None)
+        graphs.append(canonical(ir.load(out)))
+    assert graphs[0][0] == graphs[1][0]
+    assert graphs[0][1].keys() == graphs[1][1].keys()
+    for name, value in graphs[0][1].items():
+        np.testing.assert_array_equal(graphs[1][1][name], value, err_msg=name)
 
 
 def test_buffers_the_checkpoint_holds_come_from_it(lazy_export):

@@ -389,6 +389,8 @@ def test_a_controlnet_pipeline_folder_exports_its_controlnet(pair, controlnet_on
                                                              text_length=tiny.text_length))
     manifest = json.loads((export_model(src, tmp_path / "build", reuse_from=shared_root) / "manifest.json").read_text())
     assert manifest["submodules"]["controlnet"]["source"].endswith("pipeline/controlnet")
+    # its weights saved anew (a new file), the architecture the fixture's ControlNet's: that export's trace
+    assert manifest["submodules"]["controlnet"]["export"]["trace_of"] == "trace cache"
     added = json.loads((controlnet_one / "onnx" / "manifest.json").read_text())
     for name in ("controlnet", "transformer"):
         assert manifest["submodules"][name]["inputs"] == added["submodules"][name]["inputs"]
