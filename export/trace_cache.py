@@ -52,12 +52,18 @@ class TraceCache:
         return ir.load(path) if path.exists() else None
 
     def store(self, key: str, model: ir.Model) -> None:
-        """Written whole or not at all (a file of another process's export of the same key is the same)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        os.close(fd)
+        """Written whole or not at all (a file of another process's export of the same key is the same). A cache
+        that cannot be written (a full disk, a read-only folder) is not the export's failure: the next export of
+        the architecture traces it again."""
+        tmp = None
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+            os.close(fd)
             ir.save(model, tmp)
             os.replace(tmp, self._path(key))
+        except OSError:
+            pass
         finally:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp:
+                Path(tmp).unlink(missing_ok=True)
