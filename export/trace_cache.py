@@ -1,6 +1,6 @@
 """Traces kept across exports, keyed by architecture: a graph traced before its weights are attached is the same for
 every checkpoint of one class and configuration. A fine-tune of a model exported before, a second ControlNet of one
-configuration, Qwen-Image-Edit's transformer after Qwen-Image's: each takes the trace and gives it its own weights.
+configuration, Wan 2.2's second transformer after Wan 2.1's: each takes the trace and gives it its own weights.
 
 A trace is stored as an ONNX file without weights: each parameter's initializer is a placeholder of its dtype and
 shape (`weightless`), which the export replaces by the checkpoint's tensor (`lazy_weights.attach_weights`); the
