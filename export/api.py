@@ -198,7 +198,8 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
 
 
 def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, traces) -> dict:
-    _log(f"{spec.name}: tracing without weights, then streaming them from {src.folder / spec.component}")
+    _log(f"{spec.name}: traced without weights (or its trace taken), then its weights streamed from "
+         f"{src.folder / spec.component}")
     t0 = time.perf_counter()
     measured = reset_peak()
     report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset, traces)
@@ -208,7 +209,8 @@ def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, 
     worst = max(p["max_abs_err"] for p in report["parity"])
     report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
     rss = f", peak RSS {report['peak_rss_mib']:.0f} MiB" if measured else ""
-    _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s, {report['bytes'] / 2**20:.1f} MiB{rss}, "
+    trace = f", trace from {report['trace_of']}" if "trace_of" in report else ""
+    _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s{trace}, {report['bytes'] / 2**20:.1f} MiB{rss}, "
          f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
     return report
 
