@@ -183,6 +183,17 @@ def test_a_trace_from_the_cache_gives_the_graph_traced(tiny_source, tmp_path):
         np.testing.assert_array_equal(graphs[1][1][name], value, err_msg=name)
 
 
+def test_a_trace_cache_that_cannot_be_written_fails_no_export(tmp_path):
+    """A full disk or a read-only folder: the trace is not kept, the export goes on (and finds none next time)."""
+    from export.trace_cache import TraceCache
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    cache = TraceCache(blocked / "traces")  # its folder cannot be made
+    cache.store("key", ir.Model(ir.Graph([], [], nodes=[]), ir_version=10))
+    assert cache.load("key") is None and blocked.read_text() == ""
+
+
 def test_buffers_the_checkpoint_holds_come_from_it(lazy_export):
     """As from_pretrained loads them: a checkpoint's position embedding wins over the constructor's."""
     lazy, _, counts = lazy_export("transformer")
