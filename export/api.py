@@ -228,12 +228,12 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
 
 def _trace_key(spec, src: ModelSource, settings: list, ranges: dict, probes: list[dict], constants: dict) -> str:
     """What a graph's trace depends on: the exporter's settings, the code traced (a graph cut from a trace: that
-    trace's), the shapes and constants its inputs and outputs name, and its component's class and configuration,
-    not its weights. Graphs of one key take one trace (`SharedTraces`, `export.trace_cache`): a transformer's graph
+    trace's) with what it keeps in fp32 in an fp16 export (`quantization`), the shapes and constants its inputs and
+    outputs name, and its component's class and configuration, not its weights. Graphs of one key take one trace (`SharedTraces`, `export.trace_cache`): a transformer's graph
     and its first-block graph, Wan 2.2 A14B's two transformers, a fine-tune of a model exported before."""
     traced = spec.cut_from[0] if spec.cut_from else spec
     config = {k: v for k, v in src.config(spec.component).items() if k != "_name_or_path"}  # where it was read
-    return digest([settings, _code_name(traced.wrap), traced.load_kwargs,
+    return digest([settings, _code_name(traced.wrap), traced.load_kwargs, traced.quantization,
                    _shapes_named(traced, ranges, probes, constants), src.model_index()[spec.component], config])
 
 

@@ -134,7 +134,7 @@ def test_graphs_sharing_a_trace_take_it_once():
 def test_a_trace_is_keyed_by_the_architecture_not_the_weights(tiny_source, tmp_path):
     """A transformer's graph and its first-block graph share the transformer's trace; another component of the same
     class and configuration (new weights: Wan 2.2 A14B's second transformer) shares it too, one configured
-    otherwise does not."""
+    otherwise, or kept in fp32 elsewhere, does not."""
     import dataclasses
     import json
     import shutil
@@ -144,6 +144,9 @@ def test_a_trace_is_keyed_by_the_architecture_not_the_weights(tiny_source, tmp_p
     graphs = {s.name: s for s in SD3.submodules}
     key = functools.partial(_trace_key, src=tiny_source, **_key_settings(tiny_source))
     assert key(graphs["transformer"]) == key(graphs["transformer_first_block"]) != key(graphs["vae_decoder"])
+    # what an fp16 export keeps in fp32 shapes the trace
+    kept = dataclasses.replace(graphs["vae_decoder"], quantization={"fp32_scopes": ("decoder.mid_block",)})
+    assert key(kept) != key(graphs["vae_decoder"])
     shutil.copy(tiny_source.folder / "model_index.json", tmp_path)
     config = json.loads((tiny_source.folder / "transformer" / "config.json").read_text())
     (tmp_path / "transformer").mkdir()
