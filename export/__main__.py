@@ -22,7 +22,8 @@ def main(argv=None) -> int:
                    help="weights and computation of the graphs (default: the model's entry; float32 for most); "
                         "float16 halves the memory the export needs and builds fp16 engines only")
     p.add_argument("--force", action="store_true",
-                   help="re-export even if OUT/onnx is up to date, tracing every graph anew (no earlier export's trace)")
+                   help="re-export even if OUT/onnx is up to date, tracing every graph anew (no earlier "
+                        "export's trace)")
     p.add_argument("--tiny-vae", default=None, metavar="FOLDER_OR_HUB_ID",
                    help="also export this AutoencoderTiny (madebyollin/taesd, taesdxl, taesd3, taef1; or a random "
                         "test one: taesd-tiny, taesdxl-tiny, taesd3-tiny, taef1-tiny) as vae_decoder_tiny and "

@@ -203,13 +203,14 @@ def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, 
     t0 = time.perf_counter()
     measured = reset_peak()
     report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset, traces)
-    if traces.maker(spec):
-        report["trace_of"] = traces.maker(spec)
+    maker = traces.maker(spec)
+    if maker:
+        report["trace_of"] = maker
     report["peak_rss_mib"] = round(peak_mib(), 1) if measured else None
     worst = max(p["max_abs_err"] for p in report["parity"])
     report["seconds_with_checks"] = round(time.perf_counter() - t0, 2)
     rss = f", peak RSS {report['peak_rss_mib']:.0f} MiB" if measured else ""
-    trace = f", trace from {report['trace_of']}" if "trace_of" in report else ""
+    trace = f", trace from {maker}" if maker else ""
     _log(f"{spec.name}: {report['seconds_with_checks']:.1f} s{trace}, {report['bytes'] / 2**20:.1f} MiB{rss}, "
          f"max |onnxruntime - torch| {worst:.2e} at {len(report['parity'])} shapes")
     return report
@@ -229,8 +230,9 @@ def _submodule_key(spec, src: ModelSource, settings: list, ranges: dict, probes:
 def _trace_key(spec, src: ModelSource, settings: list, ranges: dict, probes: list[dict], constants: dict) -> str:
     """What a graph's trace depends on: the exporter's settings, the code traced (a graph cut from a trace: that
     trace's) with what it keeps in fp32 in an fp16 export (`quantization`), the shapes and constants its inputs and
-    outputs name, and its component's class and configuration, not its weights. Graphs of one key take one trace (`SharedTraces`, `export.trace_cache`): a transformer's graph
-    and its first-block graph, Wan 2.2 A14B's two transformers, a fine-tune of a model exported before."""
+    outputs name, and its component's class and configuration, not its weights. Graphs of one key take one trace
+    (`SharedTraces`, `export.trace_cache`): a transformer's graph and its first-block graph, Wan 2.2 A14B's two
+    transformers, a fine-tune of a model exported before."""
     traced = spec.cut_from[0] if spec.cut_from else spec
     config = {k: v for k, v in src.config(spec.component).items() if k != "_name_or_path"}  # where it was read
     return digest([settings, _code_name(traced.wrap), traced.load_kwargs, traced.quantization,
