@@ -397,14 +397,15 @@ def test_a_controlnet_pipeline_folder_exports_its_controlnet(pair, controlnet_on
 
 
 def test_controlnet_graphs_plain_run_and_refusals(controlnet_one, controlnet_inpaint, z_image_tiny_build):
-    """The transformer takes a residual at each place of the ControlNet (named by its layer), its first-block
-    graph stays the base's; without control_image the artifact gives the base's image; what diffusers has no
-    pipeline for is refused."""
+    """The transformer takes a residual at each place of the ControlNet (named by its layer), cut from the base's
+    trace (not traced again); its first-block graph stays the base's; without control_image the artifact gives the
+    base's image; what diffusers has no pipeline for is refused."""
     from conftest import manifest, smooth_image, soft_mask
     from runners import Pipeline
 
     entries = manifest(controlnet_one / "ort-fp32")["submodules"]
     assert [i["name"] for i in entries["transformer"]["inputs"]][4:] == ["block_residual_0", "block_residual_1"]
+    assert manifest(controlnet_one / "onnx")["submodules"]["transformer"]["export"]["trace_of"] == "trace cache"
     assert [o["name"] for o in entries["controlnet"]["outputs"]] == ["controlnet_block_0", "controlnet_block_1"]
     first_block = controlnet_one / "onnx" / "transformer_first_block.onnx"
     assert first_block.stat().st_ino == (z_image_tiny_build.folder / "onnx" / first_block.name).stat().st_ino

@@ -18,6 +18,7 @@ graphs compute what diffusers' hooks do."""
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -77,27 +78,28 @@ def adopt(module, wrapper) -> None:
 
 
 class WithTailResidual(torch.nn.Module):
-    """A family's transformer wrapper whose outputs gain `tail_residual` (and, with `head_residual`, then the first
-    block's residual: the trace both graphs are cut from)."""
+    """A family's transformer wrapper whose outputs gain `tail_residual`; with `traced` (the trace the graphs are cut
+    from), then the first block's residual, and with `block_outputs` the stack of every block's hidden output too."""
 
-    def __init__(self, wrapper, head_residual: bool = False):
+    def __init__(self, wrapper, traced: bool = False, block_outputs: bool = False):
         super().__init__()
         adopt(self, wrapper)
-        self.head_residual = head_residual
+        self.traced, self.block_outputs = traced, block_outputs
 
     def forward(self, *inputs):
-        head, tail = blocks(self.wrapper.transformer)[0], blocks(self.wrapper.transformer)[-1]
-        taken = {}
+        taken = []  # each block's (hidden input, hidden output), in the order they run
 
-        def take(name):  # (the block's hidden input, its hidden output)
-            def hook(block, args, kwargs, output):
-                taken[name] = _hidden_input(args, kwargs), _hidden_output(block, output)
-            return hook
+        def take(block, args, kwargs, output):
+            taken.append((_hidden_input(args, kwargs), _hidden_output(block, output)))
 
-        with hooked(head, take("head")), hooked(tail, take("tail")):
+        with contextlib.ExitStack() as stack:
+            for block in blocks(self.wrapper.transformer):
+                stack.enter_context(hooked(block, take))
             outputs = self.wrapper(*inputs)
-        (head_in, head_out), (_, tail_out) = taken["head"], taken["tail"]
-        return (*outputs, tail_out - head_out, *((head_out - head_in,) if self.head_residual else ()))
+        (head_in, head_out), (_, tail_out) = taken[0], taken[-1]
+        traced = (head_out - head_in,) if self.traced else ()
+        stacked = (torch.stack([out for _, out in taken]),) if self.block_outputs else ()
+        return (*outputs, tail_out - head_out, *traced, *stacked)
 
 
 def _first_block_only(transformer):
@@ -142,20 +144,50 @@ class FirstBlock(torch.nn.Module):
 HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stream (SD3, Flux: the image's)
 
 
-def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN) -> tuple[SubmoduleSpec, SubmoduleSpec]:
+TAIL = "tail_residual"
+BLOCK_OUTPUTS = "block_outputs"  # a trace's stack of every block's hidden output, where ControlNet residuals go
+RESIDUAL = "block_residual_"  # + the block: a ControlNet residual input, added to that block's hidden output
+
+
+def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN,
+                      block_outputs: bool = False) -> tuple[SubmoduleSpec, SubmoduleSpec]:
     """The family's transformer description, and its first-block graph's (see the module's docstring);
     `hidden`: the dims of the hidden stream the blocks pass on. Both graphs are cut from one trace of the
     transformer that returns both residuals (`cut_to_outputs`, `cut_after_first_block`); the descriptions' own
-    wrappers are what the export checks each graph against."""
-    tail, residual = T("tail_residual", "float32", hidden), T("first_block_residual", "float32", hidden)
-    traced = dataclasses.replace(spec, outputs=(*spec.outputs, tail, residual),
-                                 wrap=lambda component: WithTailResidual(spec.wrap(component), head_residual=True))
+    wrappers are what the export checks each graph against. With `block_outputs`, the trace also holds every
+    block's hidden output, from which `with_block_residuals` cuts the graph that adds ControlNet residuals."""
+    tail, residual = T(TAIL, "float32", hidden), T("first_block_residual", "float32", hidden)
+    traced = _traced(spec, hidden, block_outputs)
     full = dataclasses.replace(spec, outputs=(*spec.outputs, tail), cut_from=(traced, cut_to_outputs),
                                wrap=lambda component: WithTailResidual(spec.wrap(component)))
     first = dataclasses.replace(spec, name=NAME, inputs=(*spec.inputs, tail), cut_from=(traced, cut_after_first_block),
                                 outputs=(*spec.outputs, residual),
                                 wrap=lambda component: FirstBlock(spec.wrap, component))
     return full, first
+
+
+def _traced(spec: SubmoduleSpec, hidden: tuple[str, ...], block_outputs: bool) -> SubmoduleSpec:
+    """The description of the trace `spec`'s graphs are cut from (one key: the same for every graph cut from it)."""
+    outputs = (*spec.outputs, T(TAIL, "float32", hidden), T("first_block_residual", "float32", hidden),
+               *((T(BLOCK_OUTPUTS, "float32", ("blocks", *hidden)),) if block_outputs else ()))
+    return dataclasses.replace(spec, outputs=outputs, wrap=lambda component: WithTailResidual(
+        spec.wrap(component), traced=True, block_outputs=block_outputs))
+
+
+def block_residuals(blocks: list[int], hidden: tuple[str, ...] = HIDDEN) -> tuple[T, ...]:
+    """The ControlNet residual inputs of a transformer that adds one to the hidden output of each of `blocks`."""
+    return tuple(T(f"{RESIDUAL}{block}", "float32", hidden) for block in blocks)
+
+
+def with_block_residuals(spec: SubmoduleSpec, residuals: tuple[T, ...], wrap,
+                         hidden: tuple[str, ...] = HIDDEN) -> SubmoduleSpec:
+    """`spec`'s full graph that also takes `residuals` (`block_residuals`), as `wrap` (the family's wrapper that adds
+    them, which the export checks the graph against) computes it. It is cut from the trace of `spec`'s own graphs
+    (`transformer_specs(..., block_outputs=True)`): one trace, with ControlNets or without, which the trace cache
+    keeps across exports, so a model exported before is not traced again to add a ControlNet."""
+    return dataclasses.replace(spec, inputs=(*spec.inputs, *residuals),
+                               outputs=(*spec.outputs, T(TAIL, "float32", hidden)), cut_from=(_traced(spec, hidden, True), cut_adding_residuals),
+                               wrap=lambda component: WithTailResidual(wrap(component)))
 
 
 def cut_to_outputs(model, spec: SubmoduleSpec) -> None:
@@ -174,30 +206,72 @@ def cut_after_first_block(model, spec: SubmoduleSpec) -> None:
     hidden output plus a new input, `tail_residual`, where they read the last block's; the blocks after the first,
     read by nothing then, go. The trace's `tail_residual` output (last minus first block's hidden output, cast to
     float32 in an fp16 graph) names the two streams."""
-    import onnx_ir as ir
+    sub = _tail_subtraction(model.graph, spec)
+    last, first = sub.inputs
+    total = _plus_input(model.graph, first, spec.inputs[-1], after=last.producer())  # before what reads the last's
+    _read_instead(last, total, keep=sub)
+    cut_to_outputs(model, spec)
 
+
+def cut_adding_residuals(model, spec: SubmoduleSpec) -> None:
+    """The full graph with a residual input per `block_residual_<block>` of `spec`: added to that block's hidden
+    output (the trace's `block_outputs` name them) where the next block, or the output layers, read it. The
+    `tail_residual` stays the blocks' own outputs' difference, as the wrapper's hooks see them."""
     graph = model.graph
-    sub = next(v for v in graph.outputs if v.name == "tail_residual").producer()
+    sub, outputs = _tail_subtraction(graph, spec), _block_outputs(graph, spec)
+    traced = {v.name for v in graph.inputs}
+    for t in spec.inputs:
+        if t.name not in traced:
+            output = outputs[int(t.name.removeprefix(RESIDUAL))]
+            _read_instead(output, _plus_input(graph, output, t, after=output.producer()), keep=sub)
+    cut_to_outputs(model, spec)
+
+
+def _tail_subtraction(graph, spec: SubmoduleSpec):
+    """The node the trace's `tail_residual` comes from (through the cast of an fp16 graph): last minus first block's
+    hidden output."""
+    sub = next(v for v in graph.outputs if v.name == TAIL).producer()
     if sub.op_type == "Cast":
         sub = sub.inputs[0].producer()
     if sub.op_type != "Sub":
-        raise ValueError(f"{spec.name}: the trace's tail_residual comes from {sub.op_type}, not the subtraction of the "
+        raise ValueError(f"{spec.name}: the trace's {TAIL} comes from {sub.op_type}, not the subtraction of the "
                          "first block's hidden output from the last's")
-    last, first = sub.inputs
-    given = ir.Value(name="tail_residual", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(spec.inputs[-1].shape))
+    return sub
+
+
+def _block_outputs(graph, spec: SubmoduleSpec) -> list:
+    """Each block's hidden output, as the trace's `block_outputs` stacks them (Concat of Unsqueezes, cast in fp16)."""
+    stack = next(v for v in graph.outputs if v.name == BLOCK_OUTPUTS).producer()
+    if stack.op_type == "Cast":
+        stack = stack.inputs[0].producer()
+    parts = [v.producer() for v in stack.inputs] if stack.op_type == "Concat" else [None]
+    if any(p is None or p.op_type != "Unsqueeze" for p in parts):
+        raise ValueError(f"{spec.name}: the trace's {BLOCK_OUTPUTS} are not a stack of the blocks' hidden outputs")
+    return [p.inputs[0] for p in parts]
+
+
+def _plus_input(graph, value, given: T, after):
+    """`value` plus a new float32 graph input `given` (cast to `value`'s type in an fp16 graph), computed right
+    after the node `after`: the sum's value."""
+    import onnx_ir as ir
+
+    new = ir.Value(name=given.name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(given.shape))
     nodes = []
-    if first.dtype != ir.DataType.FLOAT:  # an fp16 graph computes in fp16 what it takes in float32
-        nodes.append(ir.node("Cast", [given], {"to": first.dtype}, name="tail_residual_cast"))
-    nodes.append(ir.node("Add", [first, nodes[-1].outputs[0] if nodes else given], name="first_block_plus_tail"))
+    if value.dtype != ir.DataType.FLOAT:  # an fp16 graph computes in fp16 what it takes in float32
+        nodes.append(ir.node("Cast", [new], {"to": value.dtype}, name=f"{given.name}_cast"))
+    nodes.append(ir.node("Add", [value, nodes[-1].outputs[0] if nodes else new], name=f"{given.name}_add"))
     for node in nodes:  # the traced values' type and shape, as the exporter gives every value
-        node.outputs[0].type, node.outputs[0].shape = first.type, ir.Shape(list(first.shape))
-    graph.insert_after(last.producer(), nodes)  # before anything that reads the last block's output
-    add = nodes[-1]
-    for user, index in list(last.uses()):
-        if user is not sub:
-            user.replace_input_with(index, add.outputs[0])
-    graph.inputs.append(given)
-    cut_to_outputs(model, spec)
+        node.outputs[0].type, node.outputs[0].shape = value.type, ir.Shape(list(value.shape))
+    graph.insert_after(after, nodes)
+    graph.inputs.append(new)
+    return nodes[-1].outputs[0]
+
+
+def _read_instead(value, total, keep) -> None:
+    """Every node that reads `value` reads `total` instead, but `keep` and the node computing `total`."""
+    for user, index in list(value.uses()):
+        if user is not keep and user is not total.producer():
+            user.replace_input_with(index, total)
 
 
 def inner_dim(transformer_config: dict) -> int:

@@ -19,7 +19,7 @@ import types
 import torch
 
 from export.families import parts
-from export.families.first_block import transformer_specs
+from export.families.first_block import block_residuals, transformer_specs, with_block_residuals
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.families.z_image import rotated
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -244,8 +244,8 @@ HIDDEN = ("batch", "image_tokens", "inner_dim")  # the blocks' image stream, whi
 def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
     """The transformer's description with a ControlNet residual input per block (block_residual_i, added after
     block i: export/families/controlnet_qwen_image.py); its first-block graph stays the base's."""
-    residuals = tuple(T(f"block_residual_{i}", "float32", HIDDEN) for i in range(src.config("transformer")["num_layers"]))
-    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))[:1]
+    residuals = block_residuals(range(src.config("transformer")["num_layers"]), HIDDEN)
+    return (with_block_residuals(TRANSFORMER, residuals, TRANSFORMER.wrap, HIDDEN),)
 
 
 VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder)
@@ -342,7 +342,7 @@ FAMILY = Family(
                       "QwenImageControlNetPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
-        *transformer_specs(TRANSFORMER),
+        *transformer_specs(TRANSFORMER, HIDDEN, block_outputs=True),
         VAE_DECODER,
         VAE_ENCODER,
     ),

@@ -1,7 +1,6 @@
 """Stable Diffusion 3 / 3.5 (StableDiffusion3Pipeline): six submodules, as data."""
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import torch
@@ -10,7 +9,7 @@ from export.families.parts import (
     VAE_DECODER, VAE_DIMS, VAE_ENCODER, build_t5_pipeline, clip, clip_constants, t5_constants, t5_encoder,
     vae_runtime_constants,
 )
-from export.families.first_block import HIDDEN, inner_dim, transformer_specs
+from export.families.first_block import block_residuals, inner_dim, transformer_specs, with_block_residuals
 from export.spec import Family, SubmoduleSpec, TensorSpec as T
 
 _CLIP_OUTPUTS = ("text_embeds", "penultimate_hidden_states")
@@ -93,9 +92,8 @@ def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
     """The transformer's description with a ControlNet residual input per block that adds one: all but the
     last, whose image stream ends there (context_pre_only). Its first-block graph stays the base's: a cached
     step would skip the residuals, so First-Block Cache never runs with ControlNets."""
-    residuals = tuple(T(f"block_residual_{i}", "float32", HIDDEN)
-                      for i in range(src.config("transformer")["num_layers"] - 1))
-    return transformer_specs(dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals))[:1]
+    residuals = block_residuals(range(src.config("transformer")["num_layers"] - 1))
+    return (with_block_residuals(TRANSFORMER, residuals, TRANSFORMER.wrap),)
 
 
 PATCH = 2  # SD3 and 3.5 transformers read the latents in 2x2 patches
@@ -169,7 +167,7 @@ FAMILY = Family(
         clip("text_encoder", "clip", _CLIP_OUTPUTS),
         clip("text_encoder_2", "clip2", _CLIP_OUTPUTS),
         t5_encoder("text_encoder_3"),
-        *transformer_specs(TRANSFORMER),
+        *transformer_specs(TRANSFORMER, block_outputs=True),
         VAE_DECODER,
         VAE_ENCODER,
     ),

@@ -12,13 +12,12 @@ and a batch of captions of different lengths (the prompt and the negative prompt
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
 import torch
 
-from export.families.first_block import transformer_specs
+from export.families.first_block import block_residuals, transformer_specs, with_block_residuals
 from export.families.llm_encoder import llm_constants, llm_encoder
 from export.families.parts import VAE_DECODER, VAE_DIMS, VAE_ENCODER, vae_runtime_constants
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -218,10 +217,8 @@ def controlled_transformer(src, configs: list[dict]) -> tuple[SubmoduleSpec]:
     `configs` add one (`block_residual_<layer>`: their control_layers_places), the union where several differ
     (export/families/controlnet_z_image.py); its first-block graph stays the base's (as SD3's)."""
     places = tuple(sorted({p for config in configs for p in config["control_layers_places"]}))
-    residuals = tuple(T(f"block_residual_{p}", "float32", HIDDEN) for p in places)
-    spec = dataclasses.replace(TRANSFORMER, inputs=TRANSFORMER.inputs + residuals,
-                               wrap=functools.partial(_PaddedForward, places=places))
-    return transformer_specs(spec, HIDDEN)[:1]
+    return (with_block_residuals(TRANSFORMER, block_residuals(places, HIDDEN),
+                                 functools.partial(_PaddedForward, places=places), HIDDEN),)
 
 
 def _hidden_tokens(dims: dict[str, int]) -> int:
@@ -286,7 +283,7 @@ FAMILY = Family(
                       "ZImageControlNetInpaintPipeline"),
     submodules=(
         llm_encoder("text_encoder", TEXT_LAYERS),
-        *transformer_specs(TRANSFORMER, HIDDEN),
+        *transformer_specs(TRANSFORMER, HIDDEN, block_outputs=True),
         VAE_DECODER,
         VAE_ENCODER,
     ),
