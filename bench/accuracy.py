@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.harness import in_child
+from bench.harness import in_child, in_prepared_child
 from engines.calibration import LARGEST_DEFAULT_SIZE, CalibrationSettings
 
 PROMPTS = ("a photo of an astronaut riding a horse on the moon, detailed, golden light",
@@ -79,7 +79,7 @@ def built_and_checked(run, build, *args) -> tuple[dict[str, str], dict[str, dict
     """The artifacts `build(build_dir, calibration settings, *args)` makes ({label: folder}, in a
     child process), and their error against the default artifact (`accuracy`)."""
     a = run.args
-    built = in_child(build, run.build, calibration(a), *args)
+    built = in_prepared_child(build, run.build, calibration(a), *args)
     return built, in_child(accuracy, str(run.default_artifact), built, run.constants, run.denoiser, a.size,
                            a.precision_steps)
 

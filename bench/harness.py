@@ -3,7 +3,10 @@ so drift on the machine hits all variants alike. Ratios against the reference va
 taken pair by pair, repetition by repetition."""
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -27,13 +30,31 @@ class WorkerDied(RuntimeError):
 
 
 def in_child(fn, *args):
-    """fn(*args) in a fresh process, returning its result. Preparation (export, builds, passes)
-    leaves gigabytes of freed-but-kept heap in whichever process ran it; the parent, which then
-    holds every worker's pipe while they measure, must stay small."""
-    import concurrent.futures
-    import multiprocessing
+    """fn(*args) in a fresh process, returning its result: a measurement's (its process holds only what it
+    imports), or any step whose memory must not stay in the parent. Preparation (export, builds, passes)
+    leaves gigabytes of freed-but-kept heap in whichever process ran it; the parent, which then holds every
+    worker's pipe while they measure, must stay small."""
+    return _run(multiprocessing.get_context("spawn"), fn, args)
 
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+
+def in_prepared_child(fn, *args):
+    """`in_child` for preparation (exports, builds, passes): the process is forked from one that imported the
+    exporter and the engines once for the whole run, where each fresh process took seconds to import them
+    again. Not for measurements: such a process starts with those modules' memory."""
+    return _run(_preparation(), fn, args)
+
+
+@functools.cache
+def _preparation():
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["export.api", "engines.api"])
+    return context
+
+
+def _run(context, fn, args):
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(fn, *args).result()
 
 

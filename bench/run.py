@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import workload
-from bench.harness import Variant, in_child, log
+from bench.harness import Variant, in_prepared_child, log
 from bench.prepare import build_reference, export_build
 from runners.manifest import read_manifest
 
@@ -38,7 +38,7 @@ class Run:
     def default_artifact(self) -> Path:
         """The reference artifact, built (or found up to date) at its first use: a table of other artifacts
         does not build it (sd3-fullsize's ort-fp16 is 17 GB)."""
-        return Path(in_child(build_reference, self.build))
+        return Path(in_prepared_child(build_reference, self.build))
 
     @functools.cached_property
     def variants(self) -> list[Variant]:
@@ -75,7 +75,7 @@ def prepare(args: argparse.Namespace) -> Run:
     from bench.gemm import gemm_gflops
     from export.source import resolve
 
-    build = in_child(export_build, args.model, Path(args.build_dir))
+    build = in_prepared_child(export_build, args.model, Path(args.build_dir))
     src = resolve(args.model)  # built by the child: only read here
     manifest = read_manifest(build / "onnx", verify=False)  # export_model just verified it
     run = Run(args, src, build, manifest, [Variant("(a) diffusers eager", "diffusers", str(src.folder))], {})

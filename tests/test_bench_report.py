@@ -131,8 +131,8 @@ def test_a_cache_table_builds_the_reference_artifact_only_when_it_has_that_row(m
     """sd3-fullsize's reference (ort-fp16) is 17 GB: a cache table of other artifacts must not build it, and one
     that has that row labels it by the artifact the export builds into."""
     calls = []
-    monkeypatch.setattr(bench.run, "in_child", lambda f, *a: calls.append(f.__name__) or Path("build", "ort-fp16"))
-    monkeypatch.setattr(caches, "in_child", lambda f, build, calibration, size, only: {n: f"build/{n}" for n in only})
+    monkeypatch.setattr(bench.run, "in_prepared_child", lambda f, *a: calls.append(f.__name__) or Path("build", "ort-fp16"))
+    monkeypatch.setattr(caches, "in_prepared_child", lambda f, build, calibration, size, only: {n: f"build/{n}" for n in only})
     monkeypatch.setattr(accuracy, "calibration", lambda args: {})
     run = _run_of("float16")
     assert caches._artifacts(run, run.build, lambda: run.default_artifact, ["openvino-int8"]) == {
@@ -185,3 +185,26 @@ def test_a_calibration_grid_entry_names_a_setting_or_engines_default():
     assert _setting("default") == {"prompts": default.prompts, "steps": default.steps, "size": None}
     with pytest.raises(ValueError, match="write PROMPTSxSTEPS@SIZE"):
         _setting("8@512")
+
+
+def test_flux2_goals_in_words():
+    """The FLUX.2 table's goal notes (the smoke test runs text to image and one reference: the two-reference goal is
+    read here): the step with two references against one's, and openvino-int8 against the peers with our load."""
+    from bench.harness import Variant
+    from bench.tables import flux2
+
+    def rows(step: float) -> dict:
+        return {"ours ort-fp32": {"step": step, "e2e": 4.0, "first": 6.0}, flux2.OURS_INT8: {"step": step / 2,
+                                                                                             "e2e": 2.0, "first": 3.0},
+                "optimum-intel": {"e2e": 5.0}, "genai": {"e2e": 3.0}}
+
+    measured = {1: rows(1.0), 2: rows(1.1)}
+    assert flux2.goals("512x512", 2, measured, []) == (
+        "Goal at 512x512, editing: with two references the step of ours ort-fp32 takes 1.10x its step with one; with "
+        "two references the step of ours openvino-int8 takes 1.10x its step with one (goal at most 1.2x).")
+    assert "not measured" in flux2.goals("512x512", 2, {2: rows(1.1)}, [])
+    peers = [Variant("optimum-intel", "flux2-optimum-intel", ""), Variant("genai", "flux2-genai", "")]
+    assert flux2.goals("512x512", 1, measured, peers) == (
+        "Goals at 512x512, editing: openvino-int8 end to end is 2.50x as fast as optimum-intel's (goal 1.5x); "
+        "openvino-int8 end to end is 1.50x as fast as openvino.genai's default (goal 1.5x); our fastest load + first "
+        "call is 3.0 s (openvino-int8), the slowest 6.0 s (ort-fp32) (goal under 10 s).")

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 
 from bench import accuracy
-from bench.harness import Variant, in_child, interleaved_fresh, log
+from bench.harness import Variant, in_prepared_child, interleaved_fresh, log
 from bench.prepare import build_with_tiny_vae, default_precision, tiny_vae_name
 from bench.variants import GenAI
 from bench.tables import Table
@@ -49,7 +49,7 @@ def _artifacts(run, build, default, names: list[str]) -> dict[str, str]:
                          f"{', '.join(n for n in asked if n != reference)}: name {reference} in --caches-artifacts")
     others = [n for n in names if n not in asked]
     return {**({reference: str(default())} if asked else {}),
-            **(in_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others)
+            **(in_prepared_child(build_openvino, build, accuracy.calibration(run.args), run.args.size, others)
                if others else {})}
 
 
@@ -57,7 +57,7 @@ def _tiny_vae_artifacts(run, names: list[str]) -> dict[str, str]:
     """The same artifacts of the export with the family's tiny autoencoder beside its VAE, labelled TINY_VAE."""
     if not names:
         return {}
-    build = in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny_vae_name(run))
+    build = in_prepared_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny_vae_name(run))
     built = _artifacts(run, build, lambda: build / "ort-fp32", names)
     return {f"{label}{TINY_VAE}": path for label, path in built.items()}
 

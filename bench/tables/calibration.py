@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from bench import accuracy
-from bench.harness import in_child
+from bench.harness import in_child, in_prepared_child
 from bench.prepare import sibling_build
 from bench.tables import Table
 from engines.calibration import CalibrationSettings
@@ -56,7 +56,7 @@ def measure(run) -> list[dict]:
     a = run.args
     settings = [_setting(s) for s in a.calibration_grid.split(",")]
     target, precision = a.calibration_artifact.rsplit("-", 1)
-    built = in_child(_build, run.build, settings, target, precision)
+    built = in_prepared_child(_build, run.build, settings, target, precision)
     errors = in_child(accuracy.accuracy, str(run.default_artifact), built, run.constants, run.denoiser, a.size,
                       a.precision_steps)
     first = errors[next(iter(built))]["psnr_min"]

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from bench import accuracy
-from bench.harness import Variant, in_child, interleaved_fresh, log
+from bench.harness import Variant, in_prepared_child, interleaved_fresh, log
 from bench.tables import Table
 from bench.tables.openvino import build_openvino
 
@@ -35,7 +35,7 @@ def with_controlnets(run, table: str) -> tuple[Path, list[str]]:
         raise ValueError(f"{table} table: no random ControlNets are made for {model} "
                          "(export/families/controlnet.py: RANDOM_CONTROLNETS)")
     log(f"{table}: exporting {model} with {', '.join(names)}")
-    return Path(in_child(export_with_controlnets, model, str(run.build), names)), names
+    return Path(in_prepared_child(export_with_controlnets, model, str(run.build), names)), names
 
 
 def _graph_flops(folder: Path, run, names: list[str]) -> dict[str, int]:
@@ -52,7 +52,7 @@ def measure(run) -> list[dict]:
     a = run.args
     folder, names = with_controlnets(run, "controlnet")
     artifacts = {"ort-fp32": str(folder / "ort-fp32"),
-                 **in_child(build_openvino, folder, accuracy.calibration(a), a.size,
+                 **in_prepared_child(build_openvino, folder, accuracy.calibration(a), a.size,
                             [n for n in a.controlnet_artifacts.split(",") if n != "ort-fp32"])}
     variants = [Variant("(a) diffusers eager, 1 ControlNet", "diffusers-controlnet", str(run.src.folder),
                         options={"controlnet": str(folder_of(names[0]))})]

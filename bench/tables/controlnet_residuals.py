@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import GRAPH_CALLS, alternating_graph_calls, in_child, log, stats
+from bench.harness import GRAPH_CALLS, alternating_graph_calls, in_prepared_child, log, stats
 from bench.tables import Table
 from bench.tables.controlnet import with_controlnets
 
@@ -62,7 +62,7 @@ def measure(run) -> list[dict]:
                              "high": None} for t in residuals}}
     with tempfile.TemporaryDirectory(prefix="bench-residuals-") as scratch:
         graphs = {"with": artifact / entry["file"], "without": Path(scratch) / entry["file"]}
-        in_child(strip_residuals, graphs["with"], names, graphs["without"])
+        in_prepared_child(strip_residuals, graphs["with"], names, graphs["without"])
         times = alternating_graph_calls(graphs, entry, inputs, a.residuals_reps, zeros=tuple(names))
     added = sum(int(np.prod(inputs[n]["shape"])) * 4 for n in names) / 2**20
     rows = []

@@ -18,7 +18,7 @@ import numpy as np
 
 from bench import accuracy
 from bench.family_variants import PROMPT, WORKLOADS
-from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.harness import Variant, against_first, in_prepared_child, interleaved_fresh, log
 from bench.optimum_intel import openvino_peers
 from bench.tables import Table
 from bench.tables.openvino import build_openvino
@@ -133,6 +133,15 @@ def _tasks(spec: FamilyTable) -> tuple[int, ...]:
     return (0,) * spec.text_to_image + spec.edits
 
 
+def _chosen_tasks(spec: FamilyTable, given: str) -> tuple[int, ...]:
+    """--<name>-tasks: reference counts among the table's tasks, in its order."""
+    chosen = {int(t) for t in given.split(",") if t.strip().isdigit()}
+    if not chosen or not chosen <= set(_tasks(spec)) or len(chosen) != len(given.split(",")):
+        raise ValueError(f"--{spec.name}-tasks {given}: use some of {','.join(map(str, _tasks(spec)))} (0: "
+                         f"{spec.task}; n: editing from n references)")
+    return tuple(t for t in _tasks(spec) if t in chosen)
+
+
 def _arg(spec: FamilyTable) -> str:
     return spec.name.replace("-", "_")
 
@@ -143,11 +152,12 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
     names = [n for n in getattr(a, f"{prefix}_artifacts").split(",") if n]
     reps, steps = getattr(a, f"{prefix}_reps"), getattr(a, f"{prefix}_steps")
     frames = getattr(a, f"{prefix}_frames", None)
-    built = in_child(build_openvino, run.build, accuracy.calibration(a), sizes[0][0], names)
+    tasks = _chosen_tasks(spec, getattr(a, f"{prefix}_tasks"))
+    built = in_prepared_child(build_openvino, run.build, accuracy.calibration(a), sizes[0][0], names)
     rows, notes = [], []
     for size in sizes:
         measured = {}
-        for references in _tasks(spec):
+        for references in tasks:
             variants, peer_notes = _variants(spec, run, built, references)
             notes += [n for n in peer_notes if n not in notes]
             measured[references] = _measure(spec, run, variants, size, references, rows)
@@ -156,7 +166,7 @@ def _measure_table(spec: FamilyTable, run) -> list[dict]:
             note = spec.goals and with_peers and spec.goals(f"{size[0]}x{size[1]}", references, measured, variants)
             if note:
                 notes.append(note)
-    tasks = " and ".join(_task(spec, r) for r in _tasks(spec))
+    tasks = " and ".join(_task(spec, r) for r in tasks)
     clip = f", {frames} frames" if frames else ""
     return [{
         "reps": reps,
@@ -188,6 +198,9 @@ def make_table(spec: FamilyTable) -> Table:
         group.add_argument(f"{prefix}-steps", type=int, default=spec.steps, help=f"steps of the {spec.name} table "
                            f"(the model's {spec.steps})")
         group.add_argument(f"{prefix}-reps", type=int, default=3, help=f"repetitions of the {spec.name} table")
+        group.add_argument(f"{prefix}-tasks", default=",".join(map(str, _tasks(spec))),
+                           help=f"comma-separated tasks of the {spec.name} table: 0 is {spec.task}, n editing from n "
+                                "reference images")
         group.add_argument(f"{prefix}-artifacts", default=",".join(OURS),
                            help=f"comma-separated artifacts of the {spec.name} table besides ort-fp32 (the openvino "
                                 "table's labels)")
@@ -197,4 +210,6 @@ def make_table(spec: FamilyTable) -> Table:
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
                  smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", str(spec.cold_steps),
                         f"{prefix}-sizes", "64", f"{prefix}-artifacts", "openvino-bf16",
+                        # a task of each kind: editing from 2 references runs the code of 1 (its goal: test_bench_report)
+                        f"{prefix}-tasks", ",".join(map(str, _tasks(spec)[:2])),
                         *((f"{prefix}-frames", str(spec.smoke_frames)) if spec.frames else ())))

@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.harness import GRAPH_CALLS, alternating_graph_calls, in_child, log, stats
+from bench.harness import GRAPH_CALLS, alternating_graph_calls, in_prepared_child, log, stats
 from bench.tables import Table
 
 OUTPUT = "tail_residual"
@@ -40,7 +40,7 @@ def measure(run) -> list[dict]:
     inputs = run.inputs(a.size, [denoiser])[denoiser]
     with tempfile.TemporaryDirectory(prefix="bench-split-") as scratch:
         graphs = {"with": artifact / entry["file"], "without": Path(scratch) / entry["file"]}
-        in_child(strip_output, graphs["with"], OUTPUT, graphs["without"])
+        in_prepared_child(strip_output, graphs["with"], OUTPUT, graphs["without"])
         times = alternating_graph_calls(graphs, entry, inputs, a.split_reps)
     rows = []
     for label, key in ((f"as exported, with {OUTPUT}", "with"), (f"without {OUTPUT}", "without")):

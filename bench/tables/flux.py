@@ -15,7 +15,7 @@ import tempfile
 import numpy as np
 
 from bench import accuracy
-from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.harness import Variant, against_first, in_prepared_child, interleaved_fresh, log
 from bench.optimum_intel import openvino_peers
 from bench.tables import Table
 from bench.tables.openvino import build_openvino
@@ -59,7 +59,7 @@ def measure(run) -> list[dict]:
     if a.flux_cached_artifact not in ("ort-fp32", *names):  # before the minutes of building
         raise ValueError(f"flux table: --flux-cached-artifact {a.flux_cached_artifact} is not built: choose from "
                          f"ort-fp32, {', '.join(names)}")
-    built = in_child(build_openvino, run.build, accuracy.calibration(a), a.size, names)
+    built = in_prepared_child(build_openvino, run.build, accuracy.calibration(a), a.size, names)
     variants, notes = _variants(run, built)
     with tempfile.TemporaryDirectory(prefix="bench-flux-") as images:
         job = {"height": a.size, "width": a.size}

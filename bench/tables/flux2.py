@@ -13,6 +13,8 @@ def goals(size: str, references: int, measured: dict, variants) -> str | None:
         return f"Goals at {size}: not measured (openvino-int8 is not among this run's artifacts)."
     ours, where = rows[OURS_INT8], f"at {size}, {'text to image' if not references else 'editing'}"
     if references == 2:
+        if 1 not in measured:
+            return f"Goal {where}: not measured (two references against one, which this run did not measure)."
         said = [f"with two references the step of {label} takes {rows[label]['step'] / measured[1][label]['step']:.2f}x "
                 "its step with one" for label in rows if label.startswith("ours")]
         return f"Goal {where}: {'; '.join(said)} (goal at most 1.2x)."

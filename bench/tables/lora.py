@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import in_child, log, stats, timed_calls
+from bench.harness import in_child, in_prepared_child, log, stats, timed_calls
 from bench.tables import Table
 
 ATTENTION = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight", "attn.to_out.0.weight")
@@ -225,7 +225,7 @@ def _openvino_rows(run, adapter: Path) -> list[list[str]]:
     from bench.tables.openvino import build_openvino
 
     a = run.args
-    built = in_child(build_openvino, run.build, calibration(a), a.size, a.lora_openvino.split(","))
+    built = in_prepared_child(build_openvino, run.build, calibration(a), a.size, a.lora_openvino.split(","))
     rows = []
     for label, artifact in built.items():
         log(f"lora: the OpenVINO designs on {label}")
@@ -257,7 +257,7 @@ def _quantized_rows(run, adapter: Path, scratch: str) -> list[list[str]]:
 
     a, rows = run.args, []
     precisions = [p for p in a.lora_quantized.split(",") if p]
-    built = in_child(build_precisions, run.build, calibration(a), precisions) if precisions else {}
+    built = in_prepared_child(build_precisions, run.build, calibration(a), precisions) if precisions else {}
     for precision, artifact in built.items():
         log(f"lora: applying, switching and stepping on ort-{precision}")
         offline = Path(scratch) / precision

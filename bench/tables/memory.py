@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.harness import in_child, log
+from bench.harness import in_child, in_prepared_child, log
 from bench.tables import Table
 from bench.tables.passes import what_changed
 from bench.workload import call_dims
@@ -86,7 +86,7 @@ def measure(run) -> list[dict]:
     from export.shapes import concrete
 
     a, default = run.args, run.default_artifact
-    artifact = in_child(build_memory, run.build)
+    artifact = in_prepared_child(build_memory, run.build)
     built = read_manifest(artifact, verify=False)
     manifest = built["submodules"]
     size, batch = a.memory_size, a.memory_batch
@@ -104,7 +104,7 @@ def measure(run) -> list[dict]:
         graphs = {"plain": str(run.onnx_dir / f"{name}.onnx"), "default": str(default / manifest[name]["file"])}
         remat = next((p for p in sub["passes"] if p["name"] == "remat"), None)
         if remat and remat["modified"]:
-            graphs["no_remat"] = in_child(graph_without, run.onnx_dir, artifact, name, "remat",
+            graphs["no_remat"] = in_prepared_child(graph_without, run.onnx_dir, artifact, name, "remat",
                                           run.build / "bench-memory-no-remat")
         graphs["memory"] = str(artifact / sub["file"])
         settings = {"plain": (None, None), "default": (None, None), "no_remat": (config, options),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.harness import Variant, against_first, in_child, interleaved_fresh, log
+from bench.harness import Variant, against_first, in_prepared_child, interleaved_fresh, log
 from bench.tables import Table
 from engines.targets import get_target
 
@@ -110,10 +110,10 @@ def what_changed(reports: list[dict]) -> str:
 
 def measure(run) -> list[dict]:
     a, root, name = run.args, run.build / "passes", run.denoiser
-    graphs = in_child(build_with_passes, run.onnx_dir, root, name)
+    graphs = in_prepared_child(build_with_passes, run.onnx_dir, root, name)
     variants = [Variant(f"ours, {label}", "graph", str(path)) for label, (path, _) in graphs.items()]
     changed = {f"ours, {label}": what_changed(reports) for label, (_, reports) in graphs.items()}
-    path, fused = in_child(ort_optimizer, run.onnx_dir, root, name, "mmdit")
+    path, fused = in_prepared_child(ort_optimizer, run.onnx_dir, root, name, "mmdit")
     variants.append(Variant("ONNX Runtime optimizer (mmdit) on our export", "graph", str(path)))
     changed[variants[-1].label] = ", ".join(f"{k} {v}" for k, v in fused.items()) or "fused nothing"
     if run.optimum_folder is not None:

@@ -2,7 +2,7 @@
 its FLOPs and how far it runs from its own FLOP bound."""
 from __future__ import annotations
 
-from bench.harness import in_child
+from bench.harness import in_child, in_prepared_child
 from bench.tables import Table
 from bench.tables.passes import build_with_passes, op_profile
 
@@ -13,7 +13,7 @@ def measure(run) -> list[dict]:
     from engines.memory.graph import graph_flops_by_op
 
     size, name, label = run.args.size, run.denoiser, "all (ort default)"
-    graph = in_child(build_with_passes, run.onnx_dir, run.build / "passes", name, [label])[label][0]
+    graph = in_prepared_child(build_with_passes, run.onnx_dir, run.build / "passes", name, [label])[label][0]
     seconds = in_child(op_profile, graph, run.inputs(size, [name]))
     flops = in_child(graph_flops_by_op, graph, run.dims(size, name))
     total = sum(seconds.values())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import in_child, log, timed_calls
+from bench.harness import in_child, in_prepared_child, log, timed_calls
 from bench.prepare import build_with_tiny_vae, tiny_vae_name
 from bench.tables import Table
 from bench.workload import PROMPT
@@ -68,7 +68,7 @@ def measure(run) -> list[dict]:
     a, size, channels = run.args, run.args.size, run.constants["latent_channels"]
     tiny = tiny_vae_name(run)
     log(f"tiny-vae: {run.src.entry.name} with {tiny}")
-    artifact = str(in_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny) / "ort-fp32")
+    artifact = str(in_prepared_child(build_with_tiny_vae, run.src.entry.name, run.build, tiny) / "ort-fp32")
     ours = in_child(_decodes, artifact, channels, size, a.tiny_vae_reps)
     theirs = in_child(_diffusers_decodes, str(run.src.folder), str(tiny_vae_source(tiny, channels).folder / COMPONENT),
                       channels, size, a.tiny_vae_reps)
