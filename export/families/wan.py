@@ -23,7 +23,6 @@ import functools
 import json
 
 import torch
-from diffusers.models.autoencoders.autoencoder_kl_wan import patchify, unpatchify
 
 from export.families import parts
 from export.families.first_block import inner_dim, transformer_specs
@@ -162,6 +161,8 @@ class _DecoderChunk(_Chunk):
         x = self.vae.post_quant_conv(z[:, :, None])
         frames = self.vae.decoder(x, feat_cache=slots, feat_idx=[0], first_chunk=self.first)
         if self.vae.config.patch_size is not None:  # Wan 2.2's VAE: its output channels are patches
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
             frames = unpatchify(frames, self.vae.config.patch_size)
         return frames.clamp(-1.0, 1.0), self.packed(slots, latent, b, h, w)
 
@@ -173,6 +174,7 @@ class _EncoderChunk(_Chunk):
     part = "encoder"
 
     def forward(self, frames, cache=None):
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         b, scale = frames.shape[0], spatial_scale(self.vae.config)
