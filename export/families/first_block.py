@@ -17,8 +17,8 @@ one). The blocks and their output indices are diffusers' own (`TransformerBlockR
 graphs compute what diffusers' hooks do."""
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -142,8 +142,6 @@ class FirstBlock(torch.nn.Module):
 
 
 HIDDEN = ("batch", "image_tokens", "inner_dim")  # the transformer's hidden stream (SD3, Flux: the image's)
-
-
 TAIL = "tail_residual"
 BLOCK_OUTPUTS = "block_outputs"  # a trace's stack of every block's hidden output, where ControlNet residuals go
 RESIDUAL = "block_residual_"  # + the block: a ControlNet residual input, added to that block's hidden output
@@ -156,7 +154,7 @@ def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN,
     transformer that returns both residuals (`cut_to_outputs`, `cut_after_first_block`); the descriptions' own
     wrappers are what the export checks each graph against. With `block_outputs`, the trace also holds every
     block's hidden output, from which `with_block_residuals` cuts the graph that adds ControlNet residuals."""
-    tail, residual = T(TAIL, "float32", hidden), T("first_block_residual", "float32", hidden)
+    tail, residual = _residual_outputs(hidden)
     traced = _traced(spec, hidden, block_outputs)
     full = dataclasses.replace(spec, outputs=(*spec.outputs, tail), cut_from=(traced, cut_to_outputs),
                                wrap=lambda component: WithTailResidual(spec.wrap(component)))
@@ -168,15 +166,20 @@ def transformer_specs(spec: SubmoduleSpec, hidden: tuple[str, ...] = HIDDEN,
 
 def _traced(spec: SubmoduleSpec, hidden: tuple[str, ...], block_outputs: bool) -> SubmoduleSpec:
     """The description of the trace `spec`'s graphs are cut from (one key: the same for every graph cut from it)."""
-    outputs = (*spec.outputs, T(TAIL, "float32", hidden), T("first_block_residual", "float32", hidden),
+    outputs = (*spec.outputs, *_residual_outputs(hidden),
                *((T(BLOCK_OUTPUTS, "float32", ("blocks", *hidden)),) if block_outputs else ()))
     return dataclasses.replace(spec, outputs=outputs, wrap=lambda component: WithTailResidual(
         spec.wrap(component), traced=True, block_outputs=block_outputs))
 
 
-def block_residuals(blocks: list[int], hidden: tuple[str, ...] = HIDDEN) -> tuple[T, ...]:
-    """The ControlNet residual inputs of a transformer that adds one to the hidden output of each of `blocks`."""
-    return tuple(T(f"{RESIDUAL}{block}", "float32", hidden) for block in blocks)
+def _residual_outputs(hidden: tuple[str, ...]) -> tuple[T, T]:
+    """`tail_residual` and `first_block_residual`, of the blocks' hidden stream."""
+    return T(TAIL, "float32", hidden), T("first_block_residual", "float32", hidden)
+
+
+def block_residuals(indices, hidden: tuple[str, ...] = HIDDEN) -> tuple[T, ...]:
+    """The ControlNet residual inputs of a transformer that adds one to the hidden output of each block of `indices`."""
+    return tuple(T(f"{RESIDUAL}{i}", "float32", hidden) for i in indices)
 
 
 def with_block_residuals(spec: SubmoduleSpec, residuals: tuple[T, ...], wrap,
@@ -185,8 +188,9 @@ def with_block_residuals(spec: SubmoduleSpec, residuals: tuple[T, ...], wrap,
     them, which the export checks the graph against) computes it. It is cut from the trace of `spec`'s own graphs
     (`transformer_specs(..., block_outputs=True)`): one trace, with ControlNets or without, which the trace cache
     keeps across exports, so a model exported before is not traced again to add a ControlNet."""
-    return dataclasses.replace(spec, inputs=(*spec.inputs, *residuals),
-                               outputs=(*spec.outputs, T(TAIL, "float32", hidden)), cut_from=(_traced(spec, hidden, True), cut_adding_residuals),
+    tail, _ = _residual_outputs(hidden)
+    return dataclasses.replace(spec, inputs=(*spec.inputs, *residuals), outputs=(*spec.outputs, tail),
+                               cut_from=(_traced(spec, hidden, True), cut_adding_residuals),
                                wrap=lambda component: WithTailResidual(wrap(component)))
 
 
