@@ -342,6 +342,63 @@ def test_controlnet_equal_to_diffusers(pair, controlnet_build, monkeypatch, case
     assert compare_controlled(got, theirs, unused) <= IMAGE_ATOL
 
 
+@pytest.fixture(scope="module")
+def controlnet_inpaint_build(shared_root, qwen_image_tiny_build, controlnet_build):
+    """qwen-image-tiny with an inpainting ControlNet (its transformer with residual inputs is qwen-cn's, linked)."""
+    from conftest import with_controlnets
+
+    return with_controlnets(shared_root, qwen_image_tiny_build, ["qwen-image-controlnet-inpaint-tiny"],
+                            "qwen-cn-inpaint")
+
+
+@pytest.mark.parametrize("case", ["no guidance", "true cfg, scale 0.5"])
+def test_inpainting_controlnet_equal_to_diffusers(pair, controlnet_inpaint_build, monkeypatch, case):
+    """QwenImageControlNetInpaintPipeline (its control_mask is our mask_image=) on the same weights, latents and
+    masked image sample; at scale 0 diffusers' image differs, and so does ours with another mask."""
+    import diffusers
+    import diffusers.models.autoencoders.vae as diffusers_vae
+
+    from conftest import compare_controlled, controlnet_folder, smooth_image, soft_mask
+    from runners import Pipeline
+
+    ours = Pipeline.load(controlnet_inpaint_build / "ort-fp32")
+    net = diffusers.QwenImageControlNetModel.from_pretrained(controlnet_folder("qwen-image-controlnet-inpaint-tiny"))
+    reference = diffusers.QwenImageControlNetInpaintPipeline(**pair[1].components, controlnet=net)
+    reference.set_progress_bar_config(disable=True)
+    control_noise = np.random.default_rng(7).standard_normal((1, 16, 1, 8, 16), dtype=np.float32)
+    monkeypatch.setattr(diffusers_vae, "randn_tensor", lambda shape, **kw: torch.from_numpy(control_noise))
+    latents, mask = packed_noise(1, 64, 128, seed=2), soft_mask(64, 128)
+    call = dict(prompt="a red cat", height=64, width=128, num_inference_steps=4, output_type="np",
+                control_image=smooth_image(64, 128, seed=5), **CONTROLNET_CASES[case])
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), control_mask=mask, **call).images
+        unused = reference(latents=torch.from_numpy(latents), control_mask=mask,
+                           **{**call, "controlnet_conditioning_scale": 0.0}).images
+    got = ours(latents=latents, control_noise=control_noise, mask_image=mask, **call)
+    assert compare_controlled(got, theirs, unused) <= IMAGE_ATOL
+    unmasked = ours(latents=latents, control_noise=control_noise, mask_image=np.zeros((64, 128)), **call)
+    assert np.abs(unmasked - got).max() > 10 / 255  # the mask is read
+
+
+def test_inpainting_controlnet_refusals(controlnet_inpaint_build):
+    """An inpainting ControlNet needs its mask, and repaints the control image (no image=); it is not exported beside
+    ControlNets of the other pipeline."""
+    from conftest import smooth_image, soft_mask
+    from export.families.controlnet_qwen_image import KINDS
+    from export.source import SourceError
+    from runners import Pipeline
+
+    pipe = Pipeline.load(controlnet_inpaint_build / "ort-fp32")
+    call = dict(height=64, width=64, num_inference_steps=2, control_image=smooth_image(64, 64))
+    for bad in ({}, {"image": smooth_image(64, 64), "mask_image": soft_mask(64, 64)}):
+        with pytest.raises(ValueError, match=r"this artifact's ControlNets inpaint \(QwenImageControlNetInpaintPipeline"
+                                             r"'s\): pass the image to repaint as control_image= and its mask as "
+                                             "mask_image="):
+            pipe("a red cat", **call, **bad)
+    with pytest.raises(SourceError, match="inpainting ControlNets .* and others run in different diffusers pipelines"):
+        KINDS["qwen_image"].constants([{"extra_condition_channels": 4}, {}], None)
+
+
 def test_controlnet_graphs_plain_run_and_refusals(controlnet_build, qwen_image_tiny_build):
     """The transformer takes a residual per block, the ControlNet gives one per block of its own; without
     control_image the artifact gives the base's image; what diffusers has no pipeline for is refused."""

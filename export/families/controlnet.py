@@ -47,6 +47,7 @@ RANDOM_CONTROLNETS = {
     "z-image-controlnet-tiny": RandomControlNet("z-image-tiny", 0),
     "z-image-controlnet-inpaint-tiny": RandomControlNet("z-image-tiny", 0, (("inpainting", True),)),
     "qwen-image-controlnet-tiny": RandomControlNet("qwen-image-tiny", 0),
+    "qwen-image-controlnet-inpaint-tiny": RandomControlNet("qwen-image-tiny", 0, (("inpainting", True),)),
     "sd15-bench-controlnet": RandomControlNet("sd15-bench", 0),
     "sd15-bench-controlnet-2": RandomControlNet("sd15-bench", 1),
     "sd3-bench-controlnet": RandomControlNet("sd3-bench", 0),

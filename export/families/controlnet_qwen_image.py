@@ -7,8 +7,9 @@ stream, and diffusers' transformer adds residual i // ceil(N / k) after its bloc
 with ControlNets, and the runner hands each ControlNet's residuals to the blocks by that rule. The engine reads
 what the transformer reads (packed latents, the text and its mask, the timestep, the rotary positions as ids)
 and the control image's packed VAE latents (the runner encodes them), and returns its k residuals times
-`conditioning_scale` (one factor each). The inpainting ControlNets (`extra_condition_channels`, for
-QwenImageControlNetInpaintPipeline) are not taken yet."""
+`conditioning_scale` (one factor each). An inpainting ControlNet (`extra_condition_channels`, InstantX's
+Qwen-Image-ControlNet-Inpainting: QwenImageControlNetInpaintPipeline) reads the masked image's packed latents with
+the kept area's mask beside them (17 channels a latent pixel: 68 packed); the runner makes them."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,7 @@ from export.spec import ControlNetKind, SubmoduleSpec
 
 # The transformer's settings a ControlNet must share with it, to read its inputs and add to its stream
 _SHARED = ("in_channels", "joint_attention_dim", "axes_dims_rope", "num_attention_heads", "attention_head_dim")
+MASK_CHANNELS = 4  # an inpainting ControlNet's mask channel, packed in 2 x 2 patches
 
 
 class _QwenImageControlNet(GivenPositions):
@@ -35,10 +37,16 @@ class _QwenImageControlNet(GivenPositions):
         return tuple(s * conditioning_scale[i] for i, s in enumerate(samples))
 
 
+def _masks(config: dict) -> bool:
+    """Whether the ControlNet inpaints: reads a mask beside the masked image's latents."""
+    return bool(config.get("extra_condition_channels", 0))
+
+
 def _spec(config: dict) -> SubmoduleSpec:
     # its embedders kept in float, as the transformer's
     keep = (*TRANSFORMER.quantization["keep_scopes"], "controlnet_x_embedder")
-    return residual_controlnet(TRANSFORMER, ("batch", "image_tokens", "packed_channels"), range(config["num_layers"]),
+    channels = config["in_channels"] + config["extra_condition_channels"] if _masks(config) else "packed_channels"
+    return residual_controlnet(TRANSFORMER, ("batch", "image_tokens", channels), range(config["num_layers"]),
                                HIDDEN, _QwenImageControlNet, "latent_multiple",  # a packed token's side
                                {**TRANSFORMER.quantization, "keep_scopes": keep})
 
@@ -51,16 +59,24 @@ def _check(config: dict, base, given: str) -> None:
         if config.get(key) != transformer.get(key):
             raise SourceError(f"controlnet {given} has {key}={config.get(key)}; {base.entry.name}'s transformer has "
                               f"{transformer.get(key)}: pass a ControlNet trained for this base model")
-    if config.get("extra_condition_channels"):
-        raise SourceError(f"controlnet {given} is an inpainting ControlNet (extra_condition_channels="
-                          f"{config['extra_condition_channels']}, for QwenImageControlNetInpaintPipeline), which is not "
-                          "exported yet: pass a ControlNet of QwenImageControlNetPipeline")
+    if config.get("extra_condition_channels", 0) not in (0, MASK_CHANNELS):
+        raise SourceError(f"controlnet {given} has extra_condition_channels={config['extra_condition_channels']}; "
+                          f"QwenImageControlNetInpaintPipeline gives {MASK_CHANNELS} (the mask, packed) or none")
 
 
-def _build_random(base, seed: int, out) -> None:
-    """QwenImageControlNetModel.from_transformer of the base's transformer, one block deep, with seeded random
-    weights in its zero-initialised control embedding and output projections (zero ones would change nothing,
-    and a test could not tell)."""
+def _constants(configs: list[dict], base) -> dict:
+    from export.source import SourceError
+
+    if len({_masks(c) for c in configs}) > 1:
+        raise SourceError("inpainting ControlNets (extra_condition_channels) and others run in different diffusers "
+                          "pipelines: export them apart")
+    return {"transformer_layers": base.config("transformer")["num_layers"], "control_masks": int(_masks(configs[0]))}
+
+
+def _build_random(base, seed: int, out, inpainting: bool = False) -> None:
+    """QwenImageControlNetModel.from_transformer of the base's transformer, one block deep (with `inpainting`,
+    reading the mask too), with seeded random weights in its zero-initialised control embedding and output
+    projections (zero ones would change nothing, and a test could not tell)."""
     from diffusers import QwenImageControlNetModel, QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
@@ -68,12 +84,12 @@ def _build_random(base, seed: int, out) -> None:
     config = transformer.config
     controlnet = QwenImageControlNetModel.from_transformer(transformer, num_layers=1,
                                                            attention_head_dim=config.attention_head_dim,
-                                                           num_attention_heads=config.num_attention_heads)
+                                                           num_attention_heads=config.num_attention_heads,
+                                                           extra_condition_channels=MASK_CHANNELS if inpainting else 0)
     redraw([*controlnet.controlnet_blocks, controlnet.controlnet_x_embedder], seed)
     controlnet.save_pretrained(out, safe_serialization=True)
 
 
 KINDS = {"qwen_image": ControlNetKind(
-    class_name="QwenImageControlNetModel", check=_check, spec=_spec, build_random=_build_random,
-    constants=lambda configs, base: {"transformer_layers": base.config("transformer")["num_layers"]},
+    class_name="QwenImageControlNetModel", check=_check, spec=_spec, build_random=_build_random, constants=_constants,
     controlled=controlled_transformer)}

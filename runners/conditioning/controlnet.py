@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runners.conditioning.images import to_model_input
+from runners.conditioning.images import nearest, to_model_input
 from runners.options import Option
-from runners.text_to_image import IMAGE, INPAINT, TEXT, task_of
+from runners.text_to_image import IMAGE, INPAINT, TEXT, given_or_drawn, task_of
 
 # The ControlNet options every family's ControlNets read (a family adds its own: GUESS_MODE, CONTROL_MODE)
 CONTROL_OPTIONS = (
@@ -177,6 +177,9 @@ class ControlNets:
     # Whether a step cache may skip steps of a controlled call: not where the residuals are added between
     # a transformer's blocks, which a cached step skips (SD3, Flux); DeepCache's shallow UNet takes its own
     runs_with_step_caches = True
+    # diffusers' pipeline of the family's inpainting ControlNets (`control_masks`): they read the control image with
+    # its masked part (diffusers' `control_mask`) and start from noise (SD3's, Qwen-Image's)
+    masked_control_pipeline = None
 
     def _controlled_text_to_image(self, prompt, negative_prompt, height, width, num_inference_steps, guidance_scale,
                                   num_images_per_prompt, seed, latents, output_type, vae_tiling, image=None,
@@ -204,8 +207,34 @@ class ControlNets:
     def _control_inpainting(self, control_image, image, mask_image) -> tuple:
         """(the request's image and mask_image, the ControlRequest fields of inpainting ControlNets: their `mask`
         and the image they repaint): the U-Nets' inpainting ControlNet pipelines mask the image, which their
-        ControlNets do not see."""
-        return image, mask_image, {}
+        ControlNets do not see; ControlNets that read a mask (`control_masks`) take `mask_image` as theirs."""
+        if not self.manifest["constants"].get("control_masks") or control_image is None:
+            return image, mask_image, {}
+        if mask_image is None or image is not None:
+            raise ValueError(f"this artifact's ControlNets inpaint ({self.masked_control_pipeline}'s): pass the image "
+                             "to repaint as control_image= and its mask as mask_image= (white: repainted), without "
+                             "image=")
+        return None, None, {"mask": mask_image}
+
+    def _masked_control_latents(self, name, given, request, height, width, n_images, per_prompt) -> np.ndarray:
+        """An inpainting ControlNet's condition as diffusers' pipelines make it: the control image with its masked
+        part (`request.mask` white) set to -1, a sample of its VAE posterior (`_control_noise`) scaled as the
+        latents, and the kept part's mask at latent size beside them: (N, latent channels + 1, h, w)."""
+        scale = self.constants["vae_scale_factor"]
+        pixels = self._control_batch(name, to_model_input(given, height, width, scale), n_images, per_prompt, False)
+        mask = self._control_batch(name, to_model_input(request.mask, height, width, scale, mask=True), n_images,
+                                   per_prompt, False)
+        posterior = self.vae_encode(np.where(mask > 0.5, np.float32(-1), pixels), tiling=request.vae_tiling)
+        latents = self._posterior_latents(posterior, self._control_noise(name, request, posterior[0].shape))
+        return np.concatenate([latents, 1 - nearest(mask, *latents.shape[2:])], axis=1)
+
+    def _control_noise(self, name, request, shape) -> np.ndarray:
+        """ControlNet `name`'s VAE posterior sample noise: given (`control_noise`, a list of them for several
+        ControlNets), or drawn from a stream of the call's seed that the latents' does not use."""
+        k = self.controlnets().index(name)
+        noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
+        return given_or_drawn("control_noise", noise, shape,
+                              np.random.default_rng(None if request.seed is None else (request.seed, 2 + k)))
 
     def controlnets(self) -> list[str]:
         return controlnets(self.manifest)

@@ -90,7 +90,8 @@ class QwenImagePipeline(QwenImageControlNets, TextToImage):
         `negative_prompt` and `true_cfg_scale` above 1 (default 4), as in diffusers. `latents` are packed, as
         QwenImagePipeline takes them: (N, h/2 * w/2, 64) for latent sides h, w. On an artifact exported with
         ControlNets, `control_image` (one per ControlNet) and the other ControlNet settings are those of diffusers'
-        QwenImageControlNetPipeline (runners/families/qwen_image/controlnet.py)."""
+        QwenImageControlNetPipeline (runners/families/qwen_image/controlnet.py); with inpainting ControlNets
+        (QwenImageControlNetInpaintPipeline's), `mask_image` is their mask (diffusers' `control_mask`)."""
         self._check_text_options(guidance_scale, max_sequence_length)
         # the artifact's text range may hold fewer: a longer prompt is truncated there, with a warning
         max_sequence_length = min(max_sequence_length,

@@ -17,43 +17,27 @@ from __future__ import annotations
 import numpy as np
 
 from runners.conditioning.controlnet import ControlNets
-from runners.conditioning.images import nearest, to_model_input
-from runners.text_to_image import TEXT, given_or_drawn
+from runners.conditioning.images import to_model_input
+from runners.text_to_image import TEXT
 
 
 class SD3ControlNets(ControlNets):
     control_scales = {TEXT: 1.0}  # diffusers' has no Img2Img twin; its Inpainting one is text to image, masked
     control_sets_size = False
     runs_with_step_caches = False
-
-    def _control_inpainting(self, control_image, image, mask_image) -> tuple:
-        if not self.manifest["constants"].get("control_masks") or control_image is None:
-            return image, mask_image, {}
-        if mask_image is None or image is not None:
-            raise ValueError("this artifact's ControlNets inpaint (StableDiffusion3ControlNetInpaintingPipeline's): "
-                             "pass the image to repaint as control_image= and its mask as mask_image= (white: "
-                             "repainted), without image=")
-        return None, None, {"mask": mask_image}
+    masked_control_pipeline = "StableDiffusion3ControlNetInpaintingPipeline"
 
     def _control_input(self, name, given, request, height, width, n_images, per_prompt, cfg) -> np.ndarray:
-        scale, masked = self.constants["vae_scale_factor"], request.mask is not None
-        pixels = self._control_batch(name, to_model_input(given, height, width, scale), n_images, per_prompt, False)
-        if masked:
-            mask = self._control_batch(name, to_model_input(request.mask, height, width, scale, mask=True), n_images,
-                                       per_prompt, False)
-            pixels = np.where(mask > 0.5, np.float32(-1), pixels)
-        posterior = self.vae_encode(pixels, tiling=request.vae_tiling)
-        if cfg and not masked:  # diffusers encodes the doubled batch: the same posteriors, each half its own sample
+        if request.mask is not None:
+            latents = self._masked_control_latents(name, given, request, height, width, n_images, per_prompt)
+            return np.concatenate([latents, latents]) if cfg else latents
+        pixels = to_model_input(given, height, width, self.constants["vae_scale_factor"])
+        posterior = self.vae_encode(self._control_batch(name, pixels, n_images, per_prompt, False),
+                                    tiling=request.vae_tiling)
+        if cfg:  # diffusers encodes the doubled batch: the same posteriors, each half its own sample
             posterior = [np.concatenate([p, p]) for p in posterior]
-        k = self.controlnets().index(name)
-        noise = request.noise[k] if isinstance(request.noise, (list, tuple)) else request.noise
-        rng = np.random.default_rng(None if request.seed is None else (request.seed, 2 + k))
-        noise = given_or_drawn("control_noise", noise, posterior[0].shape, rng)
-        latents = self._posterior_latents(posterior, noise, shift=masked or not self._zero_pooled(name))
-        if not masked:
-            return latents
-        latents = np.concatenate([latents, 1 - nearest(mask, *latents.shape[2:])], axis=1)
-        return np.concatenate([latents, latents]) if cfg else latents
+        noise = self._control_noise(name, request, posterior[0].shape)
+        return self._posterior_latents(posterior, noise, shift=not self._zero_pooled(name))
 
     def _zero_pooled(self, name: str) -> bool:
         """Whether ControlNet `name` takes zero pooled projections (its graph then takes none)."""
