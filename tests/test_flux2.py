@@ -469,6 +469,35 @@ def test_lora_equal_to_diffusers_fuse_lora(pairs, flux2_klein_tiny_build, tmp_pa
     assert np.array_equal(loaded(latents=latents, **call), got)
 
 
+def test_lora_on_both_kv_graphs_equal_to_diffusers(pairs, flux2_klein_kv_tiny_build, tmp_path):
+    """klein KV with a reference and an adapter: the adapter applies to both transformer graphs (transformer_kv_extract
+    on the first step, the transformer on the others: either one without it would leave its steps off), against
+    Flux2KleinKVPipeline's load_lora_weights + fuse_lora of the same file."""
+    from diffusers import Flux2KleinKVPipeline
+
+    from lora_adapters import ATTENTION, make_adapter
+    from runners import Pipeline
+
+    folder = flux2_klein_kv_tiny_build.source.folder
+    adapter = make_adapter(Flux2KleinKVPipeline, folder, tmp_path / "a", {
+        "transformer": ATTENTION + ["add_q_proj", "to_qkv_mlp_proj", "linear_in"]}, seed=5, rank=2, alpha=4.0)
+    call = dict(prompt="a red cat", image=ONE, height=64, width=64, num_inference_steps=3, output_type="np",
+                max_sequence_length=64)
+    latents = np.random.default_rng(5).standard_normal((1, 128, 4, 4), dtype=np.float32)
+    ours, _ = pairs["kv"]
+    reference = Flux2KleinKVPipeline.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    with torch.no_grad():
+        theirs = reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+    assert np.abs(theirs - ours(latents=latents, **call)).max() > 0.02  # the adapter changes the image
+    got = Pipeline.load(flux2_klein_kv_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})(latents=latents, **call)
+    print(f"flux2 kv LoRA: max abs error {np.abs(got - theirs).max():.1e}")
+    assert np.abs(got - theirs).max() <= IMAGE_ATOL
+
+
 def test_served_over_the_openai_api(pairs, tmp_path):
     """The OpenAI images API on a FLUX.2 artifact, through the `openai` client: a generation; an edit with two
     reference images (the client's list of files); an inpainting edit (an image and a mask). Each image is
