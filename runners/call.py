@@ -1,5 +1,5 @@
-"""What one `pipe(...)` call holds while it runs: its cache config and step cache, its previews and the
-seconds of its stages. It lives in the calling thread's context, never on the pipeline, so that two
+"""What one `pipe(...)` call holds while it runs: its cache config and step cache, its previews, the
+seconds of its stages and the images its VAE encoded. It lives in the calling thread's context, never on the pipeline, so that two
 calls on one pipeline in two threads cannot see each other's (the conditions a call's steps make are
 in the `conditions` they return: runners/text_to_image.py). The pipeline's `timings` and `cache_stats`
 are the last finished call's."""
@@ -19,6 +19,8 @@ class Call:
     # started at its first evaluation
     step_caches: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    # the VAE posteriors this call encoded, by the pixels (runners.text_to_image's `vae_encode`)
+    encoded: dict = field(default_factory=dict)
 
 
 class Calls:

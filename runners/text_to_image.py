@@ -4,6 +4,7 @@ VAE with its tiling. A family (runners/families/sd3/__init__.py, sd15.py, sdxl.p
 into the denoiser's conditions."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -372,8 +373,17 @@ class TextToImage(Pipeline):
 
     def vae_encode(self, image: np.ndarray, tiling: bool | None = None, tile_size: int | None = None):
         """Images in [-1, 1] -> (mean, log-variance) of the latent posterior (the tiny encoder: its
-        latents alone), tiled past the encoder engine's range as `vae_decode` is; `tile_size` in image pixels."""
-        return self._vae(self.vae_engines[1], "image", image, 1 / self.constants["vae_scale_factor"], tiling, tile_size)
+        latents alone), tiled past the encoder engine's range as `vae_decode` is; `tile_size` in image pixels.
+        Within a call, pixels encoded before are not encoded again (FLUX.2 klein's inpainting reads its image as
+        its first reference and as the starting latents)."""
+        image = np.ascontiguousarray(image)
+        key = (hashlib.blake2b(image.tobytes(), digest_size=16).digest(), image.shape, image.dtype.str,
+               self.vae_engines, tiling, tile_size)
+        encoded = self._calls.current.encoded
+        if key not in encoded:
+            encoded[key] = self._vae(self.vae_engines[1], "image", image, 1 / self.constants["vae_scale_factor"],
+                                     tiling, tile_size)
+        return [a.copy() for a in encoded[key]]  # the caller's own: it may change them
 
     def vae_factors(self, vae: str | None = None) -> tuple[float, float]:
         """(scaling, shift) between the denoiser's latents and the VAE's: the artifact's VAE's, or with

@@ -275,7 +275,8 @@ INPAINT_CASES = {"distilled": dict(model="distilled"), "with a reference": dict(
 @pytest.mark.parametrize("case", INPAINT_CASES)
 def test_inpainting_equal_to_diffusers(pairs, monkeypatch, case):
     """Flux2KleinInpaintPipeline at the image's size, its noise ours (randn_tensor patched); the image is its
-    first reference, `image_reference` another."""
+    first reference, `image_reference` another. The image is encoded once: its reference tokens and the starting
+    latents read the same posterior."""
     import diffusers
     import diffusers.pipelines.flux2.pipeline_flux2_klein_inpaint as inpaint
 
@@ -293,7 +294,10 @@ def test_inpainting_equal_to_diffusers(pairs, monkeypatch, case):
                         strength=0.6), **options)
     with torch.no_grad():
         theirs = reference(**images, **request, text_encoder_out_layers=LAYERS).images
+    encoded, run = [], ours.run
+    monkeypatch.setattr(ours, "run", lambda name, **feeds: encoded.append(name) or run(name, **feeds))
     got = ours(noise=noise, **images, **request)
+    assert encoded.count("vae_encoder") == 1 + ("image_reference" in options)
     assert got.shape == theirs.shape == (1, 64, 128, 3)
     assert_real_image(theirs)
     assert np.abs(got - theirs).max() <= IMAGE_ATOL
