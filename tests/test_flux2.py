@@ -433,6 +433,20 @@ def _original_adapter(folder, out, kohya: bool, seed=3, rank=4):
     return write_raw(out, tensors)
 
 
+ADAPTED = ["add_q_proj", "to_qkv_mlp_proj", "linear_in"]  # besides lora_adapters.ATTENTION
+
+
+def _fused_reference(pipeline_class, folder, adapter, latents, call) -> np.ndarray:
+    """diffusers' images of `call` with `adapter` loaded at 0.8 and fused (load_lora_weights + fuse_lora)."""
+    reference = pipeline_class.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(adapter, adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    reference.fuse_lora(adapter_names=["a"])
+    with torch.no_grad():
+        return reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+
+
 @pytest.mark.parametrize("spelling", ["diffusers", "ai-toolkit", "kohya"])
 def test_lora_equal_to_diffusers_fuse_lora(pairs, flux2_klein_tiny_build, tmp_path, spelling):
     """A FLUX.2 adapter in diffusers' format (peft on both kinds of block's attention, the fused single-block
@@ -447,20 +461,14 @@ def test_lora_equal_to_diffusers_fuse_lora(pairs, flux2_klein_tiny_build, tmp_pa
     folder = flux2_klein_tiny_build.source.folder
     if spelling == "diffusers":
         adapter = make_adapter(Flux2KleinPipeline, folder, tmp_path / "a", {
-            "transformer": ATTENTION + ["add_q_proj", "to_qkv_mlp_proj", "linear_in"]}, seed=5, rank=2, alpha=4.0)
+            "transformer": ATTENTION + ADAPTED}, seed=5, rank=2, alpha=4.0)
     else:
         adapter = _original_adapter(folder, tmp_path / "original.safetensors", kohya=spelling == "kohya")
     call = dict(prompt="a red cat", height=64, width=64, num_inference_steps=3, output_type="np",
                 max_sequence_length=64)
     latents = np.random.default_rng(5).standard_normal((1, 128, 4, 4), dtype=np.float32)
     ours, base = pairs["distilled"]
-    reference = Flux2KleinPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    reference.load_lora_weights(adapter, adapter_name="a")
-    reference.set_adapters(["a"], [0.8])
-    reference.fuse_lora(adapter_names=["a"])
-    with torch.no_grad():
-        theirs = reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+    theirs = _fused_reference(Flux2KleinPipeline, folder, adapter, latents, call)
     plain = ours(latents=latents, **call)
     assert np.abs(theirs - plain).max() > 0.02  # the adapter changes the image
     loaded = Pipeline.load(flux2_klein_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})
@@ -484,18 +492,12 @@ def test_lora_on_both_kv_graphs_equal_to_diffusers(pairs, flux2_klein_kv_tiny_bu
 
     folder = flux2_klein_kv_tiny_build.source.folder
     adapter = make_adapter(Flux2KleinKVPipeline, folder, tmp_path / "a", {
-        "transformer": ATTENTION + ["add_q_proj", "to_qkv_mlp_proj", "linear_in"]}, seed=5, rank=2, alpha=4.0)
+        "transformer": ATTENTION + ADAPTED}, seed=5, rank=2, alpha=4.0)
     call = dict(prompt="a red cat", image=ONE, height=64, width=64, num_inference_steps=3, output_type="np",
                 max_sequence_length=64)
     latents = np.random.default_rng(5).standard_normal((1, 128, 4, 4), dtype=np.float32)
     ours, _ = pairs["kv"]
-    reference = Flux2KleinKVPipeline.from_pretrained(folder)
-    reference.set_progress_bar_config(disable=True)
-    reference.load_lora_weights(adapter, adapter_name="a")
-    reference.set_adapters(["a"], [0.8])
-    reference.fuse_lora(adapter_names=["a"])
-    with torch.no_grad():
-        theirs = reference(latents=torch.from_numpy(latents), text_encoder_out_layers=LAYERS, **call).images
+    theirs = _fused_reference(Flux2KleinKVPipeline, folder, adapter, latents, call)
     assert np.abs(theirs - ours(latents=latents, **call)).max() > 0.02  # the adapter changes the image
     got = Pipeline.load(flux2_klein_kv_tiny_build.folder / "ort-fp32", loras={adapter: 0.8})(latents=latents, **call)
     print(f"flux2 kv LoRA: max abs error {np.abs(got - theirs).max():.1e}")
