@@ -1,8 +1,8 @@
 """What one `pipe(...)` call holds while it runs: its cache config and step cache, its previews, the
-seconds of its stages and the images its VAE encoded. It lives in the calling thread's context, never on the pipeline, so that two
-calls on one pipeline in two threads cannot see each other's (the conditions a call's steps make are
-in the `conditions` they return: runners/text_to_image.py). The pipeline's `timings` and `cache_stats`
-are the last finished call's."""
+seconds of its stages and the images its VAE encoded. It lives in the calling thread's context, never on
+the pipeline, so that two calls on one pipeline in two threads cannot see each other's (the conditions a
+call's steps make are in the `conditions` they return: runners/text_to_image.py). The pipeline's `timings`
+and `cache_stats` are the last finished call's."""
 from __future__ import annotations
 
 import threading

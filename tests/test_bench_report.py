@@ -131,8 +131,10 @@ def test_a_cache_table_builds_the_reference_artifact_only_when_it_has_that_row(m
     """sd3-fullsize's reference (ort-fp16) is 17 GB: a cache table of other artifacts must not build it, and one
     that has that row labels it by the artifact the export builds into."""
     calls = []
-    monkeypatch.setattr(bench.run, "in_prepared_child", lambda f, *a: calls.append(f.__name__) or Path("build", "ort-fp16"))
-    monkeypatch.setattr(caches, "in_prepared_child", lambda f, build, calibration, size, only: {n: f"build/{n}" for n in only})
+    monkeypatch.setattr(bench.run, "in_prepared_child",
+                        lambda f, *a: calls.append(f.__name__) or Path("build", "ort-fp16"))
+    monkeypatch.setattr(caches, "in_prepared_child",
+                        lambda f, build, calibration, size, only: {n: f"build/{n}" for n in only})
     monkeypatch.setattr(accuracy, "calibration", lambda args: {})
     run = _run_of("float16")
     assert caches._artifacts(run, run.build, lambda: run.default_artifact, ["openvino-int8"]) == {

@@ -210,6 +210,6 @@ def make_table(spec: FamilyTable) -> Table:
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
                  smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", str(spec.cold_steps),
                         f"{prefix}-sizes", "64", f"{prefix}-artifacts", "openvino-bf16",
-                        # a task of each kind: editing from 2 references runs the code of 1 (its goal: test_bench_report)
+                        # a task of each kind: editing from 2 references runs 1's code (its goal: test_bench_report)
                         f"{prefix}-tasks", ",".join(map(str, _tasks(spec)[:2])),
                         *((f"{prefix}-frames", str(spec.smoke_frames)) if spec.frames else ())))
