@@ -164,6 +164,7 @@ fullsize-caches: venv
 # stage's peak RSS measured from outside, and each command's disk, written to BENCHMARKS.md; fails over
 # SCALE_BUDGET_GIB. SCALE_MODEL=flux-fullsize checks FLUX.1-dev's 12 B transformer.
 # SCALE_MODEL=z-image-fullsize checks Z-Image-Turbo's 6.2 B transformer and the whole Qwen3-4B.
+# SCALE_MODEL=qwen-image-fullsize checks Qwen-Image's 20 B transformer and Qwen2.5-VL-7B's language model.
 SCALE_MODEL ?= sd3-fullsize
 SCALE_BUDGET_GIB ?= 16
 # The serving table alone (`make bench` measures it too): sd3-bench through Triton on 127.0.0.1.

@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from export.random_weights import RECIPE, drawn_values
 from runners.manifest import tensor_values
 from runners.adapters.provenance import WeightTable, dtype_name
 
@@ -72,8 +73,16 @@ def weightless_component(src, component: str, dtype: str, **load_kwargs):
 def checkpoint_index(folder: Path) -> dict[str, dict]:
     """{tensor name: file, dtype, shape, offset, length} over the folder's safetensors files, read
     from their headers only. Files are named by their real paths: the hub's cache links a snapshot's
-    files to its blobs, which onnx-ir would otherwise refuse to read as outside the folder."""
+    files to its blobs, which onnx-ir would otherwise refuse to read as outside the folder. A random
+    component's drawn weights (export/random_weights.py) are entries with `drawn`: the seed they are
+    drawn with when read, and no file."""
     index = {}
+    recipe = Path(folder) / RECIPE
+    if recipe.exists():
+        drawn = json.loads(recipe.read_text())
+        size = np.dtype(_SAFETENSORS_DTYPES[drawn["dtype"]]).itemsize
+        index = {name: {"drawn": drawn["seed"], "dtype": drawn["dtype"], "shape": shape,
+                        "length": int(np.prod(shape)) * size} for name, shape in drawn["tensors"].items()}
     for path in sorted(p.resolve() for p in Path(folder).glob("*.safetensors")):
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
@@ -176,7 +185,7 @@ def _key(name: str) -> str:
 
 
 def _stored(name: str, aliases: list[str], index: dict[str, dict],
-            renamed: dict[str, str] | None = None) -> tuple[str, ir.ExternalTensor]:
+            renamed: dict[str, str] | None = None) -> tuple[str, ir.ExternalTensor | ir.LazyTensor]:
     keys = [_key(alias) for alias in aliases]
     key = next((k for k in keys if k in index), None) or next((renamed[k] for k in keys if k in (renamed or {})), None)
     if key is None:
@@ -185,6 +194,10 @@ def _stored(name: str, aliases: list[str], index: dict[str, dict],
     if entry["dtype"] not in _SAFETENSORS_DTYPES:
         raise WeightsError(f"{key}: checkpoint dtype {entry['dtype']} is not one of {', '.join(_SAFETENSORS_DTYPES)}")
     dtype = ir.DataType.from_numpy(np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]]))
+    if "drawn" in entry:
+        return key, ir.LazyTensor(lambda: ir.tensor(drawn_values(key, tuple(entry["shape"]), entry["drawn"],
+                                                                 dtype.numpy())),
+                                  dtype=dtype, shape=ir.Shape(entry["shape"]), name=name)
     return key, ir.ExternalTensor(entry["file"].name, entry["offset"], entry["length"], dtype,
                                   shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
 

@@ -6,6 +6,12 @@ The module is built with its parameters on the meta device (shapes only) and its
 saved where from_pretrained reads it, and each weight drawn from a generator seeded by its name
 and streamed into one safetensors file in the storage dtype, in blocks: building never holds
 more than one block.
+
+A component can instead keep only the recipe of its weights (`drawn`: RECIPE, the seed, the storage
+dtype and every tensor's shape) and its buffers: the export draws each weight as it writes it
+(export/lazy_weights.py), so a model whose folder and export would not fit on the disk side by side
+(qwen-image-fullsize: 41 GB each in fp16) never has its weights on disk twice. Such a folder is the
+export's input only: from_pretrained cannot load it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import numpy as np
 
 BLOCK_ELEMENTS = 1 << 24  # generated and written 16 M values at a time
 _SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32"}
+RECIPE = "random_weights.json"  # a drawn component's weights: {"seed", "dtype", "tensors": {name: shape}}
+DRAWN_BUFFERS = "random_weights_buffers.safetensors"  # its persistent buffers, as the constructor made them
 # Weights are normal with std INIT_GAIN / sqrt(fan-in): each layer keeps its activations near unit
 # scale whatever its width, and attention logits stay O(1) even without a 1/sqrt(d) scale (T5).
 # A width-independent std (0.02) makes T5-XXL's unscaled logits so large that fp16 rounding picks
@@ -53,6 +61,11 @@ def _values(name: str, shape: tuple[int, ...], seed: int, dtype: str):
         yield block.astype(dtype)
 
 
+def drawn_values(name: str, shape: tuple[int, ...], seed: int, dtype: str) -> np.ndarray:
+    """The whole tensor `write_component` writes for `name` (a drawn component's weight, made when it is read)."""
+    return np.concatenate(list(_values(name, shape, seed, dtype))).reshape(shape)
+
+
 def write_config(module, folder: Path) -> Path:
     """The component's config where from_pretrained reads it; returns where its weights go."""
     folder = Path(folder)
@@ -64,14 +77,22 @@ def write_config(module, folder: Path) -> Path:
     return folder / "model.safetensors"
 
 
-def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0) -> int:
+def write_component(module, folder: Path, dtype: str = "float16", seed: int = 0, drawn: bool = False) -> int:
     """Write `module` (parameters on the meta device) as a from_pretrained folder with random weights;
-    returns the bytes written."""
+    returns the bytes written. `drawn`: the recipe of the weights instead, and the buffers."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"storage dtype {dtype!r}: use float16 or float32")
     path = write_config(module, folder)
     tensors = _tensors(module)
     buffers = dict(module.named_buffers())
+    if drawn:
+        recipe = {"seed": seed, "dtype": _SAFETENSORS_DTYPES[dtype],
+                  "tensors": {name: list(shape) for name, shape in tensors.items() if name not in buffers}}
+        (path.parent / RECIPE).write_text(json.dumps(recipe) + "\n")
+        path = path.parent / DRAWN_BUFFERS
+        tensors = {name: shape for name, shape in tensors.items() if name in buffers}
+        if not tensors:
+            return 0
     itemsize = np.dtype(dtype).itemsize
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in tensors.items():
@@ -113,12 +134,13 @@ def build_modules(builders: dict, seed: int, streamed: bool) -> dict:
 
 
 def save_pipeline(pipeline_class: str, modules: dict, others: dict, out_dir: Path, dtype: str | None = None,
-                  seed: int = 0, weights_for: list[str] | None = None) -> None:
+                  seed: int = 0, weights_for: list[str] | None = None, drawn: bool = False) -> None:
     """A diffusers pipeline folder: `modules` (torch modules) and `others` (scheduler, tokenizers,
     flags). With `dtype`, the modules come from `build_modules(streamed=True)` and are written
     tensor by tensor in that dtype; model_index.json is then written as save_pretrained would.
     `weights_for` (streamed only) names the components given weights: the others are written as
-    configs alone (their shapes) and are absent from the pipeline."""
+    configs alone (their shapes) and are absent from the pipeline. `drawn` (streamed only): the components
+    given weights keep their recipe, drawn by the export (`write_component`)."""
     import diffusers
 
     if dtype is None:
@@ -131,7 +153,7 @@ def save_pipeline(pipeline_class: str, modules: dict, others: dict, out_dir: Pat
             write_config(module, out_dir / name)
             index[name] = [None, None]
             continue
-        write_component(module, out_dir / name, dtype, seed + i)
+        write_component(module, out_dir / name, dtype, seed + i, drawn)
         index[name] = [type(module).__module__.split(".")[0], type(module).__name__]
     for name, value in others.items():
         if hasattr(value, "save_pretrained"):

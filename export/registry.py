@@ -434,6 +434,18 @@ QWEN_IMAGE_BENCH = {
     "scheduler": _QWEN_IMAGE_SCHEDULER,
 }
 
+# Qwen-Image at its true shapes (60 blocks: 20.4 B parameters) and Qwen2.5-VL-7B's whole language model (28 layers,
+# its 152064-token embedding; the vision tower, which text to image never runs, at bench widths). They get fp16
+# weights drawn at export (`weights_drawn`): the folder and the export (41 GB each for the transformer) would not fit
+# on the disk side by side (make scale-check).
+QWEN_IMAGE_FULLSIZE = {
+    **QWEN_IMAGE_BENCH,
+    "transformer": _qwen_image(heads=24, head_dim=128, layers=60, joint=3584, axes=[16, 56, 56]),
+    "text_encoder": {**_qwen2_5_vl_text(3584, 28, 28, 4, 18944, [16, 24, 24]), "vocab_size": 152064},
+    "weights_dtype": "float16",
+    "weights_for": ["transformer", "text_encoder"],
+    "weights_drawn": True,
+}
 # Qwen-Image-Edit at tiny widths: qwen-image-tiny's with a vision tower of two blocks (the first attends within
 # windows, the second over the whole image, as the real tower's 32 alternate) feeding the language model
 QWEN_IMAGE_EDIT_TINY = {
@@ -759,6 +771,10 @@ MODELS: dict[str, ModelEntry] = {
                    text_length=(1, 128, 1058), batch=(1, 2, 4),
                    description="Qwen-Image widths, 2 blocks, Qwen2.5-VL-7B's language model at 2 layers, the real VAE, "
                                "random weights (benchmarks)"),
+        ModelEntry("qwen-image-fullsize", "qwen_image", random_configs=QWEN_IMAGE_FULLSIZE,
+                   image_size=(256, 1024, 1024), text_length=(1, 128, 1058), batch=(1, 2, 4), export_dtype="float16",
+                   description="Qwen-Image's 20 B transformer and Qwen2.5-VL-7B's language model at their true shapes, "
+                               "random fp16 weights drawn at export (make scale-check)"),
         ModelEntry("qwen-image-edit", "qwen_image_edit", hub_id="Qwen/Qwen-Image-Edit", image_size=(256, 1024, 1536),
                    text_length=QWEN_IMAGE_EDIT_TEXT,
                    description="Qwen-Image-Edit (an input image and an instruction; 50 steps, true CFG 4 with a "

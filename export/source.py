@@ -15,6 +15,7 @@ from pathlib import Path
 
 from export.families import FAMILIES
 from export.registry import MODELS, ModelEntry
+from export.random_weights import RECIPE
 from export.versions import package_versions
 from runners.manifest import digest, sha256_file, write_once
 
@@ -59,6 +60,9 @@ class ModelSource:
 
     def load(self, component: str, **kwargs):
         """Load one component with its own class's from_pretrained (memory: one submodule at a time)."""
+        if (self.folder / component / RECIPE).exists():
+            raise SourceError(f"{self.entry.name}'s {component} has no weights on disk: the export draws them as it "
+                              f"writes them (export/random_weights.py), and nothing can load it with from_pretrained")
         library, class_name = self.model_index()[component]
         cls = getattr(importlib.import_module(library), class_name)
         return cls.from_pretrained(self.folder / component, **kwargs)

@@ -191,17 +191,19 @@ def tensor_values(tensor):
     return array
 
 
-def save_graph(model, path: Path, external: set[str] = frozenset()) -> list[str]:
+def save_graph(model, path: Path, external: set[str] = frozenset(), link: bool = False) -> list[str]:
     """Write an onnx-ir model as a stage's graph file: weights inline up to 2 GB, else in one
     external file beside it, streamed there a tensor at a time from wherever they live (a
     checkpoint, a memory map, a tensor computed on demand). The initializers named in `external`
-    go to that file whatever the total or their own size. Returns the file names written."""
+    go to that file whatever the total or their own size. `link`: weights still read unchanged from
+    another graph's external data stay there, its file hard-linked beside this one as
+    NAME.onnx.linked.data (`_link_external`). Returns the file names written."""
     import onnx_ir as ir
 
     path = Path(path)
-    if external:
-        return _save_with_external(model, path, external)
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if external or (link and size > ONNX_INLINE_LIMIT):
+        return _save_with_external(model, path, external, link)
     data = f"{path.name}.data" if size > ONNX_INLINE_LIMIT else None
     if data is None:  # inline: weights that still point at another file (a checkpoint) are read in
         ir.external_data.load_to_model(model)
@@ -211,9 +213,9 @@ def save_graph(model, path: Path, external: set[str] = frozenset()) -> list[str]
     return [path.name] + ([data] if data else [])
 
 
-def _save_with_external(model, path: Path, external: set[str]) -> list[str]:
+def _save_with_external(model, path: Path, external: set[str], link: bool = False) -> list[str]:
     """`save_graph` with every weight over SMALL_INLINE_BYTES, and those named in `external`, in
-    NAME.onnx.data; the other small constants inline."""
+    NAME.onnx.data (or, with `link`, where `_link_external` leaves them); the other small constants inline."""
     import onnx_ir as ir
 
     data = f"{path.name}.data"
@@ -223,8 +225,37 @@ def _save_with_external(model, path: Path, external: set[str]) -> list[str]:
     inside = [v for v in values if id(v) not in chosen and isinstance(v.const_value, ir.ExternalTensor)]
     for value, tensor in zip(inside, ir.external_data.convert_tensors_from_external([v.const_value for v in inside])):
         value.const_value = tensor
+    linked = _link_external(outside, path) if link else []
+    outside = [v for v in outside if not (isinstance(v.const_value, ir.ExternalTensor) and
+                                          v.const_value.location in linked)]
     for value, tensor in zip(outside, ir.external_data.convert_tensors_to_external(
             [v.const_value for v in outside], path.parent, data)):
         value.const_value = tensor
     ir.save(model, path)
-    return [path.name, data]
+    return [path.name, *([data] if outside else []), *linked]
+
+
+def _link_external(values: list, path: Path) -> list[str]:
+    """Hard-link the external data files of another folder that `values` read (an export's weights, which the
+    ONNX Runtime target's passes mostly leave as they are) beside `path`, and point those values at the links;
+    returns the links' names. A real-size model's artifact then takes no disk beside its export (Qwen-Image's
+    transformer: 41 GB in fp16); what it ships alone also carries the bytes of the weights a pass replaced
+    (fuse_qkv's separate Q, K and V)."""
+    import onnx_ir as ir
+
+    here = path.parent.resolve()
+    files = {}
+    for value in values:
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and Path(tensor.path).resolve().parent != here:
+            files.setdefault(Path(tensor.path).resolve(), []).append(value)
+    names = []
+    for i, (file, readers) in enumerate(files.items()):
+        name = f"{path.name}.linked{i or ''}.data"
+        link_or_copy(file, path.parent / name)
+        for value in readers:
+            t = value.const_value
+            value.const_value = ir.ExternalTensor(name, t.offset, t.length, t.dtype, shape=t.shape, name=t.name,
+                                                  base_dir=path.parent)
+        names.append(name)
+    return names

@@ -72,6 +72,21 @@ def test_wan_fullsize_is_wan21_14bs_transformer():
     assert cfg["weights_for"] == ["transformer"] and MODELS["wan-fullsize"].export_dtype == "float16"
 
 
+def test_qwen_image_fullsize_is_qwen_images_transformer_and_qwen2_5_vl_7b():
+    """qwen-image-fullsize: Qwen-Image's transformer at its true shapes (60 blocks, 20,430,401,088 parameters) and
+    Qwen2.5-VL-7B's language model (7,070,619,136), their fp16 weights drawn at export."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = MODELS["qwen-image-fullsize"].random_configs
+    config = Qwen2_5_VLConfig(text_config=cfg["text_encoder"], vision_config=cfg["vision"])
+    with torch.device("meta"):
+        assert _parameters(lambda: QwenImageTransformer2DModel(**cfg["transformer"])) == 20_430_401_088
+        assert _parameters(lambda: Qwen2_5_VLForConditionalGeneration(config).model.language_model) == 7_070_619_136
+    assert cfg["weights_for"] == ["transformer", "text_encoder"] and cfg["weights_drawn"]
+
+
 @pytest.mark.parametrize("name, blocks, cross", [("sd15-tiny", 4, ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]),
                                                  ("sdxl-tiny", 3, ["DownBlock2D"] + ["CrossAttnDownBlock2D"] * 2)])
 def test_unet_tiny_entries_keep_the_real_block_structure(name, blocks, cross):

@@ -85,6 +85,35 @@ def test_components_without_weights_are_configs_only(tmp_path):
 
 
 
+def test_drawn_weights_are_the_written_ones(tmp_path):
+    """qwen-image-fullsize's weights are drawn by the export as it writes them: a component keeps their recipe
+    (kilobytes), and each tensor read from it is the one the written checkpoint holds, bit for bit; nothing can
+    load such a component with from_pretrained, and saying so is the error."""
+    import numpy as np
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+
+    from export.lazy_weights import _stored, checkpoint_index
+    from export.random_weights import write_component
+    from export.registry import QWEN_IMAGE_TINY, ModelEntry
+    from export.source import ModelSource, SourceError
+    from runners.manifest import tensor_values
+
+    with init_empty_weights(include_buffers=False):
+        module = QwenImageTransformer2DModel(**QWEN_IMAGE_TINY["transformer"])
+    written = write_component(module, tmp_path / "written", "float16", seed=3)
+    assert write_component(module, tmp_path / "drawn", "float16", seed=3, drawn=True) == 0  # no persistent buffers
+    assert sum(f.stat().st_size for f in (tmp_path / "drawn").iterdir()) < 0.1 * written
+    ours, theirs = checkpoint_index(tmp_path / "drawn"), checkpoint_index(tmp_path / "written")
+    assert {k: (e["dtype"], e["shape"], e["length"]) for k, e in ours.items()} == {
+        k: (e["dtype"], e["shape"], e["length"]) for k, e in theirs.items()}
+    for key in theirs:
+        drawn, stored = (tensor_values(_stored(f"w.{key}", [f"w.{key}"], index)[1]) for index in (ours, theirs))
+        assert drawn.dtype == np.float16 and np.array_equal(drawn, stored), key
+    with pytest.raises(SourceError, match="drawn's drawn has no weights on disk: the export draws them"):
+        ModelSource(ModelEntry("drawn", "qwen_image"), tmp_path, "x").load("drawn")
+
+
 def test_passes_run_on_a_graph_over_2gb_without_reading_its_weights(tmp_path):
     """The ORT target's passes on a graph whose weights (2.7 GB, a sparse file: nothing on disk)
     are over protobuf's limit: the libraries get the graph without them, so shape inference never
@@ -135,6 +164,43 @@ def test_a_graph_with_external_weights_keeps_its_small_constants_inline(tiny_bui
     assert (artifact / "transformer.onnx.data").exists()
     image = Pipeline.load(artifact)("a cat", num_inference_steps=2, output_type="np")
     assert image.shape[-1] == 3 and os.path.getsize(artifact / "transformer.onnx") < 2**20
+
+
+def test_linked_weights_stay_in_the_exports_file(tmp_path):
+    """`--ort-link-weights` (save_graph's `link`): a graph's weights still read unchanged from another folder's
+    external data stay there, that file hard-linked beside the new graph, and only the others are written (here a
+    weight a pass made: fuse_qkv's fused projections); ONNX Runtime reads both files. Without it, both are copied."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from runners.manifest import load_onnx, save_graph
+
+    weight, bias = np.arange(4096, dtype=np.float32).reshape(64, 64), np.ones(64, np.float32)
+    x = ir.Value(name="x", shape=ir.Shape(["n", 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", const_value=ir.tensor(weight, name="w"))
+    node = ir.node("MatMul", [x, w], num_outputs=1)
+    node.outputs[0].name = "y"
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17})
+    (tmp_path / "export").mkdir()
+    save_graph(ir.Model(graph, ir_version=8), tmp_path / "export" / "m.onnx", external={"w"})
+    files = {}
+    for link in (True, False):
+        model = load_onnx(tmp_path / "export" / "m.onnx")
+        b = ir.Value(name="b", const_value=ir.tensor(bias, name="b"))
+        add = ir.node("Add", [model.graph.outputs[0], b], num_outputs=1)
+        model.graph.append(add)
+        model.graph.register_initializer(b)
+        add.outputs[0].name = "z"
+        model.graph.outputs[0] = add.outputs[0]
+        (tmp_path / str(link)).mkdir()
+        files[link] = save_graph(model, tmp_path / str(link) / "m.onnx", external={"w", "b"}, link=link)
+        out = ort.InferenceSession(str(tmp_path / str(link) / "m.onnx")).run(None, {"x": np.eye(64, dtype=np.float32)})
+        assert np.array_equal(out[0], weight + bias), link
+    assert files == {True: ["m.onnx", "m.onnx.data", "m.onnx.linked.data"], False: ["m.onnx", "m.onnx.data"]}
+    assert (tmp_path / "True" / "m.onnx.linked.data").stat().st_ino == (tmp_path / "export" / "m.onnx.data").stat().st_ino
+    assert (tmp_path / "True" / "m.onnx.data").stat().st_size == bias.nbytes  # only what the export lacks
+    assert (tmp_path / "False" / "m.onnx.data").stat().st_size == weight.nbytes + bias.nbytes
 
 
 def test_weights_in_a_hard_linked_file_are_read(tmp_path):

@@ -5,12 +5,36 @@ ONNX Runtime accepts it by creating a session once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from engines.targets import BuildInput, MemoryProfile, Target, TargetOptions
 
 
-def build_submodule(sub: BuildInput, out_dir: Path, options: TargetOptions) -> tuple[list[str], dict]:
+@dataclass(frozen=True)
+class OrtOptions(TargetOptions):
+    """Where the ONNX Runtime target's graphs keep the weights its passes leave unchanged. Not a setting: the
+    engine is the same either way."""
+
+    title: ClassVar[str] = "ONNX Runtime"
+
+    link_weights: bool = False  # in a hard link of the export's weight file rather than a copy
+
+    @classmethod
+    def add_arguments(cls, group) -> None:
+        group.add_argument("--ort-link-weights", action="store_true",
+                           help="keep the weights the passes leave unchanged in a hard link of the export's weight "
+                                "file (NAME.onnx.linked.data) instead of copying them: no disk beside the export for "
+                                "a real-size model, but the artifact alone also carries the weights a pass replaced "
+                                "(fuse_qkv's separate Q, K and V); default: a copy of what the graph reads")
+
+    @classmethod
+    def from_args(cls, args) -> OrtOptions:
+        return cls(args.ort_link_weights)
+
+
+def build_submodule(sub: BuildInput, out_dir: Path, options: OrtOptions) -> tuple[list[str], dict]:
     import json
 
     import onnxruntime as ort
@@ -23,7 +47,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: TargetOptions) -> t
     out = out_dir / f"{sub.name}.onnx"
     # Every weight with a provenance in external data, whatever its size: a runner applying an
     # adapter reads and replaces them there (runners/adapters/lora.py), which it could not inside the protobuf.
-    files = save_graph(model, out, external=set(sub.weights or ()))
+    files = save_graph(model, out, external=set(sub.weights or ()), link=options.link_weights)
     # What the passes asked of ONNX Runtime (fp8: session.disable_quant_qdq; the memory passes: the
     # node order kept): this check opens the session with it, and the manifest records it for the runner.
     record = {key: json.loads(model.metadata_props[meta]) for key, meta in
@@ -50,6 +74,7 @@ TARGETS = [Target(
     refuses={"bf16": "ONNX Runtime's CPU has no bf16 MatMul or Conv kernel"},
     passes=("fold_constants", "infer_shapes", "remove_dead_nodes", "fuse_qkv", "fuse_attention"),
     build_submodule=build_submodule,
+    options=OrtOptions,
     # Fusion, then schedule, then recompute on the fused and scheduled graph. The arena and buffer
     # reuse settings are the ones measured best on sd3-bench's VAE at 1024x1024 within 1.15x of the
     # default's time (BENCHMARKS.md): without the arena, ONNX Runtime's buffer reuse keeps the

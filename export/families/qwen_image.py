@@ -333,7 +333,7 @@ def build_random(configs: dict, out_dir, seed: int = 0, prefix: str = PROMPT_TEM
         others = {"scheduler": FlowMatchEulerDiscreteScheduler(**configs["scheduler"]), "tokenizer": tokenizer,
                   **dict.fromkeys(later)}
         save_pipeline(configs.get("pipeline_class", "QwenImagePipeline"), modules, others, out_dir, dtype, seed,
-                      configs.get("weights_for"))
+                      configs.get("weights_for"), configs.get("weights_drawn", False))
 
 
 FAMILY = Family(
