@@ -19,6 +19,7 @@ from export.onnx_export import DEFAULT_OPSET, EXPORT_DTYPES, SharedTraces, expor
 from export.peak_rss import peak_mib, reset_peak
 from export.prompt_formats import load_tokenizer, rendered
 from export.shapes import check_example_size, dim_ranges, image_multiple, probe_dims
+from export.random_weights import RECIPE
 from export.families.controlnet import controlnet_sources, with_controlnets
 from export.families.tiny_vae import SPECS as TINY_VAE_SPECS, runtime_constants as tiny_vae_constants, tiny_vae_source
 from export.source import ModelSource, cache_root, resolve
@@ -198,8 +199,9 @@ def _export_model(model, out, opset, force, image_size, dtype, tiny_vae, control
 
 
 def _export_one(spec, src, dtype, constants, dynamic, probes, tmp: Path, opset, traces) -> dict:
-    _log(f"{spec.name}: traced without weights (or its trace taken), then its weights streamed from "
-         f"{src.folder / spec.component}")
+    folder = src.folder / spec.component
+    weights = "drawn from the seeds in" if (folder / RECIPE).exists() else "streamed from"
+    _log(f"{spec.name}: traced without weights (or its trace taken), then its weights {weights} {folder}")
     t0 = time.perf_counter()
     measured = reset_peak()
     report = export_submodule(spec, src, dtype, constants, dynamic, probes, tmp / f"{spec.name}.onnx", opset, traces)

@@ -166,6 +166,23 @@ def test_a_graph_with_external_weights_keeps_its_small_constants_inline(tiny_bui
     assert image.shape[-1] == 3 and os.path.getsize(artifact / "transformer.onnx") < 2**20
 
 
+def _weight():
+    import numpy as np
+
+    return np.arange(4096, dtype=np.float32).reshape(64, 64)
+
+
+def _matmul(weight):
+    """A graph of one MatMul by the initializer `w`: x (n, 64) -> y."""
+    import onnx_ir as ir
+
+    x = ir.Value(name="x", shape=ir.Shape(["n", 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", const_value=ir.tensor(weight, name="w"))
+    node = ir.node("MatMul", [x, w], num_outputs=1)
+    node.outputs[0].name = "y"
+    return ir.Model(ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17}), ir_version=8)
+
+
 def test_linked_weights_stay_in_the_exports_file(tmp_path):
     """`--ort-link-weights` (save_graph's `link`): a graph's weights still read unchanged from another folder's
     external data stay there, that file hard-linked beside the new graph, and only the others are written (here a
@@ -176,14 +193,9 @@ def test_linked_weights_stay_in_the_exports_file(tmp_path):
 
     from runners.manifest import load_onnx, save_graph
 
-    weight, bias = np.arange(4096, dtype=np.float32).reshape(64, 64), np.ones(64, np.float32)
-    x = ir.Value(name="x", shape=ir.Shape(["n", 64]), type=ir.TensorType(ir.DataType.FLOAT))
-    w = ir.Value(name="w", const_value=ir.tensor(weight, name="w"))
-    node = ir.node("MatMul", [x, w], num_outputs=1)
-    node.outputs[0].name = "y"
-    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17})
+    weight, bias = _weight(), np.ones(64, np.float32)
     (tmp_path / "export").mkdir()
-    save_graph(ir.Model(graph, ir_version=8), tmp_path / "export" / "m.onnx", external={"w"})
+    save_graph(_matmul(weight), tmp_path / "export" / "m.onnx", external={"w"})
     files = {}
     for link in (True, False):
         model = load_onnx(tmp_path / "export" / "m.onnx")
@@ -213,14 +225,9 @@ def test_weights_in_a_hard_linked_file_are_read(tmp_path):
     from engines.memory.graph import load_graph
     from runners.manifest import load_onnx, save_graph
 
-    weight = np.arange(4096, dtype=np.float32).reshape(64, 64)
-    x = ir.Value(name="x", shape=ir.Shape(["n", 64]), type=ir.TensorType(ir.DataType.FLOAT))
-    w = ir.Value(name="w", const_value=ir.tensor(weight, name="w"))
-    node = ir.node("MatMul", [x, w], num_outputs=1)
-    node.outputs[0].name = "y"
-    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17})
+    weight = _weight()
     (tmp_path / "a").mkdir()
-    assert save_graph(ir.Model(graph, ir_version=8), tmp_path / "a" / "m.onnx", external={"w"}) == ["m.onnx", "m.onnx.data"]
+    assert save_graph(_matmul(weight), tmp_path / "a" / "m.onnx", external={"w"}) == ["m.onnx", "m.onnx.data"]
     (tmp_path / "b").mkdir()
     os.link(tmp_path / "a" / "m.onnx.data", tmp_path / "b" / "m.onnx.data")
     with pytest.raises(ValueError, match="hard link"):
