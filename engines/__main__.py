@@ -37,6 +37,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict]:
                         "nothing: `make image` runs the folder `make engines` built")
     p.add_argument("--fallback", choices=["ort"], default=None,
                    help="build a submodule the target rejects for ONNX Runtime instead (the manifest says which)")
+    p.add_argument("--remove-export", action="store_true",
+                   help="delete each submodule's exported graph and weights as soon as its build has read them, "
+                        "for a disk that cannot hold a real-size export and its artifact together (the export "
+                        "cannot be built again: run python -m export again for another target)")
     flags = add_target_arguments(p)
     mem = p.add_argument_group("memory (ort): python -m engines inspect shows what a graph holds")
     mem.add_argument("--memory", action="store_true",
@@ -66,7 +70,8 @@ def _build(args, flags) -> None:
                  force=args.force, passes=None if args.passes is None else args.passes.split(","),
                  calibration=CalibrationSettings(args.calibration_prompts, args.calibration_steps, args.calibration_size),
                  fallback=args.fallback, memory=args.memory,
-                 memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None)
+                 memory_budget=parse_size(args.memory_budget) if args.memory_budget is not None else None,
+                 remove_export=args.remove_export)
     if args.print_artifact:
         print(build.dest)
     elif args.dry_run:

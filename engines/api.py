@@ -33,7 +33,7 @@ def _log(msg: str) -> None:
 def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32", force: bool = False,
                    passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings(),
                    options: TargetOptions | None = None, fallback: str | None = None,
-                   memory: bool = False, memory_budget: int | None = None) -> Path:
+                   memory: bool = False, memory_budget: int | None = None, remove_export: bool = False) -> Path:
     """Build `build_dir`/onnx into `build_dir`/`target`-`precision` and return that folder.
 
     `passes` replaces the target's own pass list (names from `engines.passes.PASSES`; [] for none);
@@ -45,9 +45,11 @@ def build_artifact(build_dir: Path, target: str = "ort", precision: str = "fp32"
     says which ran where. `memory=True` adds the target's memory profile (its passes last, planned at
     the export's opt shapes, down to `memory_budget` bytes when given, and the runtime settings that
     keep them) and writes `<target>-<precision>-memory`; a static TensorRT build writes
-    `<target>-<precision>-static`."""
+    `<target>-<precision>-static`. `remove_export=True` deletes each submodule's exported graph and weights as
+    soon as its build has read them: the export cannot be built again."""
     return execute(plan(build_dir, target, precision, options=options, force=force, passes=passes,
-                        calibration=calibration, fallback=fallback, memory=memory, memory_budget=memory_budget))
+                        calibration=calibration, fallback=fallback, memory=memory, memory_budget=memory_budget,
+                        remove_export=remove_export))
 
 
 def execute(p: BuildPlan) -> Path:
@@ -79,19 +81,32 @@ def _write(p: BuildPlan) -> Path:
 
 
 def _start(p: BuildPlan, name: str, prepared: dict | None):
-    """(graph, weight table, reports of the passes already run, the passes left) of submodule `name`: the
-    export's graph with all its passes to run, or the prepared artifact's (`prepared`: its manifest), which ran
-    the target passes on the same graph (fold_constants and infer_shapes alone take minutes on a real-size one).
-    Weights in external data stay on disk (memory-mapped)."""
+    """(graph, weight table, reports of the passes already run, the passes left, the export's graph file or None)
+    of submodule `name`: the export's graph with all its passes to run, or the prepared artifact's (`prepared`: its
+    manifest), which ran the target passes on the same graph (fold_constants and infer_shapes alone take minutes on
+    a real-size one). Weights in external data stay on disk (memory-mapped)."""
     names, done = p.passes[name], prepared and prepared["submodules"][name]["passes"]
     if done and [r["name"] for r in done] == p.base == names[:len(p.base)]:
         graph = p.prepared.dest / prepared["submodules"][name]["file"]
         weights = WeightTable.load(table_path(graph))
         weights.unlocate()  # where the weights are in that artifact's files is that artifact's
         reused = [{**r, "reused_from": p.prepared.dest.name} for r in done]
-        return load_onnx(graph), weights, reused, names[len(p.base):]
+        return load_onnx(graph), weights, reused, names[len(p.base):], None
     onnx_file = p.build_dir / "onnx" / p.source["submodules"][name]["file"]
-    return load_onnx(onnx_file), WeightTable.load(table_path(onnx_file)), [], names
+    return load_onnx(onnx_file), WeightTable.load(table_path(onnx_file)), [], names, onnx_file
+
+
+def _remover(p: BuildPlan, name: str, onnx_file: Path | None):
+    """What a target calls once it has read submodule `name`'s weights (`BuildInput.source_read`): with
+    `--remove-export`, deletes its exported graph, weights and weight table (the export's data is then freed as
+    the build's own files are written, where a real-size model's would not fit beside them); else nothing."""
+    def remove() -> None:
+        if p.remove_export and onnx_file is not None and onnx_file.exists():
+            for path in (onnx_file, onnx_file.with_name(f"{onnx_file.name}.data"), table_path(onnx_file)):
+                path.unlink(missing_ok=True)
+            _log(f"{name}: removed its export ({onnx_file.name}), read")
+
+    return remove
 
 
 def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None, prepared: dict | None) -> dict:
@@ -99,7 +114,7 @@ def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None
     target rejects it): its manifest entry."""
     t0 = time.perf_counter()
     sub = p.source["submodules"][name]
-    model, weights, reports, left = _start(p, name, prepared)
+    model, weights, reports, left, onnx_file = _start(p, name, prepared)
     feeds = recordings and CalibrationFeeds(recordings, name)
     plan_dims = {**p.source["constants"], **{d: v[1] for d, v in p.source["dims"].items()}}
     context = PassContext(name, sub, feeds, plan_dims, p.memory_budget, weights)
@@ -108,7 +123,8 @@ def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None
     if p.memory is not None:
         request_session_options(model, **p.target.memory.options_for(name))
     entry = p.entry(name)
-    built = BuildInput(model, name, entry, p.source["constants"], p.own, feeds, weights)
+    source_read = _remover(p, name, onnx_file)
+    built = BuildInput(model, name, entry, p.source["constants"], p.own, feeds, weights, source_read)
     try:
         files, record = p.target.build_submodule(built, tmp, p.options)
     except SubmoduleBuildFailed as e:
@@ -117,6 +133,7 @@ def _build_submodule(p: BuildPlan, name: str, tmp: Path, recordings: Path | None
         _log(f"{name}: {e}; building it for ONNX Runtime instead (--fallback ort)")
         files, record = p.fallback.build_submodule(built, tmp, p.fallback.options())
         record = {**record, "target": p.fallback.name, "backend": p.fallback.backend, "fallback_because": str(e)}
+    source_read()  # the targets that do not say when they have read it: once built
     del model, built
     if weights:  # the names of the engine's weights are the graph's (TensorRT's refit map too)
         if files[0].endswith(".onnx"):

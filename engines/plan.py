@@ -52,6 +52,9 @@ class BuildPlan:
     # The fp32 ONNX Runtime artifact whose graphs are this build's after `base` (the same target passes on
     # the same export): when it is up to date, the build starts from its graphs instead of running them again.
     prepared: BuildPlan | None = None
+    # `--remove-export`: each submodule's exported graph and weights are deleted once its build has read them
+    # (a real-size model whose export and artifact do not fit on the disk together); not a setting
+    remove_export: bool = False
 
     def entry(self, name: str) -> dict:
         """Submodule `name`'s artifact manifest entry, as the target's options build it."""
@@ -131,7 +134,8 @@ def _pass_lists(target: Target, precision: str, source: dict, onnx_dir: Path, ba
 
 def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, options: TargetOptions | None = None,
          force: bool = False, passes: list[str] | None = None, calibration: CalibrationSettings = CalibrationSettings(),
-         fallback: str | None = None, memory: bool = False, memory_budget: int | None = None) -> BuildPlan:
+         fallback: str | None = None, memory: bool = False, memory_budget: int | None = None,
+         remove_export: bool = False) -> BuildPlan:
     """The plan of building `build_dir`/onnx for `target` at `precision` (see `engines.api.build_artifact`
     for the arguments). Every refusal happens here, before anything is built."""
     build_dir = Path(build_dir)
@@ -170,7 +174,7 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
         else calibrated.artifact if calibrated else plan(build_dir, "ort", "fp32")
     return BuildPlan(build_dir, tgt, precision, options, source, lists, base, own, memory_passes, memory_budget,
                      fallback_target, calibrated, settings, cache_key, dest, not force and is_current(dest, cache_key),
-                     force, fp32 if fp32 and base and fp32.base == base else None)
+                     force, fp32 if fp32 and base and fp32.base == base else None, remove_export)
 
 
 def calibration_size(calibration: CalibrationSettings, source: dict) -> int:

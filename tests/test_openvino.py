@@ -404,6 +404,36 @@ def test_per_size_compiles_once_per_shape_and_keeps_two(ov_fp32):
     assert per_size.compiles == 4 and len(per_size.per_size) == 2
 
 
+def test_remove_export_frees_each_graph_before_its_ir_is_written(tiny_build, ov_fp32, tmp_path, monkeypatch):
+    """`--remove-export` (a real-size model whose export and artifact do not fit on the disk together): each
+    submodule's exported graph, weights and weight table are gone before its IR is written; the tokenizers and
+    scheduler the artifact copies stay; the artifact makes ov_fp32's image."""
+    import shutil
+    from pathlib import Path
+
+    import openvino as ov
+
+    from runners.manifest import read_manifest
+    from runners.pipeline import Pipeline
+
+    shutil.copytree(tiny_build / "onnx", tmp_path / "onnx")
+    exported = {name: tmp_path / "onnx" / sub["file"]
+                for name, sub in read_manifest(tmp_path / "onnx", verify=False)["submodules"].items()}
+    left_at_save, save = [], ov.save_model
+
+    def saving(model, path, **kwargs):
+        left_at_save.append(exported[Path(path).stem].exists())
+        return save(model, path, **kwargs)
+
+    monkeypatch.setattr(ov, "save_model", saving)
+    artifact = build_artifact(tmp_path, "openvino", "fp32", remove_export=True)
+    assert left_at_save == [False] * len(exported)
+    assert not [p.name for p in (tmp_path / "onnx").iterdir() if p.name.split(".")[0] in exported]
+    assert (tmp_path / "onnx" / "manifest.json").exists() and (tmp_path / "onnx" / "scheduler").is_dir()
+    call = dict(num_inference_steps=2, output_type="np", seed=0)
+    assert np.array_equal(Pipeline.load(artifact)("a cat", **call), Pipeline.load(ov_fp32)("a cat", **call))
+
+
 def test_unknown_shapes_are_refused(tiny_build):
     with pytest.raises(TargetError, match=r"^--ov-shapes static: the openvino target takes dynamic or per-size$"):
         build_artifact(tiny_build, "openvino", "fp32", options=OpenVinoOptions(shapes="static"))

@@ -100,6 +100,9 @@ class BuildInput:
     precision: Any = None
     calibration: Any = None  # engines.calibration.CalibrationFeeds when the precision measures the model
     weights: Any = None  # runners.adapters.provenance.WeightTable: where each weight comes from (LoRA, refit)
+    # Called once the target has read the graph's weights into files of its own (engines --remove-export then
+    # deletes the exported ones); the build calls it after the target if the target does not
+    source_read: Callable[[], None] = lambda: None
 
     def input_shapes(self) -> dict[str, tuple[list[int], list[int], list[int]]]:
         """{input: (min, opt, max) shape} from the entry's dims (a static build's are one value each)."""

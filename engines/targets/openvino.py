@@ -213,6 +213,7 @@ def build_submodule(sub: BuildInput, out_dir: Path, options: OpenVinoOptions) ->
         onnx_path = Path(tmp) / f"{sub.name}.onnx"
         compressed = _openvino_weights.compress_weights(sub.model, options.weights) if options.weights else {}
         ir.save(sub.model, onnx_path, external_data=f"{sub.name}.onnx.data")  # any size: weights beside it
+        sub.source_read()  # the converter reads this copy: the export's may go before the IR is written
         try:
             model = ov.convert_model(onnx_path)
         except Exception as e:  # the ONNX frontend raises OpConversionFailure and plain RuntimeErrors
