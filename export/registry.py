@@ -808,7 +808,7 @@ MODELS: dict[str, ModelEntry] = {
                    description="Qwen-Image 2.1 (text to image; 40 steps, no guidance by default; Qwen3-VL-8B encoder, "
                                "RGBA images)"),
         ModelEntry("qwen-image-2.1-tiny", "qwen_image21", random_configs=QWEN_IMAGE_21_TINY, image_size=(64, 128, 256),
-                   text_length=(1, 64, 256),
+                   text_length=(1, 64, 256), extra={"image_area": 128 * 128},
                    description="Qwen-Image 2.1 architecture (Qwen3-VL encoder, block-causal transformer, RGBA VAE) at "
                                "tiny widths, built offline"),
         ModelEntry("wan2.1-t2v-1.3b", "wan", hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", image_size=(256, 832, 1280),

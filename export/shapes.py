@@ -9,6 +9,7 @@ from export.registry import ModelEntry
 from export.spec import Family, Shape
 
 Range = tuple[int, int, int]
+MERGED_PATCHES = 4  # a vision tower's merged token (2 x 2 patches): an image's patches are a multiple
 
 
 def _resolve(value, constants: dict) -> int:
@@ -47,6 +48,9 @@ def dim_ranges(entry: ModelEntry, family: Family, constants: dict) -> dict[str, 
         base["reference_tokens"] = (0, 0, constants["reference_tokens_max"])
     if "vision_windows_max" in constants:  # a vision tower's windows of patches (Qwen-Image-Edit's input images)
         base["vision_windows"] = (1, constants["vision_windows_opt"], constants["vision_windows_max"])
+    if "vision_patches_max" in constants:  # images padded to one patch count (Qwen-Image 2.1's references)
+        base["vision_patches"] = (MERGED_PATCHES, constants["vision_patches_opt"], constants["vision_patches_max"])
+        base["vision_images"] = (1, 1, constants["vision_images_max"])
     if entry.frames:  # a video's latent frames: the first frame alone, then one a temporal scale of frames
         base["latent_frames"] = tuple((f - 1) // constants["vae_temporal_scale"] + 1 for f in entry.frames)
     per_bound = [_derive(family, {k: v[i] for k, v in base.items()}, constants) for i in range(3)]
@@ -99,10 +103,14 @@ def probe_dims(entry: ModelEntry, family: Family, constants: dict) -> list[dict[
         {"batch": 1, "latent_height": lo // scale, "latent_width": (lo + step) // scale,
          "text_length": max(t5_lo, min(t5_opt, 32) - 5)},
     ]
-    if "reference_tokens" in _used(family):  # a graph takes reference tokens on their own axis (FLUX.2 klein KV)
+    # a graph takes reference tokens on their own axis (FLUX.2 klein KV), or with a row of zeros (Qwen-Image 2.1)
+    if {"reference_tokens", "reference_rows"} & _used(family):
         probes[0]["reference_tokens"], probes[1]["reference_tokens"] = 4, 2
     if "vision_windows" in _used(family):
         probes[0]["vision_windows"], probes[1]["vision_windows"] = 3, 2
+    if "vision_patches" in _used(family):  # whole merged groups of 2 x 2 patches
+        probes[0]["vision_patches"], probes[1]["vision_patches"] = 4 * MERGED_PATCHES, 2 * MERGED_PATCHES
+        probes[0]["vision_images"], probes[1]["vision_images"] = 2, 1
     if "latent_frames" in _used(family):  # at most 3 latent frames (a video's graphs cost in frames)
         frames_lo, _, frames_hi = dim_ranges(entry, family, constants)["latent_frames"]
         probes[0]["latent_frames"] = max(2, min(3, frames_hi))

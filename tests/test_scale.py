@@ -210,7 +210,8 @@ def test_linked_weights_stay_in_the_exports_file(tmp_path):
         out = ort.InferenceSession(str(tmp_path / str(link) / "m.onnx")).run(None, {"x": np.eye(64, dtype=np.float32)})
         assert np.array_equal(out[0], weight + bias), link
     assert files == {True: ["m.onnx", "m.onnx.data", "m.onnx.linked.data"], False: ["m.onnx", "m.onnx.data"]}
-    assert (tmp_path / "True" / "m.onnx.linked.data").stat().st_ino == (tmp_path / "export" / "m.onnx.data").stat().st_ino
+    linked, exported = tmp_path / "True" / "m.onnx.linked.data", tmp_path / "export" / "m.onnx.data"
+    assert linked.stat().st_ino == exported.stat().st_ino
     assert (tmp_path / "True" / "m.onnx.data").stat().st_size == bias.nbytes  # only what the export lacks
     assert (tmp_path / "False" / "m.onnx.data").stat().st_size == weight.nbytes + bias.nbytes
 

@@ -212,10 +212,15 @@ class _Encoder(torch.nn.Module):
         self.vae = _one_frame(vae)
 
     def forward(self, image):
-        posterior = self.vae.encode(image[:, :, None], return_dict=False)[0]
-        mean, std = statistics(self.vae)
+        latent, logvar, mean, std = encoded(self.vae, image)
         inverse = 1.0 / std  # diffusers: (latents - mean) * (1 / std)
-        return (posterior.mean[:, :, 0] - mean) * inverse, posterior.logvar[:, :, 0] + 2 * torch.log(inverse)
+        return (latent - mean) * inverse, logvar + 2 * torch.log(inverse)
+
+
+def encoded(vae, image):
+    """The VAE's posterior of an image as one frame (its mean and log-variance) and the per-channel statistics."""
+    posterior = vae.encode(image[:, :, None], return_dict=False)[0]
+    return posterior.mean[:, :, 0], posterior.logvar[:, :, 0], *statistics(vae)
 
 
 QUANTIZATION = {"denoiser": True, "keep_scopes": ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out",

@@ -11,8 +11,17 @@ first step ("extract") and reads them on the others ("cached"). The graphs make 
 Both run diffusers' own blocks, their attention given (`_Attention`) so that the rotary embedding is real
 arithmetic on positions given as inputs (`txt_ids`, `img_ids`: diffusers' QwenImage21Rope builds a complex table
 from Python lists) and the masks are additive; the prompt's padding (a call's prompts padded to the longest) is
-masked as diffusers masks it. diffusers' forward also decides from `img_mask` where images sit in the prompt:
-reference images (editing) are not exported here.
+masked as diffusers masks it.
+
+Reference images (`image=`: editing, several references) go two ways, as in diffusers. Qwen3-VL reads them: its
+vision tower (`image_encoder`, the images padded to one patch count, the learned position grid's interpolation and
+the rotary positions given) gives the tokens the language model takes at the prompt's image tokens, and its
+DeepStack features, added after the first layers at those tokens (`deepstack_states`: zeros elsewhere). The
+transformer reads their latents (`vae_encoder`, RGBA): each image token of the prompt stands for 2 x 2 latent
+tokens, which take its place in the prompt's sequence. Those tokens are modulated at timestep 0 and attend within
+their image and to what comes before (block-causal), so the prefix (the prompt and the references) is computed once
+a call too: `transformer_prefix` takes the prompt's states and the references' latents, where each goes in the
+sequence (`prefix_index`), its image block (`prefix_blocks`, -1 for text), its key mask and rotary positions.
 
 The VAE (AutoencoderKLQwenImage21) is already 2D (its "causal" convolutions are Conv2d on one frame); the decoder's
 graph takes the pipeline's latents (N, 64, h, w) and holds the per-channel denormalisation; its image has 4
@@ -21,12 +30,15 @@ channels (RGBA). Its "nearest-exact" 2x upsampling is "nearest" (the same pixels
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from export.families import parts
-from export.families.llm_encoder import llm_constants, llm_encoder
-from export.families.qwen_image import GivenPositions, statistics, vl_token_ids
+from export.families.llm_encoder import llm_constants
+from export.families.qwen_image import GivenPositions, encoded, statistics, vl_token_ids
+from export.families.qwen_image_edit import VLHiddenStates, image_area, vision_attention, vision_constants
+from runners.families.qwen_image_edit import calculate_dimensions
 from export.families.z_image import rotated
 from export.prompt_formats import load_tokenizer
 from export.spec import Family, PromptFormat, SubmoduleSpec, TensorSpec as T
@@ -37,6 +49,9 @@ PROMPT_TEMPLATE = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{
                    "<|im_start|>assistant\n")
 VAE_SCALE = 16  # the pipeline's vae_scale_factor (fixed there); the image's sides are multiples of 32
 LATENT_MULTIPLE = 2  # the transformer's image slots hold 2 x 2 latent tokens
+SLOT = LATENT_MULTIPLE**2  # latent tokens an image token of the prompt stands for
+MERGE_UNIT = 4  # patches the vision tower merges into a token (2 x 2)
+REFERENCES = 3  # the reference images an export's token range makes room for
 
 
 def drop_tokens(folder) -> int:
@@ -75,6 +90,51 @@ def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
+class _Vision(torch.nn.Module):
+    """Qwen3-VL's vision tower on images padded to one patch count: (images, patches, patch values), each patch's
+    4 taps into the learned position grid and their weights, its (row, column) and whether it is real -> each
+    image's merged tokens (images, patches / 4, width) and the DeepStack features (layers, images, patches / 4,
+    width). Each image attends within itself, padding masked: nothing is indexed by the images' sizes."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model  # the component: its weights keep their checkpoint names under one prefix
+        self.__dict__["visual"] = model.model.visual  # not a second child
+
+    def forward(self, pixel_values, interp_indices, interp_weights, positions, patch_mask):
+        visual = self.visual
+        images, patches, _ = pixel_values.shape
+        x = visual.patch_embed(pixel_values.reshape(images * patches, -1))
+        x = x + (visual.pos_embed(interp_indices.reshape(images * patches, -1))
+                 * interp_weights.reshape(images * patches, -1, 1)).sum(1)
+        cos, sin = visual.rotary_pos_emb(x, positions.reshape(images * patches, 2))
+        mask = torch.where(patch_mask.bool(), 0.0, torch.finfo(x.dtype).min)[:, None, None, :]
+        deepstack = []
+        for i, block in enumerate(visual.blocks):
+            x = x + vision_attention(block.attn, block.norm1(x).reshape(images, patches, -1), cos, sin,
+                                     mask).reshape(x.shape)
+            x = x + block.mlp(block.norm2(x))
+            if i in visual.deepstack_visual_indexes:
+                deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(i)](x))
+        tokens = patches // visual.spatial_merge_unit
+        return (visual.merger(x).reshape(images, tokens, -1),
+                torch.stack(deepstack).reshape(len(deepstack), images, tokens, -1))
+
+
+class _DeepStackHiddenStates(VLHiddenStates):
+    """Qwen3-VL's language model before its final norm, the vision tower's tokens at the image tokens and its
+    DeepStack features added after the first layers (zeros off the image tokens: a plain add, where transformers
+    scatters them into the image tokens' rows), with 3D rotary positions given."""
+
+    def __init__(self, model, layers):
+        super().__init__(model, layers, final_norm=False)
+        self.stack._deepstack_process = lambda hidden, _positions, features: hidden + features.to(hidden.dtype)
+
+    def forward(self, input_ids, attention_mask, position_ids, image_states, deepstack_states):
+        return self.read(inputs_embeds=self.embeds(input_ids, image_states), attention_mask=attention_mask,
+                         position_ids=position_ids, deepstack_visual_embeds=list(deepstack_states.unbind(0)))
+
+
 class _Blocks(GivenPositions):
     """The transformer's blocks with `_Attention`, its rotary positions given as ids (3: frame, row, column)."""
 
@@ -96,18 +156,22 @@ class _Blocks(GivenPositions):
 
 
 class _Prefix(_Blocks):
-    """The prompt's tokens at `timestep` (0, the runner's: an input, not a constant, so that the modulation's
-    weights stay weights that an adapter changes), causal, the padding's keys masked -> every block's keys and
-    values."""
+    """The prefix, the prompt's tokens and the references' in the order `prefix_index` gives (into the prompt's
+    states, then the references' latents), at `timestep` (0, the runner's: an input, not a constant, so that the
+    modulation's weights stay weights that an adapter changes): causal, each reference's tokens seeing each other
+    too (`prefix_blocks`), the padding's keys masked -> every block's keys and values."""
 
-    def forward(self, encoder_hidden_states, encoder_hidden_states_mask, txt_ids, timestep):
-        hidden = self.transformer.txt_in(encoder_hidden_states)
+    def forward(self, encoder_hidden_states, reference_latents, prefix_index, prefix_blocks, prefix_mask, prefix_ids,
+                timestep):
+        t = self.transformer
+        hidden = torch.cat([t.txt_in(encoder_hidden_states), t.img_in(reference_latents)], dim=1)[:, prefix_index]
         _, modulation = self.modulation(timestep, hidden)
-        length = hidden.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
-        mask = _additive(causal[None, None] & encoder_hidden_states_mask.bool()[:, None, None, :], hidden.dtype)
-        caches = [_Keys() for _ in self.transformer.transformer_blocks]
-        self.blocks(hidden, modulation, self._table(txt_ids), mask, caches)
+        order = torch.arange(hidden.shape[1], device=hidden.device)
+        block = prefix_blocks[:, None]
+        allowed = (order[:, None] >= order[None, :]) | ((block == prefix_blocks[None, :]) & (block >= 0))
+        mask = _additive(allowed[None, None] & prefix_mask.bool()[:, None, None, :], hidden.dtype)
+        caches = [_Keys() for _ in t.transformer_blocks]
+        self.blocks(hidden, modulation, self._table(prefix_ids), mask, caches)
         return torch.stack([c.key for c in caches]), torch.stack([c.value for c in caches])
 
 
@@ -115,11 +179,11 @@ class _Image(_Blocks):
     """A step: the image's tokens at the step's timestep, attending to the prefix's keys and values (the
     padding's masked) and their own -> the noise."""
 
-    def forward(self, hidden_states, timestep, img_ids, prefix_keys, prefix_values, encoder_hidden_states_mask):
+    def forward(self, hidden_states, timestep, img_ids, prefix_keys, prefix_values, prefix_mask):
         hidden = self.transformer.img_in(hidden_states)
         temb, modulation = self.modulation(timestep, hidden)
         image = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
-        mask = _additive(torch.cat([encoder_hidden_states_mask.bool(), image], dim=1)[:, None, None, :], hidden.dtype)
+        mask = _additive(torch.cat([prefix_mask.bool(), image], dim=1)[:, None, None, :], hidden.dtype)
         caches = [_Keys(k, v) for k, v in zip(prefix_keys.unbind(0), prefix_values.unbind(0))]
         hidden = self.blocks(hidden, modulation, self._table(img_ids), mask, caches)
         return (self.transformer.proj_out(self.transformer.norm_out(hidden, temb, None)),)
@@ -136,6 +200,19 @@ def _one_frame(vae):
     return vae
 
 
+class _Encoder(torch.nn.Module):
+    """RGBA image in [-1, 1] -> the posterior (mean, log-variance) in the pipeline's latent space, normalised as
+    QwenImage21Pipeline normalises its references ((latents - mean) / std)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = _one_frame(vae)
+
+    def forward(self, image):
+        latent, logvar, mean, std = encoded(self.vae, image)
+        return (latent - mean) / std, logvar - 2 * torch.log(std)
+
+
 class _Decoder(torch.nn.Module):
     """The pipeline's latents (N, 64, h, w) -> RGBA image in [-1, 1]: denormalised (latents * std + mean),
     decoded as one frame."""
@@ -150,16 +227,43 @@ class _Decoder(torch.nn.Module):
         return (self.vae.decode(z[:, :, None], return_dict=False)[0][:, :, 0],)
 
 
-KV_SHAPE = ("kv_layers", "batch", "text_length", "attention_heads", "attention_head_dim")
-TEXT_MASK = T("encoder_hidden_states_mask", "int64", ("batch", "text_length"), mask=True)
+IMAGE_ENCODER = SubmoduleSpec(
+    name="image_encoder",
+    component="text_encoder",
+    inputs=(T("pixel_values", "float32", ("vision_images", "vision_patches", "patch_values")),
+            T("interp_indices", "int64", ("vision_images", "vision_patches", 4), high="vision_grid_last"),
+            T("interp_weights", "float32", ("vision_images", "vision_patches", 4), high=1),
+            T("positions", "int64", ("vision_images", "vision_patches", 2), high=64),
+            T("patch_mask", "int64", ("vision_images", "vision_patches"), mask=True)),
+    outputs=(T("image_embeds", "float32", ("vision_images", "vision_tokens", "text_width")),
+             T("deepstack_embeds", "float32", ("deepstack_layers", "vision_images", "vision_tokens", "text_width"))),
+    wrap=_Vision,
+)
+TEXT_ENCODER = SubmoduleSpec(
+    name="text_encoder",
+    component="text_encoder",
+    inputs=(T("input_ids", "int64", ("batch", "vl_length"), high="text_vocab"),
+            T("attention_mask", "int64", ("batch", "vl_length"), mask=True),
+            T("position_ids", "int64", (3, "batch", "vl_length"), high="vl_length"),
+            T("image_states", "float32", ("batch", "vl_length", "text_width")),
+            T("deepstack_states", "float32", ("deepstack_layers", "batch", "vl_length", "text_width"))),
+    outputs=(T("hidden_states", "float32", ("batch", "vl_length", "text_width")),),
+    wrap=functools.partial(_DeepStackHiddenStates, layers=(-1,)),
+    load_kwargs={"attn_implementation": "eager"},  # as llm_encoder's
+)
+KV_SHAPE = ("kv_layers", "batch", "prefix_length", "attention_heads", "attention_head_dim")
+PREFIX_MASK = T("prefix_mask", "int64", ("batch", "prefix_length"), mask=True)
 PREFIX = SubmoduleSpec(
     name="transformer_prefix",
     component="transformer",
-    inputs=(T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")), TEXT_MASK,
-            T("txt_ids", "float32", ("text_length", 3), high=64), T("timestep", "float32", (1,), high=1)),
+    inputs=(T("encoder_hidden_states", "float32", ("batch", "text_length", "text_width")),
+            T("reference_latents", "float32", ("batch", "reference_rows", "latent_channels")),
+            T("prefix_index", "int64", ("prefix_length",), high="prefix_length"),
+            T("prefix_blocks", "int64", ("prefix_length",), low=-1, high=2), PREFIX_MASK,
+            T("prefix_ids", "float32", ("prefix_length", 3), high=64), T("timestep", "float32", (1,), high=1)),
     outputs=(T("prefix_keys", "float32", KV_SHAPE), T("prefix_values", "float32", KV_SHAPE)),
     wrap=_Prefix,
-    quantization={"keep_scopes": ("txt_in", "time_text_embed", "transformer.modulation")},
+    quantization={"keep_scopes": ("txt_in", "img_in", "time_text_embed", "transformer.modulation")},
 )
 TRANSFORMER = SubmoduleSpec(
     name="transformer",
@@ -169,7 +273,7 @@ TRANSFORMER = SubmoduleSpec(
             # Each image's positions (its frame after its prompts', which differ between guidance's halves); example
             # positions up to 64, as rows and columns centred on 0 are
             T("img_ids", "float32", ("batch", "image_tokens", 3), high=64),
-            T("prefix_keys", "float32", KV_SHAPE), T("prefix_values", "float32", KV_SHAPE), TEXT_MASK),
+            T("prefix_keys", "float32", KV_SHAPE), T("prefix_values", "float32", KV_SHAPE), PREFIX_MASK),
     outputs=(T("noise_pred", "float32", ("batch", "image_tokens", "latent_channels")),),
     wrap=_Image,
     latent_divisor=1,
@@ -177,19 +281,54 @@ TRANSFORMER = SubmoduleSpec(
                                                     "norm_out", "transformer.proj_out"),
                   "fp32_scopes": ("time_text_embed",), "fp32_inputs": ("timestep",)},
 )
-VAE_DECODER = dataclasses.replace(
-    parts.VAE_DECODER, wrap=_Decoder,
-    outputs=(T("image", "float32", ("batch", "image_channels", "image_height", "image_width")),))
+RGBA = ("batch", "image_channels", "image_height", "image_width")
+VAE_DECODER = dataclasses.replace(parts.VAE_DECODER, wrap=_Decoder, outputs=(T("image", "float32", RGBA),))
+VAE_ENCODER = dataclasses.replace(parts.VAE_ENCODER, wrap=_Encoder, inputs=(T("image", "float32", RGBA),))
 
 
 def image_tokens(dims: dict[str, int]) -> int:
     return dims["latent_height"] * dims["latent_width"]
 
 
+def _references(dims: dict[str, int]) -> int:
+    return dims.get("reference_tokens", 0)
+
+
+# The prompt's sequence, the references' slots (one a 2 x 2 group of latent tokens) in it; the prefix, the prompt's
+# tokens and the references' latent tokens; the references' rows, their tokens and a row of zeros that keeps the
+# input from being empty in text to image
+DERIVED = {
+    "vl_length": lambda dims: dims["text_length"] + _references(dims) // SLOT,
+    "prefix_length": lambda dims: dims["text_length"] + _references(dims),
+    "reference_rows": lambda dims: _references(dims) + 1,
+    "vision_tokens": lambda dims: dims["vision_patches"] // MERGE_UNIT if "vision_patches" in dims else 0,
+}
+
+
+def _vision(src) -> dict:
+    vision = src.config("text_encoder")["vision_config"]
+    if vision["spatial_merge_size"] ** 2 != MERGE_UNIT:
+        raise ValueError(f"a vision tower merging {vision['spatial_merge_size']} x {vision['spatial_merge_size']} "
+                         "patches: Qwen3-VL's merges 2 x 2")
+    return vision
+
+
 def constants(src) -> dict[str, int]:
-    tr, vae = src.config("transformer"), src.config("vae")
+    tr, vae, vision = src.config("transformer"), src.config("vae"), _vision(src)
+    # A reference's patches (16 pixels, as its latent tokens) at the area the pipeline sizes it to: square, and the
+    # most calculate_dimensions gives at aspect ratios from 1:4 to 4:1 (its rounding to 32 pixels adds up to 25%
+    # at a tiny model's area)
+    area, patch = image_area(src), vision["patch_size"]
+    largest = max(w * h for w, h in (calculate_dimensions(area, r / 100) for r in range(25, 401)))
     return {
         **llm_constants(src.config("text_encoder"), (-1,)),
+        "reference_tokens_max": REFERENCES * largest // patch**2,
+        "vision_patches_opt": area // patch**2,
+        "vision_patches_max": largest // patch**2,
+        "vision_images_max": REFERENCES,
+        "vision_grid_last": vision["num_position_embeddings"] - 1,
+        "deepstack_layers": len(vision["deepstack_visual_indexes"]),
+        "patch_values": vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2,
         "latent_channels": vae["z_dim"],
         "in_channels": tr["in_channels"],
         "image_channels": vae["out_channels"],
@@ -212,6 +351,10 @@ def runtime_constants(src) -> dict:
         # the sigmas: the folder's sample_sigmas (Turbo's), else 1 to 1 / steps; shifted by the image's tokens
         "schedule": {"sigmas": "linspace", "mu": "linear"},
         "sample_sigmas": src.model_index().get("sample_sigmas"),
+        "references": REFERENCES,
+        "image_area": image_area(src),
+        "image_token_id": src.config("text_encoder")["image_token_id"],
+        "vision": vision_constants(src, _vision(src)),
     }
 
 
@@ -248,9 +391,11 @@ def build_random(configs: dict, out_dir, seed: int = 0) -> None:
         "vae": lambda: AutoencoderKLQwenImage21(**configs["vae"]),
         "text_encoder": lambda: Qwen3VLForConditionalGeneration(config),
     }, seed, streamed=False)
-    vision = configs["vision"]  # Qwen3-VL-8B-Instruct's preprocessor_config.json: patches of 16, merged 2 x 2
+    vision = configs["vision"]  # Qwen3-VL-8B-Instruct's preprocessor_config.json: patches of 16, merged 2 x 2,
+    # normalised to [-1, 1] (its pixel budget is the class's default here: a tiny model's references are small)
     images = Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
-                                      temporal_patch_size=vision["temporal_patch_size"])
+                                      temporal_patch_size=vision["temporal_patch_size"], image_mean=[0.5] * 3,
+                                      image_std=[0.5] * 3)
     pipeline = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**configs["scheduler"]),
                                    processor=processor(images, tokenizer, template, "Qwen3VLProcessor"), **modules)
     pipeline.register_modules(processor=None)  # written part by part below
@@ -266,14 +411,16 @@ FAMILY = Family(
     name="qwen_image21",
     pipeline_classes=("QwenImage21Pipeline",),
     submodules=(
-        llm_encoder("text_encoder", (-1,), final_norm=False),
+        IMAGE_ENCODER,
+        TEXT_ENCODER,
         PREFIX,
         TRANSFORMER,
         VAE_DECODER,
+        VAE_ENCODER,
     ),
     constants=constants,
     runtime_constants=runtime_constants,
-    derived_dims={**parts.VAE_DIMS, "image_tokens": image_tokens},
+    derived_dims={**parts.VAE_DIMS, "image_tokens": image_tokens, **DERIVED},
     tokenizers=("processor",),
     build_random=build_random,
     # The pipeline's own template (no chat template applied to the prompt), its system turn's states dropped;

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 
 import torch
 
@@ -50,6 +51,18 @@ def _window_units(vision: dict) -> int:
     return vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
 
 
+def vision_attention(attn, x, cos, sin, mask):
+    """transformers' vision attention of a Qwen VL model (Qwen2.5-VL's, Qwen3-VL's: one qkv projection, rotary
+    positions from its own module's apply_rotary_pos_emb_vision) over (groups, rows) with an additive mask."""
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+    groups, rows, _ = x.shape
+    q, k, v = attn.qkv(x).reshape(groups * rows, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = rotate(q, k, cos, sin)
+    q, k, v = (t.reshape(groups, rows, attn.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+    return attn.proj(out.transpose(1, 2).reshape(groups, rows, -1))
+
+
 class _VisionTower(torch.nn.Module):
     """Qwen2.5-VL's vision tower on patches laid out window by window: (windows, window rows, patch values),
     each row's (row, column) position and segment -> (windows, merged tokens a window, width)."""
@@ -59,17 +72,6 @@ class _VisionTower(torch.nn.Module):
         self.model = model  # the component: its weights keep their checkpoint names under one prefix
         self.__dict__["visual"] = model.model.visual if hasattr(model, "model") else model.visual  # not a second child
         self.full = set(self.visual.fullatt_block_indexes)
-
-    def _attention(self, attn, x, cos, sin, mask):
-        """transformers' Qwen2_5_VLVisionAttention over (groups, rows) with an additive mask."""
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
-
-        groups, rows, _ = x.shape
-        q, k, v = attn.qkv(x).reshape(groups * rows, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-        q, k, v = (t.reshape(groups, rows, attn.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-        return attn.proj(out.transpose(1, 2).reshape(groups, rows, -1))
 
     def forward(self, pixel_values, positions, segments):
         windows, rows, _ = pixel_values.shape
@@ -84,23 +86,27 @@ class _VisionTower(torch.nn.Module):
         for i, block in enumerate(visual.blocks):
             full = i in self.full
             shape = (1, windows * rows, -1) if full else (windows, rows, -1)
-            x = x + self._attention(block.attn, block.norm1(x).reshape(shape), cos, sin, masks[full]).reshape(x.shape)
+            x = x + vision_attention(block.attn, block.norm1(x).reshape(shape), cos, sin, masks[full]).reshape(x.shape)
             x = x + block.mlp(block.norm2(x))
         return (visual.merger(x).reshape(windows, rows // visual.spatial_merge_unit, -1),)
 
 
-class _VLHiddenStates(LLMHiddenStates):
+class VLHiddenStates(LLMHiddenStates):
     """The language model's hidden states with the vision tower's tokens at the image tokens (image_states:
     zeros elsewhere) and its 3D rotary positions given."""
 
-    def __init__(self, model, layers):
-        super().__init__(model, layers)
+    def __init__(self, model, layers, final_norm: bool = True):
+        super().__init__(model, layers, final_norm)
         self.image_token = model.config.image_token_id
 
     def forward(self, input_ids, attention_mask, position_ids, image_states):
+        return self.read(inputs_embeds=self.embeds(input_ids, image_states), attention_mask=attention_mask,
+                         position_ids=position_ids)
+
+    def embeds(self, input_ids, image_states):
+        """The token embeddings, the vision tower's tokens in place at the image tokens."""
         embeds = self.stack.embed_tokens(input_ids)
-        embeds = torch.where((input_ids == self.image_token)[..., None], image_states.to(embeds.dtype), embeds)
-        return self.read(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids)
+        return torch.where((input_ids == self.image_token)[..., None], image_states.to(embeds.dtype), embeds)
 
 
 IMAGE_ENCODER = SubmoduleSpec(
@@ -120,7 +126,7 @@ TEXT_ENCODER = SubmoduleSpec(
             T("position_ids", "int64", (3, "batch", "text_length"), high="text_length"),
             T("image_states", "float32", ("batch", "text_length", "text_width"))),
     outputs=(T("hidden_states", "float32", ("batch", "text_length", "text_width")),),
-    wrap=functools.partial(_VLHiddenStates, layers=qwen_image.TEXT_LAYERS),
+    wrap=functools.partial(VLHiddenStates, layers=qwen_image.TEXT_LAYERS),
     load_kwargs={"attn_implementation": "eager"},  # as llm_encoder's
 )
 
@@ -148,19 +154,26 @@ def _constants(src) -> dict[str, int]:
     }
 
 
-def _runtime_constants(src) -> dict:
-    vision = _vision(src)
+def vision_constants(src, vision: dict) -> dict:
+    """The runner's VisionConfig (runners/families/qwen_image_edit/vision.py): the vision tower's patches and the
+    image processor's pixel budget and normalisation, from the folder's processor/preprocessor_config.json."""
     processor = json.loads((src.folder / "processor" / "preprocessor_config.json").read_text())
+    return {"patch": vision["patch_size"], "merge": vision["spatial_merge_size"],
+            "temporal": vision["temporal_patch_size"],
+            **({"window": vision["window_size"]} if "window_size" in vision else {}),
+            "min_pixels": processor.get("min_pixels", processor.get("size", {}).get("shortest_edge")),
+            "max_pixels": processor.get("max_pixels", processor.get("size", {}).get("longest_edge")),
+            "mean": processor["image_mean"], "std": processor["image_std"]}
+
+
+def _runtime_constants(src) -> dict:
     return {
         **qwen_image.runtime_constants(src),
         "several_images": src.model_index().get("_class_name") == "QwenImageEditPlusPipeline",
         "image_area": image_area(src),
         "references": REFERENCES,
         "image_token_id": src.config("text_encoder")["image_token_id"],
-        "vision": {"patch": vision["patch_size"], "merge": vision["spatial_merge_size"],
-                   "temporal": vision["temporal_patch_size"], "window": vision["window_size"],
-                   "min_pixels": processor.get("min_pixels", processor.get("size", {}).get("shortest_edge")),
-                   "max_pixels": processor.get("max_pixels", processor.get("size", {}).get("longest_edge"))},
+        "vision": vision_constants(src, _vision(src)),
     }
 
 

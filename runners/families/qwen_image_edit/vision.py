@@ -27,9 +27,11 @@ class VisionConfig(NamedTuple):
     patch: int = 14
     merge: int = 2
     temporal: int = 2
-    window: int = 112  # pixels a window side covers
+    window: int = 112  # pixels a window side covers (Qwen2.5-VL's; Qwen3-VL's tower has no windows)
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    mean: tuple = MEAN  # the image processor's normalisation (Qwen3-VL's: 0.5, 0.5)
+    std: tuple = STD
 
     @property
     def window_units(self) -> int:
@@ -61,7 +63,8 @@ def pixel_patches(image, config: VisionConfig) -> tuple[np.ndarray, tuple[int, i
     h, w = smart_resize(image.height, image.width, config.patch * config.merge, config.min_pixels, config.max_pixels)
     pixels = np.asarray(image.resize((w, h), Image.Resampling.BICUBIC)).transpose(2, 0, 1)
     pixels = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)  # transformers' rescale
-    pixels = (pixels - np.array(MEAN, np.float32)[:, None, None]) / np.array(STD, np.float32)[:, None, None]
+    mean, std = (np.array(v, np.float32)[:, None, None] for v in (config.mean, config.std))
+    pixels = (pixels - mean) / std
     p, m = config.patch, config.merge
     rows, cols = h // p, w // p
     patches = pixels.reshape(3, rows // m, m, p, cols // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
