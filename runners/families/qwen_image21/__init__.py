@@ -151,7 +151,8 @@ class QwenImage21Pipeline(TextToImage):
                                  f"patches of {config.patch} pixels, from {config.min_pixels} to {config.max_pixels} "
                                  "pixels): pass a smaller output_resolution")
             patches.append((values, grid))
-        merged, deepstack = self._vision(patches, config)
+        with self._timed("text_encoders"):  # Qwen3-VL's vision tower: the prompt encoder's first part
+            merged, deepstack = self._vision(patches, config)
         with self._timed("vae_encode"):
             latents = [self.vae_encode(self._vae_pixels(rgba), tiling=vae_tiling)[0] for rgba in sized]
         shapes = [latent.shape[2:] for latent in latents]
