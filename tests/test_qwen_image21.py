@@ -151,7 +151,9 @@ def test_reference_size_and_bad_references(pair):
             ours("a red cat", image=image, height=64, width=64, **REFERENCE)
     with pytest.raises(ValueError, match=r"a reference sized to 1184x896 pixels \(output_resolution=1024\) is outside "
                                          r"what this artifact's vision tower takes \(up to 80 patches"):
-        ours("a red cat", image=[RGBA_REFERENCE], height=64, width=64)
+        ours("a red cat", image=[RGBA_REFERENCE], height=64, width=64, output_resolution=1024)
+    # the tiny model's default: its references' size (the pipeline's 1024 for Qwen-Image 2.1)
+    assert ours("a red cat", image=[RGB_REFERENCE], num_inference_steps=2, output_type="np").shape == (1, 160, 96, 4)
 
 
 def test_vision_positions_equal_transformers():

@@ -81,13 +81,13 @@ class QwenImage21Pipeline(TextToImage):
         Option("image", "image", "reference images (up to 3; the CLI's --image repeated) the prompt edits or "
                "combines; the last sets the size left unset", repeat=True, group="image"),
         Option("output_resolution", "int", "with references: the side of the square whose area they (and the "
-               "size left unset) are sized to, at their aspect ratio", default=1024, within=lambda v: v >= 32,
-               allowed="an integer of at least 32"),
+               "size left unset) are sized to, at their aspect ratio (default: the pipeline's 1024, or a tiny "
+               "model's reference size)", within=lambda v: v >= 32, allowed="an integer of at least 32"),
     ))
 
     def generate(self, prompt, negative_prompt=None, true_cfg_scale=1.0, height=None, width=None,
                  num_inference_steps=None, sigmas=None, num_images_per_prompt=1, seed=None, latents=None,
-                 output_type="pil", vae_tiling=None, image=None, output_resolution=1024):
+                 output_type="pil", vae_tiling=None, image=None, output_resolution=None):
         """Generate RGBA images (call the pipeline: `pipe(prompt, ...)`). Classifier-free guidance runs only with a
         `negative_prompt` and `true_cfg_scale` above 1, as in diffusers (the model is meant to run without).
         `latents` are packed, as QwenImage21Pipeline takes them: (N, h * w, 64) for an image of 16h x 16w
@@ -102,6 +102,7 @@ class QwenImage21Pipeline(TextToImage):
         if sigmas is None:
             sigmas = self.constants.get("sample_sigmas")
         images = _flat(image)
+        output_resolution = output_resolution or round(self.constants["image_area"] ** 0.5)
         if images:  # the size left unset: the last reference's; sides floored to multiples of 32, as there
             calculated = calculate_dimensions(output_resolution**2, images[-1].width / images[-1].height)
             width, height = (given or size for given, size in zip((width, height), calculated))
