@@ -118,7 +118,7 @@ def _refuse_undeclared(pipe, request: dict) -> None:
     known = declared(pipe)
     for name in request:
         if name not in known:
-            owners = [f for f, cls in FAMILIES.items() if name in declared(cls)]
+            owners = sorted(f for f, cls in FAMILIES.items() if name in declared(cls))  # not import order
             option = declared(FAMILIES[owners[0]])[name]  # the first's words (a family may say its defaults)
             flag = "--control-image/--canny" if name == "control_image" else option.cli_flag
             named = ", ".join(owners[:-1]) + f" and {owners[-1]}" if len(owners) > 1 else owners[0]
