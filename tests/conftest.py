@@ -444,6 +444,28 @@ def assert_case_equal(run_both, cases: dict, case: str, atol: float, label: str,
         assert changed > least_change
 
 
+def assert_processor_patches_equal(folder, kind: str, patch: int, sizes) -> None:
+    """runners/families/qwen_image_edit/vision.py's `pixel_patches` at `patch` pixels and the folder's pixel budget
+    and normalisation against the folder's image processor (transformers' `kind` processor, PIL backend) on images
+    of `sizes` ((width, height) each): pixel values and patch grids exactly."""
+    import numpy as np
+    from PIL import Image
+
+    from export.families.qwen_image_edit import load_processor
+    from runners.families.qwen_image_edit.vision import VisionConfig, pixel_patches
+
+    processor = load_processor(folder, kind).image_processor
+    config = VisionConfig(patch=patch, min_pixels=processor.size.shortest_edge, max_pixels=processor.size.longest_edge,
+                          mean=tuple(processor.image_mean), std=tuple(processor.image_std))
+    rng = np.random.default_rng(0)
+    for width, height in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        theirs = processor(images=image, return_tensors="np")
+        patches, grid = pixel_patches(image, config)
+        assert [1, *grid] == theirs["image_grid_thw"][0].tolist()
+        assert np.array_equal(patches, theirs["pixel_values"]), (width, height)
+
+
 def assert_real_image(image, max_clipped: float = 0.25) -> None:
     """A compared image must carry information: at most `max_clipped` of its values saturated at 0
     or 1, and real variation. Two mostly-clipped images agree whatever the pipelines did. (The

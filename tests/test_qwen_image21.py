@@ -177,22 +177,14 @@ def test_image_processor_equal_to_qwen3vl_processor(qwen_image_2_1_tiny_build):
     """The Edit runner's image path (runners/families/qwen_image_edit/vision.py) with Qwen3-VL's patches of 16 and
     the folder's normalisation ([-1, 1], as Qwen3-VL's) against the folder's image processor on 5 sizes: pixel
     values and grids exactly."""
-    from PIL import Image
+    import json
 
-    from export.families.qwen_image_edit import load_processor
-    from runners.families.qwen_image_edit.vision import VisionConfig, pixel_patches
+    from conftest import assert_processor_patches_equal
 
-    processor = load_processor(qwen_image_2_1_tiny_build.source.folder, "Qwen3VLProcessor").image_processor
-    config = VisionConfig(patch=16, min_pixels=processor.size.shortest_edge, max_pixels=processor.size.longest_edge,
-                          mean=tuple(processor.image_mean), std=tuple(processor.image_std))
-    assert config.mean == (0.5, 0.5, 0.5)
-    rng = np.random.default_rng(0)
-    for width, height in [(160, 96), (97, 61), (333, 500), (1240, 832), (30, 40)]:
-        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        theirs = processor(images=image, return_tensors="np")
-        patches, grid = pixel_patches(image, config)
-        assert [1, *grid] == theirs["image_grid_thw"][0].tolist()
-        assert np.array_equal(patches, theirs["pixel_values"]), (width, height)
+    folder = qwen_image_2_1_tiny_build.source.folder
+    assert json.loads((folder / "processor" / "preprocessor_config.json").read_text())["image_mean"] == [0.5] * 3
+    assert_processor_patches_equal(folder, "Qwen3VLProcessor", 16,
+                                   [(160, 96), (97, 61), (333, 500), (1240, 832), (30, 40)])
 
 
 def test_export_parity_and_the_prefix_graph(qwen_image_2_1_tiny_build):

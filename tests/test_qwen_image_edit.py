@@ -163,20 +163,10 @@ def test_diffusers_loses_the_image_positions(pair, qwen_image_edit_tiny_build):
 def test_image_processor_equal_to_qwen2vl_processor(qwen_image_edit_tiny_build):
     """runners/families/qwen_image_edit/vision.py against Qwen2VLProcessor's image processor (PIL backend) on 5
     sizes: pixel values and grids exactly."""
-    from export.families.qwen_image_edit import load_processor
-    from runners.families.qwen_image_edit.vision import VisionConfig, pixel_patches
+    from conftest import assert_processor_patches_equal
 
-    processor = load_processor(qwen_image_edit_tiny_build.source.folder).image_processor
-    config = VisionConfig(min_pixels=processor.size.shortest_edge, max_pixels=processor.size.longest_edge)
-    rng = np.random.default_rng(0)
-    from PIL import Image
-
-    for width, height in [(1024, 1024), (97, 61), (333, 500), (1240, 832), (30, 40)]:
-        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        theirs = processor(images=image, return_tensors="np")
-        patches, grid = pixel_patches(image, config)
-        assert [1, *grid] == theirs["image_grid_thw"][0].tolist()
-        assert np.array_equal(patches, theirs["pixel_values"]), (width, height)
+    assert_processor_patches_equal(qwen_image_edit_tiny_build.source.folder, "Qwen2VLProcessor", 14,
+                                   [(1024, 1024), (97, 61), (333, 500), (1240, 832), (30, 40)])
 
 
 @pytest.fixture(scope="module")
