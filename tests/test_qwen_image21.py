@@ -257,6 +257,8 @@ def test_refusals_and_warnings(pair, caplog):
         ours("a cat", **{**call, "height": 48})
     with pytest.raises(ValueError, match="sigmas=.* is not allowed"):
         ours("a cat", sigmas=[1.5, 0.5], **call)
+    with pytest.raises(ValueError, match="the prompt takes more than this artifact's 256 tokens"):
+        ours("a cat " * 300, **call)
 
 
 # Image PSNR against ort-fp32 per call (no guidance; true CFG with a reference), measured by the test below on a Xeon

@@ -248,12 +248,12 @@ class QwenImage21Pipeline(TextToImage):
         c, config = self.constants, VisionConfig(**self.constants["vision"])
         counts = [image_tokens(grid, config) for grid in references.grids]
         tok = self.tokenizers["processor"]
-        most = self.dims["vl_length"][2]  # diffusers never truncates; the artifact's range holds the prompt
+        # diffusers never truncates: the artifact's text range (the template's tokens and the prompt's) holds it
+        most = self.dims["text_length"][2] + sum(counts)
         tokens = tok.encode([_section(counts) + (p or " ") for p in prompts], most + 1)
         if tokens.ids.shape[1] > most:
-            raise ValueError(f"the prompt{' and its references' if counts else ''} take {tokens.ids.shape[1] - 1}+ "
-                             f"tokens, more than this artifact's {most}: shorten the prompt"
-                             + (" or pass fewer references" if counts else ""))
+            raise ValueError(f"the prompt takes more than this artifact's {self.dims['text_length'][2]} tokens (the "
+                             "pipeline's template included): shorten it")
         slot = tokens.ids == c["image_token_id"]
         width = self.manifest["constants"]["text_width"]
         image_states = np.zeros((*tokens.ids.shape, width), np.float32)
