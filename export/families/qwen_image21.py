@@ -37,7 +37,8 @@ import torch
 from export.families import parts
 from export.families.llm_encoder import llm_constants
 from export.families.qwen_image import GivenPositions, encoded, statistics, vl_token_ids
-from export.families.qwen_image_edit import VLHiddenStates, image_area, vision_attention, vision_constants
+from export.families.qwen_image_edit import (REFERENCES, VLHiddenStates, image_area, vision_attention,
+                                              vision_constants)
 from runners.families.qwen_image_edit import calculate_dimensions
 from export.families.z_image import rotated
 from export.prompt_formats import load_tokenizer
@@ -51,7 +52,6 @@ VAE_SCALE = 16  # the pipeline's vae_scale_factor (fixed there); the image's sid
 LATENT_MULTIPLE = 2  # the transformer's image slots hold 2 x 2 latent tokens
 SLOT = LATENT_MULTIPLE**2  # latent tokens an image token of the prompt stands for
 MERGE_UNIT = 4  # patches the vision tower merges into a token (2 x 2)
-REFERENCES = 3  # the reference images an export's token range makes room for
 
 
 def drop_tokens(folder) -> int:
@@ -301,7 +301,7 @@ DERIVED = {
     "vl_length": lambda dims: dims["text_length"] + _references(dims) // SLOT,
     "prefix_length": lambda dims: dims["text_length"] + _references(dims),
     "reference_rows": lambda dims: _references(dims) + 1,
-    "vision_tokens": lambda dims: dims["vision_patches"] // MERGE_UNIT if "vision_patches" in dims else 0,
+    "vision_tokens": lambda dims: dims["vision_patches"] // MERGE_UNIT,
 }
 
 

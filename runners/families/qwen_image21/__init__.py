@@ -24,15 +24,13 @@ import numpy as np
 
 from runners.families.qwen_image import padded
 from runners.families.qwen_image21.vision import patch_positions
-from runners.families.qwen_image_edit import calculate_dimensions
+from runners.families.qwen_image_edit import IMAGE_PAD, calculate_dimensions
 from runners.families.qwen_image_edit.vision import VisionConfig, image_tokens, mrope_positions, pixel_patches
 from runners.guidance import TRUE_CFG
 from runners.latents import LatentLayout, positions
 from runners.options import REQUEST, Option, options
 from runners.prompts import POST_STEPS, Encoded
 from runners.text_to_image import TEXT, Defaults, TextToImage
-
-IMAGE_PAD = "<|image_pad|>"
 
 
 def _section(tokens: list[int]) -> str:
