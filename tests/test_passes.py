@@ -94,6 +94,17 @@ def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
         assert c[name]["nodes_removed"] > 0
 
 
+def test_masked_joint_attention_fuses(qwen_image_tiny_build, tmp_path):
+    """Qwen-Image's joint attention masks the text's padded keys with a (B, 1, 1, L) additive mask, which
+    MultiHeadAttention takes expanded over the queries: every layer fuses (it fused none before), equal at both
+    probes with padded masks (example_inputs pads them). Its text encoder's grouped-query attention and its VAE's
+    are other patterns, left as they are."""
+    counts = _check(qwen_image_tiny_build.folder / "onnx", qwen_image_tiny_build.source, ["fuse_attention"], tmp_path)
+    fused = {sub: c["fuse_attention"]["attentions_fused"] for sub, c in counts.items()}
+    assert fused == {"text_encoder": 0, "transformer": counts["transformer"]["config"]["num_layers"],
+                     "transformer_first_block": 1, "vae_decoder": 0, "vae_encoder": 0}
+
+
 def test_memory_passes_leave_every_output_unchanged(tiny_build, tiny_source, tmp_path):
     """fp32, max abs diff <= 1e-6 on every submodule at both export probes (the issue's bound)."""
     counts = _check(tiny_build / "onnx", tiny_source, ["fuse_elementwise", "schedule_memory", "remat"], tmp_path,

@@ -4,14 +4,17 @@
 Matched (BNSH = batch, heads, sequence, head dim):
 
     Q' = Q * s1   Kt' = Kt * s2                 (either scale optional)
-    scores = MatMul(Q', Kt') [* s3] [+ bias ...]
+    scores = MatMul(Q', Kt') [* s3] [+ bias ...]   (a bias (B|1, N|1, S, L), or a (B|1, 1, 1, L) key mask)
     P = Softmax(scores, axis=-1)  [Where(IsNaN(P), 0, P)]
     out = Reshape(Transpose(MatMul(P, V), (0,2,1,3)), (B, S, N*D))
 
 where Kt is K transposed, either as Transpose(K, (0,1,3,2)), Transpose(K_bsnh, (0,2,3,1)) or the
 Reshape/Transpose(0,2,1)/Reshape chain the dynamo exporter writes for SDPA. The score matrices
 are no longer graph tensors that ONNX Runtime allocates (the pass table in BENCHMARKS.md shows the
-lower peak). TensorRT targets keep the plain pattern: TensorRT fuses it itself.
+lower peak). A key mask (Qwen-Image's padded text) is expanded over the queries, as attention_bias
+must be: (B, 1, S, L), one head's scores where the unfused graph held several tensors of B * N (its
+Edit model's ort-fp32 run at 5k tokens with CFG ran out of this machine's 24 GiB unfused).
+TensorRT targets keep the plain pattern: TensorRT fuses it itself.
 
 The pass reads shapes (the head count from Q's, the operands' ranks, a bias's query axis), so it
 declares `needs_shapes`: on a graph without them it fails instead of fusing nothing.
@@ -25,8 +28,8 @@ MultiHeadAttention, but measured on sd3-tiny's graphs (after fuse_qkv) it does l
   around them and gains an Expand for the mask and a Reshape/Transpose back to BNSH: CLIP 95 -> 97
   nodes (this pass: 95 -> 65), the transformer 241 -> 237 (this pass: 212), the VAEs -2 (this pass
   -15);
-- a (B, 1, 1, L) padding mask is broadcast over the query axis with an Expand, a full score-size
-  tensor, where this pass leaves such an attention unfused.
+- a (B, 1, 1, L) padding mask is broadcast with an Expand to a full score-size tensor, where this
+  pass expands it over the query axis only.
 Our matcher as one rule of that rewriter (OrValue for zero to two biases, the BSNH views chosen in
 the rewrite from the operands' producers) is possible and not done yet: the counts above are its
 test oracle.
@@ -75,6 +78,12 @@ def _per_query(bias: ir.Value) -> bool:
     """Whether a bias is (B|1, N|1, S, L), the shape attention_bias takes (not a (B, 1, 1, L) mask)."""
     shape = bias.shape
     return shape is not None and len(shape) == 4 and shape[2] != 1
+
+
+def _key_mask(bias: ir.Value) -> bool:
+    """Whether a bias is a (B|1, 1, 1, L) key mask: attention_bias takes it expanded over the queries."""
+    shape = bias.shape
+    return shape is not None and len(shape) == 4 and shape[1] == 1 and shape[2] == 1
 
 
 @dataclass
@@ -133,8 +142,8 @@ def _match(softmax: ir.Node) -> _Match | None:
             return None
         biases.append(add.inputs[1] if add.inputs[0] is on_path[0] else add.inputs[0])
         scores = on_path[0]
-    if len(biases) == 1 and not _per_query(biases[0]):
-        return None  # MultiHeadAttention's attention_bias must span the query axis: leave it unfused
+    if biases and not any(_per_query(b) or _key_mask(b) for b in biases):
+        return None  # not a shape attention_bias takes, even expanded over the queries: leave it unfused
     scores, scale = _strip_scale(scores)
     qk = scores.producer()
     if not is_op(qk, "MatMul") or only_use(scores) is None:
@@ -184,6 +193,13 @@ def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
     bias = m.biases[0] if m.biases else None
     for extra in m.biases[1:]:
         bias = b.op("Add", [bias, extra])
+    if m.biases and not any(_per_query(x) for x in m.biases):
+        # attention_bias must span the query axis: (B, 1, S, L), a head's score size where the unfused graph
+        # held B * N of them (ONNX Runtime's kernel takes no key mask as a float bias)
+        queries = b.op("Shape", [m.query.bnsh], start=2, end=3)
+        ones = b.const("attention_fused.ones2", [1, 1])
+        bias = b.op("Expand", [bias, b.op("Concat", [ones, queries, b.const("attention_fused.one", [1])],
+                                              axis=0)])
     inputs = [q, k, v] + ([None, None, bias] if bias is not None else [])  # attention_bias is input 5
     mha = ir.node("MultiHeadAttention", inputs, domain=MS_DOMAIN,
                   attributes={"num_heads": m.num_heads, "scale": m.scale}, name=f"attention_fused_{index}.mha")
