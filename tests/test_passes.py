@@ -105,6 +105,30 @@ def test_masked_joint_attention_fuses(qwen_image_tiny_build, tmp_path):
                      "transformer_first_block": 1, "vae_decoder": 0, "vae_encoder": 0}
 
 
+def test_attention_holding_its_scores_fused_in_head_groups(qwen_image_tiny_build, tiny_build, tiny_source,
+                                                           monkeypatch, tmp_path):
+    """With a bias or a mask, ONNX Runtime's fused attention holds its (B, N, S, L) probabilities; past
+    SCORES_BOUND at the plan dims its heads are fused in groups, one node each, equal to the whole. With the bound
+    at one byte every such attention splits: Qwen-Image's key mask (shared by the groups), T5's position bias (split
+    with its heads), CLIP's causal mask; the attentions without either (flash attention) stay whole."""
+    from engines.passes import fuse_attention
+
+    monkeypatch.setattr(fuse_attention, "SCORES_BOUND", 1)
+    qwen = _check(qwen_image_tiny_build.folder / "onnx", qwen_image_tiny_build.source, ["fuse_attention"], tmp_path)
+    sd3 = _check(tiny_build / "onnx", tiny_source, ["fuse_attention"], tmp_path)
+
+    def grouped(counts):
+        return {sub: c["fuse_attention"]["attentions_in_head_groups"] for sub, c in counts.items()}
+
+    def fused(counts, sub):
+        return counts[sub]["fuse_attention"]["attentions_fused"]
+
+    assert grouped(qwen) == {"text_encoder": 0, "transformer": fused(qwen, "transformer"), "transformer_first_block": 1,
+                             "vae_decoder": 0, "vae_encoder": 0}
+    assert grouped(sd3) == {**{sub: fused(sd3, sub) for sub in ("text_encoder", "text_encoder_2", "text_encoder_3")},
+                            "transformer": 0, "transformer_first_block": 0, "vae_decoder": 0, "vae_encoder": 0}
+
+
 def test_memory_passes_leave_every_output_unchanged(tiny_build, tiny_source, tmp_path):
     """fp32, max abs diff <= 1e-6 on every submodule at both export probes (the issue's bound)."""
     counts = _check(tiny_build / "onnx", tiny_source, ["fuse_elementwise", "schedule_memory", "remat"], tmp_path,

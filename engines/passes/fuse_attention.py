@@ -14,6 +14,10 @@ are no longer graph tensors that ONNX Runtime allocates (the pass table in BENCH
 lower peak). A key mask (Qwen-Image's padded text) is expanded over the queries, as attention_bias
 must be: (B, 1, S, L), one head's scores where the unfused graph held several tensors of B * N (its
 Edit model's ort-fp32 run at 5k tokens with CFG ran out of this machine's 24 GiB unfused).
+ONNX Runtime's CPU kernel runs as flash attention only without a bias or mask; with one it holds the
+(B, N, S, L) probabilities of the whole node. Where they would exceed SCORES_BOUND at the plan dims
+(the export's opt shape: Qwen-Image-Edit's 5.6k tokens at batch 2 made 6 GiB), the heads are fused
+in groups, one node each, run one after another: each row of each head is the same computation.
 TensorRT targets keep the plain pattern: TensorRT fuses it itself.
 
 The pass reads shapes (the head count from Q's, the operands' ranks, a bias's query axis), so it
@@ -36,6 +40,9 @@ test oracle.
 """
 from __future__ import annotations
 
+import ast
+import math
+import operator
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -43,6 +50,12 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from engines.passes.base import GraphPass, Report
 from engines.passes.rewrite import MS_DOMAIN, Builder, is_op, only_use, replace_uses, scalar
+
+
+# The most one fused node's float32 probabilities may take at the plan dims (PassContext.dims, the export's opt
+# shape) where it holds them: past it, its heads are fused in groups (_head_groups).
+SCORES_BOUND = 2**30
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
 def _perm(node: ir.Node) -> tuple[int, ...]:
@@ -183,13 +196,62 @@ def _to_bnsh(b: Builder, heads: _Heads) -> ir.Value:
     return heads.bnsh if heads.bnsh is not None else b.op("Transpose", [heads.bsnh], perm=[0, 2, 1, 3])
 
 
-def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
+def _size(dim, dims: dict) -> int | None:
+    """A dimension's size at `dims`: an int, or a symbolic one as shape inference writes it ("text_length +
+    image_tokens"); None where it names anything else."""
+    if isinstance(dim, int):
+        return dim
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return dims.get(node.id)
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            left, right = value(node.left), value(node.right)
+            return None if left is None or right is None else _ARITHMETIC[type(node.op)](left, right)
+        return None
+
+    try:
+        return value(ast.parse(str(dim.value), mode="eval").body)
+    except SyntaxError:
+        return None
+
+
+def _head_dim(heads: _Heads) -> int | None:
+    shape = (heads.bnsh if heads.bnsh is not None else heads.bsnh).shape
+    return shape[3] if shape is not None and isinstance(shape[3], int) else None
+
+
+def _head_groups(m: _Match, dims: dict) -> int:
+    """Into how many groups of heads the attention is fused: one, unless it holds its probabilities (a bias or a
+    mask: no flash attention) and they would exceed SCORES_BOUND at `dims`; then the fewest groups that keep one
+    group's within it (each group of heads is its own node, run one after another)."""
+    batch, _, queries, _ = m.query.bnsh.shape
+    keys = m.key.bnsh.shape[2] if m.key.bnsh is not None else m.key.bsnh.shape[1]
+    sizes = [_size(d, dims) for d in (batch, queries, keys)]
+    if not m.biases or None in sizes or None in map(_head_dim, (m.query, m.key, m.value)):
+        return 1
+    scores = 4 * m.num_heads * math.prod(sizes)  # float32 probabilities: the kernel computes in fp32
+    return next(g for g in range(1, m.num_heads + 1)
+                if m.num_heads % g == 0 and (scores // g <= SCORES_BOUND or g == m.num_heads))
+
+
+def _split(b: Builder, value: ir.Value, axis: int, size: int, groups: int) -> list[ir.Value]:
+    if groups == 1:
+        return [value]
+    return b.ops("Split", [value, b.const(f"attention_fused.split_{size}x{groups}", [size] * groups)], groups,
+                 axis=axis)
+
+
+def _replace(graph: ir.Graph, m: _Match, index: int, groups: int) -> None:
     b = Builder(graph, f"attention_fused_{index}")
-    q = _to_bsh(b, m.query)
+    per_group = m.num_heads // groups
+    q = _split(b, _to_bsh(b, m.query), 2, per_group * _head_dim(m.query) if groups > 1 else 0, groups)
     if m.key.bsnh is not None and m.value.bsnh is not None:  # both as free (B, L, N*D) views
-        k, v = _to_bsh(b, m.key), _to_bsh(b, m.value)
+        k, v = (_split(b, _to_bsh(b, h), 2, per_group * (_head_dim(h) or 0), groups) for h in (m.key, m.value))
     else:
-        k, v = _to_bnsh(b, m.key), _to_bnsh(b, m.value)
+        k, v = (_split(b, _to_bnsh(b, h), 1, per_group, groups) for h in (m.key, m.value))
     bias = m.biases[0] if m.biases else None
     for extra in m.biases[1:]:
         bias = b.op("Add", [bias, extra])
@@ -200,11 +262,18 @@ def _replace(graph: ir.Graph, m: _Match, index: int) -> None:
         ones = b.const("attention_fused.ones2", [1, 1])
         bias = b.op("Expand", [bias, b.op("Concat", [ones, queries, b.const("attention_fused.one", [1])],
                                               axis=0)])
-    inputs = [q, k, v] + ([None, None, bias] if bias is not None else [])  # attention_bias is input 5
-    mha = ir.node("MultiHeadAttention", inputs, domain=MS_DOMAIN,
-                  attributes={"num_heads": m.num_heads, "scale": m.scale}, name=f"attention_fused_{index}.mha")
-    b.nodes.append(mha)
-    out = mha.outputs[0]
+    biases = [bias] * groups
+    if bias is not None and groups > 1 and any(x.shape[1] == m.num_heads for x in m.biases):  # a bias per head
+        biases = _split(b, bias, 1, per_group, groups)
+    outs = []
+    for g in range(groups):
+        inputs = [q[g], k[g], v[g]] + ([None, None, biases[g]] if bias is not None else [])  # attention_bias: 5
+        mha = ir.node("MultiHeadAttention", inputs, domain=MS_DOMAIN, name=f"attention_fused_{index}.mha{g}",
+                      attributes={"num_heads": per_group, "scale": m.scale})
+        b.nodes.append(mha)
+        outs.append(mha.outputs[0])
+        mha.outputs[0].name = f"{mha.name}.out"
+    out = outs[0] if groups == 1 else b.op("Concat", outs, axis=2)
     out.name, out.shape, out.type = f"attention_fused_{index}.out", m.output.shape, m.output.type
     b.insert_before(m.softmax)
     replace_uses(m.output, out)
@@ -220,10 +289,12 @@ class FuseAttention(GraphPass):
         graph = model.graph
         matches = [m for m in (_match(n) for n in graph if is_op(n, "Softmax")) if m is not None]
         before = graph.num_nodes()
-        for i, m in enumerate(matches):
-            _replace(graph, m, i)
+        groups = [_head_groups(m, self.context.dims) for m in matches]
+        for i, (m, g) in enumerate(zip(matches, groups)):
+            _replace(graph, m, i, g)
         if matches:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             RemoveUnusedNodesPass()(model)  # the replaced subgraphs, now unread
-        counts = {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes()}
+        counts = {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes(),
+                  "attentions_in_head_groups": sum(g > 1 for g in groups)}
         return Report(model, modified=bool(matches), counts=counts)

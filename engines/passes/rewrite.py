@@ -48,6 +48,15 @@ class Builder:
         self.nodes.append(node)
         return node.outputs[0]
 
+    def ops(self, op_type: str, inputs, outputs: int, **attrs) -> list[ir.Value]:
+        """`op` for an op with several outputs."""
+        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=outputs,
+                       name=f"{self.prefix}.{op_type}_{len(self.nodes)}")
+        for i, value in enumerate(node.outputs):
+            value.name = f"{node.name}.{i}"
+        self.nodes.append(node)
+        return list(node.outputs)
+
     def const(self, name: str, values, dtype=np.int64) -> ir.Value:
         """A constant shared by the graph under `name` (the caller makes the name unique to its values)."""
         if name not in self.graph.initializers:
