@@ -20,8 +20,9 @@ ONNX Runtime's CPU kernel runs as flash attention only without a bias or mask; w
 in groups, one node each, run one after another: each row of each head is the same computation.
 TensorRT targets keep the plain pattern: TensorRT fuses it itself.
 
-The pass reads shapes (the head count from Q's, the operands' ranks, a bias's query axis), so it
-declares `needs_shapes`: on a graph without them it fails instead of fusing nothing.
+The pass reads shapes (the head count from Q's, the operands' ranks, a bias's query axis, the
+probabilities' size at the plan dims), so it declares `needs_shapes`: on a graph without them it
+fails instead of fusing nothing.
 
 Why not onnxscript's rewriter: its `ort_fusions.sdpa` rule matches the same MatMul/Softmax/MatMul
 core (the three key layouts, the scales, the NaN guard), and `sdpa_via_mha` lowers it to
@@ -237,9 +238,11 @@ def _head_groups(m: _Match, dims: dict) -> int:
                 if m.num_heads % g == 0 and (scores // g <= SCORES_BOUND or g == m.num_heads))
 
 
-def _split(b: Builder, value: ir.Value, axis: int, size: int, groups: int) -> list[ir.Value]:
+def _split_heads(b: Builder, value: ir.Value, axis: int, per_group: int, groups: int, head_dim: int | None = 1):
+    """`value`'s heads in `groups` groups: (B, S, N * head_dim) along axis 2, (B, N, S, D) along axis 1."""
     if groups == 1:
         return [value]
+    size = per_group * head_dim
     return b.ops("Split", [value, b.const(f"attention_fused.split_{size}x{groups}", [size] * groups)], groups,
                  axis=axis)
 
@@ -247,11 +250,11 @@ def _split(b: Builder, value: ir.Value, axis: int, size: int, groups: int) -> li
 def _replace(graph: ir.Graph, m: _Match, index: int, groups: int) -> None:
     b = Builder(graph, f"attention_fused_{index}")
     per_group = m.num_heads // groups
-    q = _split(b, _to_bsh(b, m.query), 2, per_group * _head_dim(m.query) if groups > 1 else 0, groups)
+    q = _split_heads(b, _to_bsh(b, m.query), 2, per_group, groups, _head_dim(m.query))
     if m.key.bsnh is not None and m.value.bsnh is not None:  # both as free (B, L, N*D) views
-        k, v = (_split(b, _to_bsh(b, h), 2, per_group * (_head_dim(h) or 0), groups) for h in (m.key, m.value))
+        k, v = (_split_heads(b, _to_bsh(b, h), 2, per_group, groups, _head_dim(h)) for h in (m.key, m.value))
     else:
-        k, v = (_split(b, _to_bnsh(b, h), 1, per_group, groups) for h in (m.key, m.value))
+        k, v = (_split_heads(b, _to_bnsh(b, h), 1, per_group, groups) for h in (m.key, m.value))
     bias = m.biases[0] if m.biases else None
     for extra in m.biases[1:]:
         bias = b.op("Add", [bias, extra])
@@ -263,8 +266,8 @@ def _replace(graph: ir.Graph, m: _Match, index: int, groups: int) -> None:
         bias = b.op("Expand", [bias, b.op("Concat", [ones, queries, b.const("attention_fused.one", [1])],
                                               axis=0)])
     biases = [bias] * groups
-    if bias is not None and groups > 1 and any(x.shape[1] == m.num_heads for x in m.biases):  # a bias per head
-        biases = _split(b, bias, 1, per_group, groups)
+    if any(x.shape is not None and x.shape[1] == m.num_heads for x in m.biases):  # a bias per head
+        biases = _split_heads(b, bias, 1, per_group, groups)
     outs = []
     for g in range(groups):
         inputs = [q[g], k[g], v[g]] + ([None, None, biases[g]] if bias is not None else [])  # attention_bias: 5
