@@ -127,6 +127,12 @@ def test_attention_holding_its_scores_fused_in_head_groups(qwen_image_tiny_build
                              "vae_decoder": 0, "vae_encoder": 0}
     assert grouped(sd3) == {**{sub: fused(sd3, sub) for sub in ("text_encoder", "text_encoder_2", "text_encoder_3")},
                             "transformer": 0, "transformer_first_block": 0, "vae_decoder": 0, "vae_encoder": 0}
+    # the groups' outputs are typed: ONNX's inference (to_fp16 runs it, then reads every type) does not know the op
+    onnx_dir = qwen_image_tiny_build.folder / "onnx"
+    dims = json.loads((onnx_dir / "manifest.json").read_text())["submodules"]["transformer"]["export"]["parity"][0]
+    model, _ = run_passes(ir.load(onnx_dir / "transformer.onnx"), ["infer_shapes", "fuse_attention", "infer_shapes"],
+                          "transformer", context=PassContext("transformer", dims=dims["dims"]))
+    assert all(v.dtype is not None for node in model.graph for v in node.outputs)
 
 
 def test_memory_passes_leave_every_output_unchanged(tiny_build, tiny_source, tmp_path):

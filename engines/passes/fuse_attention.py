@@ -274,8 +274,10 @@ def _replace(graph: ir.Graph, m: _Match, index: int, groups: int) -> None:
         mha = ir.node("MultiHeadAttention", inputs, domain=MS_DOMAIN, name=f"attention_fused_{index}.mha{g}",
                       attributes={"num_heads": per_group, "scale": m.scale})
         b.nodes.append(mha)
-        outs.append(mha.outputs[0])
-        mha.outputs[0].name = f"{mha.name}.out"
+        group = mha.outputs[0]  # typed here: ONNX's inference does not know the contrib op (to_fp16 reads types)
+        group.name, group.type = f"{mha.name}.out", m.output.type
+        group.shape = m.output.shape if groups == 1 else ir.Shape([*m.output.shape[:2], per_group * _head_dim(m.value)])
+        outs.append(group)
     out = outs[0] if groups == 1 else b.op("Concat", outs, axis=2)
     out.name, out.shape, out.type = f"attention_fused_{index}.out", m.output.shape, m.output.type
     b.insert_before(m.softmax)
