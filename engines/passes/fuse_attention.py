@@ -228,10 +228,12 @@ def _head_groups(m: _Match, dims: dict) -> int:
     """Into how many groups of heads the attention is fused: one, unless it holds its probabilities (a bias or a
     mask: no flash attention) and they would exceed SCORES_BOUND at `dims`; then the fewest groups that keep one
     group's within it (each group of heads is its own node, run one after another)."""
+    if not m.biases or None in map(_head_dim, (m.query, m.key, m.value)):  # (the operands' shapes are known)
+        return 1
     batch, _, queries, _ = m.query.bnsh.shape
     keys = m.key.bnsh.shape[2] if m.key.bnsh is not None else m.key.bsnh.shape[1]
     sizes = [_size(d, dims) for d in (batch, queries, keys)]
-    if not m.biases or None in sizes or None in map(_head_dim, (m.query, m.key, m.value)):
+    if None in sizes:
         return 1
     scores = 4 * m.num_heads * math.prod(sizes)  # float32 probabilities: the kernel computes in fp32
     return next(g for g in range(1, m.num_heads + 1)

@@ -42,18 +42,14 @@ class Builder:
         self.graph, self.prefix, self.nodes = graph, prefix, []
 
     def op(self, op_type: str, inputs, domain: str = "", **attrs) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attrs or None, domain=domain,
-                       name=f"{self.prefix}.{op_type}_{len(self.nodes)}")
-        node.outputs[0].name = node.name
-        self.nodes.append(node)
-        return node.outputs[0]
+        return self.ops(op_type, inputs, 1, domain, **attrs)[0]
 
-    def ops(self, op_type: str, inputs, outputs: int, **attrs) -> list[ir.Value]:
-        """`op` for an op with several outputs."""
-        node = ir.node(op_type, inputs, attributes=attrs or None, num_outputs=outputs,
+    def ops(self, op_type: str, inputs, outputs: int, domain: str = "", **attrs) -> list[ir.Value]:
+        """`op` for an op with several outputs, named `<node>.<i>`."""
+        node = ir.node(op_type, inputs, attributes=attrs or None, domain=domain, num_outputs=outputs,
                        name=f"{self.prefix}.{op_type}_{len(self.nodes)}")
         for i, value in enumerate(node.outputs):
-            value.name = f"{node.name}.{i}"
+            value.name = node.name if outputs == 1 else f"{node.name}.{i}"
         self.nodes.append(node)
         return list(node.outputs)
 
