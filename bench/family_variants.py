@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from bench.variants import Ours, pipeline_from, time_calls_of, timed_result
+from bench.workload import reference_images
 
 # 20 words: the issue's measure of the text encoder (openvino.genai pads every prompt to its maximum length)
 PROMPT = ("a photo of an astronaut riding a horse on the moon at sunset, detailed, golden light, "
@@ -32,6 +33,8 @@ class Workload:
     # components diffusers' pipeline takes besides the folder's (Qwen-Image-Edit's processor, built from its parts)
     components: Callable[[str], dict] = lambda folder: {}
     temporal: str = "vae_scale_factor_temporal"  # a video pipeline's attribute holding its frames per latent frame
+    # optimum-intel's export -> the outputs openvino.genai needs renamed in it, {component: {name: new name}}
+    genai_renames: Callable[[Path], dict] = lambda export: {}
 
 
 def _flux2_layers(folder: str) -> dict:
@@ -41,6 +44,18 @@ def _flux2_layers(folder: str) -> dict:
 
     config = json.loads((Path(folder) / "text_encoder" / "config.json").read_text())
     return {"text_encoder_out_layers": text_layers(config)}
+
+
+def _flux2_genai_renames(export: Path) -> dict[str, dict[str, str]]:
+    """What openvino.genai 2026.4.1 needs renamed in optimum-intel's FLUX.2 klein export: it reads the text encoder's
+    outputs hidden_states.9, .18 and .27 (klein's layers) whatever the config's `hidden_states_layers` say, where a
+    shallow bench encoder's export names them by its own layers."""
+    from export.families.flux2 import TEXT_LAYERS, text_layers
+
+    layers = text_layers(json.loads((export / "text_encoder" / "config.json").read_text()))
+    renames = {f"hidden_states.{layer}": f"hidden_states.{read}" for layer, read in zip(layers, TEXT_LAYERS)
+               if layer != read}
+    return {"text_encoder": renames} if renames else {}
 
 
 def _edit_processor(folder: str) -> dict:
@@ -68,7 +83,8 @@ WORKLOADS = {
     # Z-Image-Turbo's guidance (its model card's): no negative prompt, one batch
     "z-image": Workload("ZImagePipeline", "OVZImagePipeline", {"guidance_scale": 0.0}),
     # FLUX.2 klein, distilled: no guidance (diffusers' default of 4 would only warn)
-    "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}, _flux2_layers),
+    "flux2": Workload("Flux2KleinPipeline", "OVFlux2KleinPipeline", {"guidance_scale": 1.0}, _flux2_layers,
+                      genai_renames=_flux2_genai_renames),
     # Qwen-Image's: true CFG (its default scale, 4) with a negative prompt, latents packed
     "qwen-image": Workload("QwenImagePipeline", "OVQwenImagePipeline",
                            {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
@@ -84,19 +100,6 @@ WORKLOADS = {
                                 {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
                                 given_latents=_packed, components=_edit_processor),
 }
-
-
-def reference_images(count: int, height: int, width: int) -> list:
-    """`count` seeded images of the run's size to edit from: smooth colour fields (a VAE's latents of pure noise
-    would be unlike a photo's)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(7)
-    images = []
-    for _ in range(count):
-        small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
-        images.append(Image.fromarray(small).resize((width, height), Image.BICUBIC))
-    return images
 
 
 def _edit(references: int, height: int, width: int) -> dict:

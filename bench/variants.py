@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.workload import PROMPT, T5_LENGTH
+from bench.workload import PROMPT, T5_LENGTH, reference_images
 
 NEGATIVE = "blurry, low quality"
 
@@ -338,6 +338,26 @@ class GenAI:
         return images.data[0].astype(np.float32) / 255, self.pipe.get_performance_metrics()  # uint8 HWC
 
 
+class GenAIEdit(GenAI):
+    """openvino.genai's Image2ImagePipeline, as GenAI, editing from the table's one seeded reference image (FLUX.2
+    klein's: the image's tokens after the noise's, as Flux2KleinPipeline takes a reference)."""
+
+    pipeline = "Image2ImagePipeline"
+
+    def __init__(self, folder: str, references: int = 1, **options):
+        if references != 1:
+            raise ValueError(f"openvino.genai's Image2ImagePipeline takes one reference image, not {references}")
+        super().__init__(folder, **options)
+
+    def _generate(self, height: int, width: int, steps: int, generator, latents) -> tuple[np.ndarray, object]:
+        import openvino
+
+        (image,) = reference_images(1, height, width)
+        images = self.pipe.generate(self.prompt, openvino.Tensor(np.asarray(image)[None]), height=height, width=width,
+                                    num_inference_steps=steps, generator=generator, **self.generate)
+        return images.data[0].astype(np.float32) / 255, self.pipe.get_performance_metrics()  # uint8 HWC
+
+
 class GenAIVideo(GenAI):
     """openvino.genai's Text2VideoPipeline (LTX-Video), as GenAI: the frames of the latents' clip."""
 
@@ -385,6 +405,8 @@ def make_variant(kind: str, path: str, **options):
         return OptimumIntel(path)
     if kind == "genai-video":
         return GenAIVideo(path, **options)
+    if kind == "genai-edit":
+        return GenAIEdit(path, **options)
     if kind == "genai":
         return GenAI(path, **options)
     raise ValueError(f"unknown variant kind {kind!r}")

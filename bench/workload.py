@@ -82,3 +82,16 @@ def start_latents(constants: dict, height: int, width: int, frames: int | None =
     video = () if frames is None else ((frames - 1) // constants["vae_temporal_scale"] + 1,)
     shape = (1, constants["latent_channels"], *video, height // scale, width // scale)
     return np.random.default_rng(42).standard_normal(shape, dtype=np.float32)
+
+
+def reference_images(count: int, height: int, width: int) -> list:
+    """`count` seeded images of the run's size to edit from: smooth colour fields (a VAE's latents of pure noise
+    would be unlike a photo's)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    images = []
+    for _ in range(count):
+        small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+        images.append(Image.fromarray(small).resize((width, height), Image.BICUBIC))
+    return images

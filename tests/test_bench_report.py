@@ -205,8 +205,43 @@ def test_flux2_goals_in_words():
         "Goal at 512x512, editing: with two references the step of ours ort-fp32 takes 1.10x its step with one; with "
         "two references the step of ours openvino-int8 takes 1.10x its step with one (goal at most 1.2x).")
     assert "not measured" in flux2.goals("512x512", 2, {2: rows(1.1)}, [])
-    peers = [Variant("optimum-intel", "flux2-optimum-intel", ""), Variant("genai", "flux2-genai", "")]
+    peers = [Variant("optimum-intel", "flux2-optimum-intel", ""), Variant("genai", "genai-edit", "")]
     assert flux2.goals("512x512", 1, measured, peers) == (
         "Goals at 512x512, editing: openvino-int8 end to end is 2.50x as fast as optimum-intel's (goal 1.5x); "
         "openvino-int8 end to end is 1.50x as fast as openvino.genai's default (goal 1.5x); our fastest load + first "
         "call is 3.0 s (openvino-int8), the slowest 6.0 s (ort-fp32) (goal under 10 s).")
+
+
+def test_flux2_export_relabelled_for_openvino_genai(tmp_path):
+    """openvino.genai 2026.4.1 reads FLUX.2 klein's text encoder outputs as hidden_states.9, .18 and .27 whatever
+    the config says: a shallow encoder's export (layers 1, 2 and 3) gets them renamed, once, its other parts linked;
+    an export of klein's own layers is run as it is."""
+    import json
+
+    import numpy as np
+    import openvino
+    from openvino import opset13 as ops
+
+    from bench.family_variants import WORKLOADS
+    from bench.optimum_intel import genai_export
+
+    export = tmp_path / "optimum-intel" / "openvino"
+    (export / "text_encoder").mkdir(parents=True)
+    (export / "transformer").mkdir()
+    x = ops.parameter([1, 4], np.float32, name="input_ids")
+    outputs = [ops.multiply(x, np.float32(i)) for i in range(4)]
+    for i, out in enumerate(outputs):
+        out.output(0).set_names({f"hidden_states.{i}"})
+    openvino.save_model(openvino.Model(outputs, [x]), export / "text_encoder" / "openvino_model.xml")
+    renames, config = WORKLOADS["flux2"].genai_renames, export / "text_encoder" / "config.json"
+    config.write_text(json.dumps({"hidden_states_layers": [9, 18, 27]}))
+    assert genai_export(export, tmp_path, renames(export)) == export
+    config.write_text(json.dumps({"hidden_states_layers": [1, 2, 3]}))
+    folder = genai_export(export, tmp_path, renames(export))
+    assert folder == tmp_path / "optimum-intel-genai" / "openvino"
+    assert genai_export(export, tmp_path, renames(export)) == folder  # made once
+    assert (folder / "text_encoder" / "config.json").resolve() == config.resolve()
+    assert (folder / "transformer").resolve() == (export / "transformer").resolve()
+    model = openvino.Core().read_model(folder / "text_encoder" / "openvino_model.xml")
+    assert [o.get_any_name() for o in model.outputs] == ["hidden_states.0", "hidden_states.9", "hidden_states.18",
+                                                         "hidden_states.27"]

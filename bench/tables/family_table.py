@@ -3,7 +3,8 @@ bench/tables/): the model's settings (its bench.family_variants.Workload) at eac
 weights, starting latents and 20-word prompt, for text to image and for editing from 1, 2... seeded reference
 images where the family edits: diffusers eager fp32; our ort-fp32, openvino-bf16, openvino-int8 and openvino bf16
 with int4 weights; with --optimum-intel-python, optimum-intel's pipeline on its own export and openvino.genai's
-Text2ImagePipeline on that same export (text to image: openvino.genai's editing is not run), each at its defaults.
+Text2ImagePipeline on that same export (for editing from one reference, its Image2ImagePipeline), each at its
+defaults.
 Columns: the text encoder, a step, the VAE decode, end to end, load plus a first call, peak RSS and the image's
 PSNR against ort-fp32. The family's module gives its goals as a note per size and task."""
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _task(spec: FamilyTable, references: int) -> str:
 
 def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) -> tuple[list[Variant], list[str]]:
     """The variants of one task, diffusers eager first, and notes on the peers. The peers run text to image and
-    one reference (optimum-intel's pipeline; openvino.genai's Text2ImagePipeline takes none)."""
+    one reference (optimum-intel's pipeline; openvino.genai's Image2ImagePipeline takes one image)."""
     w, options = WORKLOADS[spec.name], {"references": references} if references else {}
     ours = {"ort-fp32": str(run.default_artifact), **built}
     variants = [Variant(f"(a) diffusers {w.diffusers}, eager fp32", f"{spec.name}-diffusers", str(run.src.folder),
@@ -95,7 +96,8 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
         return variants, [f"No peer runs {w.diffusers} on a CPU: optimum-intel and openvino.genai have no such "
                           "pipeline; the goal is against diffusers eager."]
     peers, notes = openvino_peers(run, w.optimum_intel, f"{spec.name}-optimum-intel",
-                                  [] if references else [("its defaults", {"prompt": PROMPT, **w.options})], spec.task)
+                                  [("its defaults", {"prompt": PROMPT, **w.options, **options})],
+                                  "editing" if references else spec.task, w.genai_renames)
     return variants + [dataclasses.replace(v, options=options) if not v.kind.startswith("genai") else v
                        for v in peers], notes
 

@@ -18,9 +18,9 @@ def goals(size: str, references: int, measured: dict, variants) -> str | None:
         said = [f"with two references the step of {label} takes {rows[label]['step'] / measured[1][label]['step']:.2f}x "
                 "its step with one" for label in rows if label.startswith("ours")]
         return f"Goal {where}: {'; '.join(said)} (goal at most 1.2x)."
-    peers = [(v.label, what) for v in variants for kind, what in (("genai", "openvino.genai's default"),
-                                                                   ("-optimum-intel", "optimum-intel's"))
-             if v.kind.endswith(kind)]
+    peers = [(v.label, what) for v in variants for peer, what in (("genai", "openvino.genai's default"),
+                                                                   ("optimum-intel", "optimum-intel's"))
+             if peer in v.kind]
     said = [f"openvino-int8 end to end is {rows[label]['e2e'] / ours['e2e']:.2f}x as fast as {what} (goal 1.5x)"
             for label, what in peers]
     return f"Goals {where}: {'; '.join([*said, load_goal(rows)])}."
