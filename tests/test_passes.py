@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from engines.passes import PASSES, PassContext, PassFailed, run_passes
+from engines.passes.rewrite import replace_uses
 from engines.targets import get_target
 from export.families import FAMILIES
 from export.onnx_export import example_inputs
@@ -97,12 +98,40 @@ def test_fusion_parity_and_counts_sd3(tiny_build, tiny_source, name, tmp_path):
 def test_masked_joint_attention_fuses(qwen_image_tiny_build, tmp_path):
     """Qwen-Image's joint attention masks the text's padded keys with a (B, 1, 1, L) additive mask, which
     MultiHeadAttention takes expanded over the queries: every layer fuses (it fused none before), equal at both
-    probes with padded masks (example_inputs pads them). Its text encoder's grouped-query attention and its VAE's
-    are other patterns, left as they are."""
+    probes with padded masks (example_inputs pads them). Its text encoder's attention (causal, then each query's
+    output multiplied by whether it may see any key) fuses too (it fused none before); its VAE's is another
+    pattern, left as it is."""
     counts = _check(qwen_image_tiny_build.folder / "onnx", qwen_image_tiny_build.source, ["fuse_attention"], tmp_path)
     fused = {sub: c["fuse_attention"]["attentions_fused"] for sub, c in counts.items()}
-    assert fused == {"text_encoder": 0, "transformer": counts["transformer"]["config"]["num_layers"],
+    assert fused == {"text_encoder": counts["text_encoder"]["config"]["text_config"]["num_hidden_layers"],
+                     "transformer": counts["transformer"]["config"]["num_layers"],
                      "transformer_first_block": 1, "vae_decoder": 0, "vae_encoder": 0}
+
+
+def test_llm_encoder_attention_keeps_its_row_rule(qwen_image_tiny_build, tmp_path):
+    """A left-padded prompt (Mistral's) has queries allowed no key, whose attention output the encoders' graphs
+    set to 0 after the softmax (export/families/llm_encoder.py). Fused, that multiplier stays: equal to the
+    unfused graph on a left-padded mask, where the padded rows' output without it is their values' mean."""
+    onnx_dir = qwen_image_tiny_build.folder / "onnx"
+    manifest = json.loads((onnx_dir / "manifest.json").read_text())
+    spec = next(s for s in FAMILIES[manifest["model"]["family"]].submodules if s.name == "text_encoder")
+    dims = manifest["submodules"]["text_encoder"]["export"]["parity"][0]["dims"]
+    ids, _ = example_inputs(spec, dims, manifest["constants"], seed=1)
+    mask = (np.arange(ids.shape[1]) >= ids.shape[1] // 2).astype(np.int64)[None].repeat(ids.shape[0], 0)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    context = PassContext("text_encoder", dims={**manifest["constants"], **dims})
+    model, _ = run_passes(ir.load(onnx_dir / "text_encoder.onnx"), ["fuse_attention"], "text_encoder",
+                          context=context)
+    (ref,), (fused,) = _run(ir.load(onnx_dir / "text_encoder.onnx"), feeds, tmp_path), _run(model, feeds, tmp_path)
+    assert np.abs(ref - fused).max() <= PASS_RTOL * np.abs(ref).max()
+    attentions = [n for n in model.graph if n.op_type == "MultiHeadAttention"]
+    rows = [u.node for n in attentions for u in n.outputs[0].uses() if u.node.op_type == "Mul"]
+    assert len(rows) == len(attentions) == qwen_image_tiny_build.source.config("text_encoder")["text_config"][
+        "num_hidden_layers"]
+    for mul in rows:  # without the multipliers, the padded rows differ
+        replace_uses(mul.outputs[0], mul.inputs[0])
+    (dropped,) = _run(model, feeds, tmp_path)
+    assert np.abs(ref - dropped).max() > 1e-3
 
 
 def test_attention_holding_its_scores_fused_in_head_groups(qwen_image_tiny_build, tiny_build, tiny_source,
@@ -110,7 +139,8 @@ def test_attention_holding_its_scores_fused_in_head_groups(qwen_image_tiny_build
     """With a bias or a mask, ONNX Runtime's fused attention holds its (B, N, S, L) probabilities; past
     SCORES_BOUND at the plan dims its heads are fused in groups, one node each, equal to the whole. With the bound
     at one byte every such attention splits: Qwen-Image's key mask (shared by the groups), T5's position bias (split
-    with its heads), CLIP's causal mask; the attentions without either (flash attention) stay whole."""
+    with its heads), CLIP's and the Qwen LLM's causal masks; the attentions without either (flash attention) stay
+    whole."""
     from engines.passes import fuse_attention
 
     monkeypatch.setattr(fuse_attention, "SCORES_BOUND", 1)
@@ -123,8 +153,8 @@ def test_attention_holding_its_scores_fused_in_head_groups(qwen_image_tiny_build
     def fused(counts, sub):
         return counts[sub]["fuse_attention"]["attentions_fused"]
 
-    assert grouped(qwen) == {"text_encoder": 0, "transformer": fused(qwen, "transformer"), "transformer_first_block": 1,
-                             "vae_decoder": 0, "vae_encoder": 0}
+    assert grouped(qwen) == {"text_encoder": fused(qwen, "text_encoder"), "transformer": fused(qwen, "transformer"),
+                             "transformer_first_block": 1, "vae_decoder": 0, "vae_encoder": 0}
     assert grouped(sd3) == {**{sub: fused(sd3, sub) for sub in ("text_encoder", "text_encoder_2", "text_encoder_3")},
                             "transformer": 0, "transformer_first_block": 0, "vae_decoder": 0, "vae_encoder": 0}
     # the groups' outputs are typed: ONNX's inference (to_fp16 runs it, then reads every type) does not know the op

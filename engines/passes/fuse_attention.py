@@ -6,14 +6,16 @@ Matched (BNSH = batch, heads, sequence, head dim):
     Q' = Q * s1   Kt' = Kt * s2                 (either scale optional)
     scores = MatMul(Q', Kt') [* s3] [+ bias ...]   (a bias (B|1, N|1, S, L), or a (B|1, 1, 1, L) key mask)
     P = Softmax(scores, axis=-1)  [Where(IsNaN(P), 0, P)]
-    out = Reshape(Transpose(MatMul(P, V), (0,2,1,3)), (B, S, N*D))
+    out = Reshape(Transpose(MatMul(P, V), (0,2,1,3)) [* row], (B, S, N*D))
 
-where Kt is K transposed, either as Transpose(K, (0,1,3,2)), Transpose(K_bsnh, (0,2,3,1)) or the
-Reshape/Transpose(0,2,1)/Reshape chain the dynamo exporter writes for SDPA. The score matrices
-are no longer graph tensors that ONNX Runtime allocates (the pass table in BENCHMARKS.md shows the
-lower peak). A key mask (Qwen-Image's padded text) is expanded over the queries, as attention_bias
-must be: (B, 1, S, L), one head's scores where the unfused graph held several tensors of B * N (its
-Edit model's ort-fp32 run at 5k tokens with CFG ran out of this machine's 24 GiB unfused).
+where row is a (B|1, S, 1, 1) multiplier of each query's output (0 for a query allowed no key: the sdpa rule
+our LLM encoders are traced with, export/families/llm_encoder.py), and Kt is K transposed, either as
+Transpose(K, (0,1,3,2)), Transpose(K_bsnh, (0,2,3,1)) or the Reshape/Transpose(0,2,1)/Reshape chain the
+dynamo exporter writes for SDPA. The score matrices are no longer graph tensors that ONNX Runtime
+allocates (the pass table in BENCHMARKS.md shows the lower peak). A key mask (Qwen-Image's padded
+text) is expanded over the queries, as attention_bias must be: (B, 1, S, L), one head's scores
+where the unfused graph held several tensors of B * N (its Edit model's ort-fp32 run at 5k tokens
+with CFG ran out of this machine's 24 GiB unfused).
 ONNX Runtime's CPU kernel runs as flash attention only without a bias or mask; with one it holds the
 (B, N, S, L) probabilities of the whole node. Where they would exceed SCORES_BOUND at the plan dims
 (the export's opt shape: Qwen-Image-Edit's 5.6k tokens at batch 2 made 6 GiB), the heads are fused
@@ -141,6 +143,7 @@ class _Match:
     scale: float
     num_heads: int
     output: ir.Value  # the (B, S, N*D) tensor the fused node produces
+    row: ir.Value | None  # a (B|1, S, 1, 1) multiplier of each query's output, applied after the fused node
 
 
 def _match(softmax: ir.Node) -> _Match | None:
@@ -179,12 +182,16 @@ def _match(softmax: ir.Node) -> _Match | None:
     transpose = only_use(use.outputs[0])
     if not is_op(transpose, "Transpose") or _perm(transpose) != (0, 2, 1, 3):
         return None
-    reshape = only_use(transpose.outputs[0])
+    reshape, row = only_use(transpose.outputs[0]), None
+    if is_op(reshape, "Mul"):
+        other = reshape.inputs[1 if reshape.inputs[0] is transpose.outputs[0] else 0]
+        if other.shape is not None and len(other.shape) == 4 and list(other.shape)[2:] == [1, 1]:
+            row, reshape = other, only_use(reshape.outputs[0])
     out = reshape.outputs[0] if is_op(reshape, "Reshape") else None
     if out is None or out.shape is None or len(out.shape) != 3:
         return None
     return _Match(softmax, _from_bnsh(q4), key, _from_bnsh(use.inputs[1]), biases, s1 * s2 * scale,
-                  q4.shape[1], out)
+                  q4.shape[1], out, row)
 
 
 def _to_bsh(b: Builder, heads: _Heads) -> ir.Value:
@@ -281,6 +288,8 @@ def _replace(graph: ir.Graph, m: _Match, index: int, groups: int) -> None:
         group.shape = m.output.shape if groups == 1 else ir.Shape([*m.output.shape[:2], per_group * _head_dim(m.value)])
         outs.append(group)
     out = outs[0] if groups == 1 else b.op("Concat", outs, axis=2)
+    if m.row is not None:  # (B, S, 1, 1) -> (B, S, 1): each query's multiplier over its N*D outputs
+        out = b.op("Mul", [out, b.op("Reshape", [m.row, b.const("attention_fused.bsh_shape", [0, 0, -1])])])
     out.name, out.shape, out.type = f"attention_fused_{index}.out", m.output.shape, m.output.type
     b.insert_before(m.softmax)
     replace_uses(m.output, out)
@@ -301,6 +310,7 @@ class FuseAttention(GraphPass):
             _replace(graph, m, i, g)
         if matches:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
+            graph.sort()  # a row multiplier is computed after the softmax it follows (stable: nothing else moves)
             RemoveUnusedNodesPass()(model)  # the replaced subgraphs, now unread
         counts = {"attentions_fused": len(matches), "nodes_removed": before - graph.num_nodes(),
                   "attentions_in_head_groups": sum(g > 1 for g in groups)}
