@@ -35,8 +35,8 @@ DEV_SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You 
 
 def text_layers(config: dict) -> tuple[int, ...]:
     """The text encoder's layers the export reads: its (text) config's `hidden_states_layers` where it has one
-    (openvino.genai reads the same key; the registry's shallow test and bench encoders set it), else the
-    pipeline's: dev's for a Mistral3 encoder, klein's for Qwen3."""
+    (the registry's shallow test and bench encoders set it; openvino.genai 2026.4.1 reads klein's whatever it
+    says: bench/family_variants.py), else the pipeline's: dev's for a Mistral3 encoder, klein's for Qwen3."""
     default = DEV_TEXT_LAYERS if config.get("model_type") == "mistral3" else TEXT_LAYERS
     return tuple(config.get("text_config", config).get("hidden_states_layers") or default)
 
