@@ -401,7 +401,7 @@ def test_taylorseer_equal_to_diffusers_lite_mode(pairs, case):
 ORIGINAL = {"double_blocks.0.img_attn.qkv": [f"transformer_blocks.0.attn.to_{x}" for x in "qkv"],
             "double_blocks.0.txt_attn.qkv": [f"transformer_blocks.0.attn.add_{x}_proj" for x in "qkv"],
             "double_blocks.0.img_mlp.0": ["transformer_blocks.0.ff.linear_in"],
-            "single_blocks.1.linear1": ["single_transformer_blocks.1.attn.to_qkv_mlp_proj"],
+            "single_blocks.0.linear1": ["single_transformer_blocks.0.attn.to_qkv_mlp_proj"],
             "single_blocks.0.linear2": ["single_transformer_blocks.0.attn.to_out"],
             "double_stream_modulation_img.lin": ["double_stream_modulation_img.linear"]}
 
