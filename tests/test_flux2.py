@@ -14,9 +14,10 @@ import torch
 
 # Measured: at most 3e-6 (images in [0, 1]) over the cases below; 1/255 is 3.9e-3.
 IMAGE_ATOL = 2e-5
-# The tiny model's random weights move the image little with a reference: measured 3e-3 to 6e-3, a thousand
-# times the parity error. A feature that did nothing would differ by 0.
-CHANGED = 1e-3
+# The tiny model's random weights move the image little with a reference or another prompt: measured 1e-3 (dev's
+# other prompt, with one single-stream block) to 6e-3, hundreds of times the parity error. A feature that did
+# nothing would differ by 0.
+CHANGED = 5e-4
 LAYERS = (1, 2, 3)  # flux2-klein-tiny's encoder is read at these (its config's hidden_states_layers)
 
 
