@@ -328,9 +328,9 @@ _FLUX2_VAE = {"latent_channels": 32, "patch_size": [2, 2], "batch_norm_eps": 0.0
               "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True}
 _FLUX2_SCHEDULER = {**_FLUX_DEV_SCHEDULER, "time_shift_type": "exponential"}
 # klein at tiny widths: head dim 64 (TensorRT's attention kernels want it), two heads, one double-stream block
-# and one single-stream block (each more is traced again by every FLUX.2 graph the tests export); Qwen3 at tiny widths with 4 layers, read at 1, 2 and 3 (its config's
-# `hidden_states_layers`: 28 layers to read klein's 9, 18 and 27 take 100 s to export), so the graph stops before
-# the last as klein's does.
+# and one single-stream block (each more is traced again by every FLUX.2 graph the tests export); Qwen3 at tiny
+# widths with 4 layers, read at 1, 2 and 3 (its config's `hidden_states_layers`: 28 layers to read klein's 9, 18
+# and 27 take 100 s to export), so the graph stops before the last as klein's does.
 FLUX2_KLEIN_TINY = {
     "transformer": _flux2(heads=2, head_dim=64, double=1, single=1, joint=3 * 32),
     "vae": {**_FLUX2_VAE, "block_out_channels": [8, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
