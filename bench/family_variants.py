@@ -103,7 +103,13 @@ WORKLOADS = {
 
 
 def _edit(references: int, height: int, width: int) -> dict:
-    return {"image": reference_images(references, height, width)} if references else {}
+    """The images to edit from: one as the image itself. QwenImageEditPipeline resizes a list's images for the VAE
+    but hands the vision tower them as given (VaeImageProcessor.resize returns a list unchanged): a list of one
+    512x512 image would give diffusers a third of the prompt tokens our runner (and diffusers on the image) encode."""
+    if not references:
+        return {}
+    images = reference_images(references, height, width)
+    return {"image": images[0] if references == 1 else images}
 
 
 def _video(latents: np.ndarray, temporal: int | None) -> dict:
