@@ -245,3 +245,15 @@ def test_flux2_export_relabelled_for_openvino_genai(tmp_path):
     model = openvino.Core().read_model(folder / "text_encoder" / "openvino_model.xml")
     assert [o.get_any_name() for o in model.outputs] == ["hidden_states.0", "hidden_states.9", "hidden_states.18",
                                                          "hidden_states.27"]
+
+
+def test_one_reference_goes_to_the_pipelines_as_the_image():
+    """diffusers' QwenImageEditPipeline resizes a picture for its vision tower only when it is passed alone (a list's
+    images go to the tower as given), so the bench passes one reference on its own and several as a list."""
+    from PIL import Image
+
+    from bench.family_variants import _edit
+
+    assert _edit(0, 64, 64) == {}
+    assert isinstance(_edit(1, 64, 96)["image"], Image.Image) and _edit(1, 64, 96)["image"].size == (96, 64)
+    assert [i.size for i in _edit(2, 64, 96)["image"]] == [(96, 64)] * 2
