@@ -94,6 +94,14 @@ def passes_fingerprint(names: dict[str, list[str]]) -> str:
     return digest([names, sorted(p.read_text() for p in used | shared)])
 
 
+def builder_fingerprint(target: Target) -> str:
+    """The code that builds the target's engines: its builder's module and the private modules beside it
+    that serve it (engines/targets/_<module>_*.py: OpenVINO's quantizer and weight compression). A changed
+    builder rebuilds that target's artifacts, as a changed pass rebuilds those that use it."""
+    module = Path(inspect.getfile(target.build_submodule))
+    return digest([p.read_text() for p in [module, *sorted(module.parent.glob(f"_{module.stem}_*.py"))]])
+
+
 def _recipe(source: dict, precision: str, onnx_dir: Path) -> Recipe:
     """The precision's passes. They turn float32 graphs into the precision; graphs exported in
     float16 are fp16 already and build as they are (and into nothing else: the quantizers and
@@ -168,7 +176,8 @@ def plan(build_dir: Path, target: str = "ort", precision: str = "fp32", *, optio
                 **({"memory": {"passes": list(memory_passes), "budget": memory_budget}} if memory else {}),
                 **({"runtime": own.runtime} if own else {})}
     cache_key = digest([ARTIFACT_FORMAT, export_read(source), settings, calibrated and calibrated.folder.name,
-                        passes_fingerprint(lists)])
+                        passes_fingerprint(lists),
+                        [builder_fingerprint(t) for t in (tgt, fallback_target) if t]])
     dest = build_dir / f"{target}-{precision}{'-memory' if memory else ''}{options.variant()}"
     fp32 = None if memory or (target, precision) == ("ort", "fp32") or source.get("dtype", "float32") != "float32" \
         else calibrated.artifact if calibrated else plan(build_dir, "ort", "fp32")

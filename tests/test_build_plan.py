@@ -181,3 +181,26 @@ def test_a_changed_export_manifest_makes_the_artifact_out_of_date(tiny_build, tm
     assert changed(lambda m: m["dims"]["batch"].__setitem__(2, 3))
     assert not changed(lambda m: m["submodules"]["transformer"]["export"].update(export_seconds=1e6))
     assert not changed(lambda m: m.update(cache_key="0" * 16))
+
+
+def test_a_changed_builder_makes_its_artifacts_out_of_date(tiny_build, tmp_path, monkeypatch):
+    """The target's builder code is in the cache key, as the passes' is: its module (ort's here) and the private
+    modules that serve it (OpenVINO's quantizer: a changed int8 recipe rebuilds the int8 artifacts)."""
+    from pathlib import Path
+
+    from engines.plan import builder_fingerprint
+    from engines.targets import get_target_named
+
+    for folder in ("onnx", "ort-fp32"):
+        shutil.copytree(tiny_build / folder, tmp_path / folder)
+    assert plan(tmp_path).up_to_date
+    openvino = builder_fingerprint(get_target_named("openvino"))
+    read = Path.read_text
+
+    def edit(file: str) -> None:
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read(self, *a, **k) + "#" * (self.name == file))
+
+    edit("ort.py")
+    assert not plan(tmp_path).up_to_date
+    edit("_openvino_int8.py")
+    assert builder_fingerprint(get_target_named("openvino")) != openvino
