@@ -198,8 +198,11 @@ def _stored(name: str, aliases: list[str], index: dict[str, dict],
         return key, ir.LazyTensor(lambda: ir.tensor(drawn_values(key, tuple(entry["shape"]), entry["drawn"],
                                                                  dtype.numpy())),
                                   dtype=dtype, shape=ir.Shape(entry["shape"]), name=name)
-    return key, ir.ExternalTensor(entry["file"].name, entry["offset"], entry["length"], dtype,
-                                  shape=ir.Shape(entry["shape"]), name=name, base_dir=entry["file"].parent)
+    # By absolute path, with no folder for onnx-ir to guard: given one, it refuses a file of several hard links (a
+    # model manager's shared folders, `cp -al` copies), its defence against a link planted in an untrusted model's
+    # folder. The path is the checkpoint's own, from its index (symlinks resolved), not one a graph file names.
+    return key, ir.ExternalTensor(str(entry["file"]), entry["offset"], entry["length"], dtype,
+                                  shape=ir.Shape(entry["shape"]), name=name)
 
 
 def defer_weight_transposes(model: ir.Model, table: WeightTable) -> int:

@@ -240,6 +240,24 @@ def test_weights_linked_from_elsewhere_are_read(tmp_path):
     np.testing.assert_array_equal(tensor.numpy(), weights)
 
 
+def test_weights_of_a_hard_linked_checkpoint_are_read(tmp_path):
+    """A checkpoint file with several hard links (a model manager's shared folders, a `cp -al` copy of the cache):
+    onnx-ir refuses such a file where it guards a folder, so the weights are read by their file's own path."""
+    import os
+
+    from safetensors.numpy import save_file
+
+    from export.lazy_weights import _stored
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for folder in ("model", "copy"):
+        (tmp_path / folder).mkdir()
+    save_file({"proj.weight": weights}, tmp_path / "model" / "model.safetensors")
+    os.link(tmp_path / "model" / "model.safetensors", tmp_path / "copy" / "model.safetensors")
+    _, tensor = _stored("wrapper.proj.weight", ["wrapper.proj.weight"], checkpoint_index(tmp_path / "copy"))
+    np.testing.assert_array_equal(tensor.numpy(), weights)
+
+
 def test_fp16_export_keeps_float32_io_and_t5s_wo(lazy_export):
     model, _, counts = lazy_export("text_encoder_3", "float16")
     assert model.graph.inputs[0].dtype == ir.DataType.INT64 and model.graph.outputs[0].dtype == ir.DataType.FLOAT
