@@ -263,7 +263,8 @@ def test_refusals_and_warnings(pair, caplog):
 
 # Image PSNR against ort-fp32 per call (no guidance; true CFG with a reference), measured by the test below on a Xeon
 # with AMX (calibrated on 4 prompts x 4 steps, every other call with a reference): ort fp16 77.5, 76.4 dB; openvino
-# bf16 57.4, 56.8, int8 37.5, 37.5 (45.4 and 44.9 without the reference on an EPYC with AVX512-BF16 and VNNI). Bounds
+# bf16 57.4, 56.8, int8 37.5, 37.5 (45.4 and 44.9 without the reference on an EPYC with AVX512-BF16 and VNNI;
+# 44.8 and 45.2 on a Zen 3 without VNNI, 27.3 there before int8's weights took 7 bits: docs/openvino.md). Bounds
 # 5 dB under fp16's; OpenVINO's are Qwen-Image's (CI's AMX loses about 19 dB more on bf16: see
 # tests/test_qwen_image.py). The suite runs these three for its time; the other precisions' passes are the other
 # families' tests'.
