@@ -57,12 +57,6 @@ def cpu_line(cpuinfo: str) -> str:
     return f"{cpu_name(cpuinfo)}; matrix instructions: {has}{missing}"
 
 
-def has_vnni(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU multiplies int8 with VNNI. Without it (AVX2's vpmaddubsw), the u8 x s8 products of
-    ONNX Runtime's and OpenVINO's int8 kernels saturate at 16 bits: int8 artifacts lose accuracy there."""
-    return bool(_flags(_cpuinfo() if cpuinfo is None else cpuinfo) & set(dict(MATRIX_FLAGS)["VNNI"]))
-
-
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text()

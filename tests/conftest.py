@@ -489,18 +489,6 @@ def assert_served_image(served, expected, what="") -> None:
     assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-3, (what, int(diff.max()), float(np.mean(diff > 0)))
 
 
-def int8_bounds(bounds: dict, without_vnni: dict) -> dict:
-    """The int8 bounds for this CPU: `bounds` as measured on one with VNNI, or those of `without_vnni` in
-    their place (nested dicts merged), as measured on one without (bench.report.has_vnni: its int8
-    kernels saturate, and int8 images come out 10 to 30 dB lower)."""
-    from bench.report import has_vnni
-
-    if has_vnni():
-        return bounds
-    return {k: int8_bounds(v, without_vnni[k]) if isinstance(v, dict) and k in without_vnni
-            else without_vnni.get(k, v) for k, v in bounds.items()}
-
-
 @contextmanager
 def library_deep_cache(reference, interval: int):
     """The DeepCache library's own `DeepCacheSDHelper` at branch 0 on diffusers' pipeline `reference` (the

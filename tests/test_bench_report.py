@@ -12,7 +12,7 @@ import pytest
 import bench.run
 from bench import accuracy
 from bench.prepare import default_precision, sibling_build
-from bench.report import cpu_line, cpu_name, has_vnni, render
+from bench.report import cpu_line, cpu_name, render
 from bench.run import Run
 from bench.tables import caches
 from engines.plan import _recipe
@@ -57,10 +57,6 @@ def test_the_cpu_line_names_the_model_its_numbers_and_matrix_instructions():
     assert cpu_line(OLD_XEON) == ("Intel(R) Xeon(R) CPU E5-2686 v4 @ 2.30GHz (family 6, model 79); matrix "
                                   "instructions: none, no AVX-512, no VNNI, no BF16, no AMX")
     assert cpu_name("model name\t: Some ARM core\n") == "Some ARM core"  # no family or model numbers to give
-
-
-def test_vnni_is_read_from_the_flags():  # the int8 tests' bounds follow it (conftest.int8_bounds)
-    assert has_vnni(SAPPHIRE_RAPIDS) and has_vnni(EPYC_HIDDEN) and not has_vnni(OLD_XEON)
 
 
 def _report(command: str, title: str, value: str, gemm: float = 100.0) -> dict:

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto
 from onnxruntime.quantization.quant_utils import quantize_data
 
-from runners.adapters.quantized import E4M3FN, dequantize, quantize, to_e4m3fn
+from runners.adapters.quantized import E4M3FN, INT8_CODES, dequantize, quantize, to_e4m3fn
 
 
 def test_e4m3fn_rounding_is_ml_dtypes():
@@ -23,16 +23,19 @@ def test_e4m3fn_rounding_is_ml_dtypes():
                           equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype, onnx_type", [("int8", TensorProto.INT8), ("float8_e4m3fn", TensorProto.FLOAT8E4M3FN)])
-def test_per_channel_quantization_is_onnx_runtimes(dtype, onnx_type):
-    """A (in, out) MatMul weight, per output channel (axis 1), as ONNX Runtime's quantizers do it."""
+@pytest.mark.parametrize("dtype, onnx_type, codes", [("int8", TensorProto.INT8, INT8_CODES),
+                                                     ("int8", TensorProto.INT8, 127),  # artifacts before 7 bits
+                                                     ("float8_e4m3fn", TensorProto.FLOAT8E4M3FN, None)])
+def test_per_channel_quantization_is_onnx_runtimes(dtype, onnx_type, codes):
+    """A (in, out) MatMul weight, per output channel (axis 1), as ONNX Runtime's quantizers do it (int8: with
+    reduce_range, as engines/passes/quantize.py builds ort-int8 now, and without, as it did before)."""
     w = (np.random.default_rng(1).standard_normal((48, 6)) * [0.01, 0.1, 1, 3, 20, 0]).astype(np.float32)
-    codes, scale = quantize(w, 1, dtype)
-    assert not dequantize(codes, scale, 1, dtype)[:, -1].any()  # an all-zero channel (ONNX Runtime's fp8 rule: 0/0)
+    codes_, scale = quantize(w, 1, dtype, **({"codes": codes} if codes else {}))
+    assert not dequantize(codes_, scale, 1, dtype)[:, -1].any()  # an all-zero channel (ONNX Runtime's fp8 rule: 0/0)
     for c in range(w.shape[1] - 1):
-        _, ref_scale, ref_codes = quantize_data(w[:, c], onnx_type, symmetric=True)
+        _, ref_scale, ref_codes = quantize_data(w[:, c], onnx_type, symmetric=True, reduce_range=codes == INT8_CODES)
         assert np.isclose(scale[c], ref_scale, rtol=1e-6), c
-        assert np.array_equal(codes[:, c].view(np.uint8), np.asarray(ref_codes).view(np.uint8)), c
-    back = dequantize(codes, scale, 1, dtype)
-    step = np.abs(w).max(axis=0) / (127 if dtype == "int8" else 8)  # a code's step, at worst
+        assert np.array_equal(codes_[:, c].view(np.uint8), np.asarray(ref_codes).view(np.uint8)), c
+    back = dequantize(codes_, scale, 1, dtype)
+    step = np.abs(w).max(axis=0) / (codes or 8)  # a code's step, at worst
     assert (np.abs(back - w) <= step + 1e-12).all()

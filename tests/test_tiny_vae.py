@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_VAE, assert_real_image, int8_bounds, manifest, smooth_image, with_tiny_vae
+from conftest import TINY_VAE, assert_real_image, manifest, smooth_image, with_tiny_vae
 from runners import Pipeline
 
 ONE_LEVEL = 1 / 255
-# openvino-int8 with the tiny VAE against ort-fp32 with it, sd3-tiny 64x64 (measured 50.2-50.8 dB with VNNI)
-MIN_INT8_PSNR = int8_bounds({"psnr": 45.0}, {"psnr": 25.0})["psnr"]
+# openvino-int8 with the tiny VAE against ort-fp32 with it, sd3-tiny 64x64 (measured 50.2-50.8 dB with VNNI, 53.4 on
+# a Zen 3 with 7-bit weights)
+MIN_INT8_PSNR = 45.0
 
 
 @pytest.fixture(scope="module")

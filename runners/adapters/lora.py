@@ -267,7 +267,8 @@ def adapted(table: WeightTable, deltas: dict, base) -> dict[str, np.ndarray]:
                                 f"the weight {value[index].shape}: the adapter is for another model")
             value[index] += change
         if quantized:
-            out[name], out[quantized["scale"]] = quantize(value, quantized["axis"], record["dtype"])
+            out[name], out[quantized["scale"]] = quantize(value, quantized["axis"], record["dtype"],
+                                                          quantized.get("codes", 127))
         else:
             out[name] = value.astype(np.dtype(record["dtype"]))
     return out

@@ -1,5 +1,6 @@
 """Quantized weights as ONNX Runtime's quantizers store them (engines/passes/quantize.py), in numpy:
-int8 symmetric per channel (W = q * scale, scale = max |W| / 127) and fp8 E4M3 per channel
+int8 symmetric per channel (W = q * scale, scale = max |W| / 64: 7-bit codes, the record's `codes`; 127 in
+artifacts built before 7-bit weights, which record none) and fp8 E4M3 per channel
 (W = fp8(q) * scale, scale = std(W) / the std of E4M3's values, saturating at 448). An adapter on a
 quantized artifact dequantizes each weight it changes, adds its change, and quantizes the result
 again by the quantizer's own rule: the weight scales are computed afresh, the activation scales
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 FLOAT8_E4M3FN = np.dtype([("float8_e4m3fn", np.uint8)])
+INT8_CODES = 64  # the largest int8 weight code: ONNX Runtime's reduce_range (why: engines/passes/quantize.py)
 STORAGE = {"int8": np.dtype(np.int8), "float8_e4m3fn": FLOAT8_E4M3FN}  # a record's dtype -> numpy's
 
 
@@ -51,11 +53,12 @@ def dequantize(q: np.ndarray, scale: np.ndarray, axis: int, dtype: str) -> np.nd
     return (values * _per_channel(scale, q.ndim, axis)).astype(np.float32)
 
 
-def quantize(w: np.ndarray, axis: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, per-channel float32 scales along `axis`) of `w`, by the quantizer's rule for `dtype`."""
+def quantize(w: np.ndarray, axis: int, dtype: str, codes: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, per-channel float32 scales along `axis`) of `w`, by the quantizer's rule for `dtype` (int8: codes
+    -`codes`..`codes`)."""
     others = tuple(a for a in range(w.ndim) if a != axis)
     if dtype == "int8":
-        scale = np.abs(w).max(axis=others) / np.float32(127)
+        scale = np.abs(w).max(axis=others) / np.float32(codes)
     elif dtype == "float8_e4m3fn":
         scale = w.std(axis=others, dtype=np.float64) / np.std(_FINITE)
     else:
@@ -63,5 +66,5 @@ def quantize(w: np.ndarray, axis: int, dtype: str) -> tuple[np.ndarray, np.ndarr
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
     x = w / _per_channel(scale, w.ndim, axis)
     if dtype == "int8":
-        return np.clip(np.rint(x), -127, 127).astype(np.int8), scale
+        return np.clip(np.rint(x), -codes, codes).astype(np.int8), scale
     return to_e4m3fn(x), scale
