@@ -18,6 +18,7 @@ from engines.lora import apply_loras
 from lora_adapters import ATTENTION, CLIP_ATTENTION, make_adapter, to_kohya, with_peft_naming
 from runners import Pipeline
 from runners.adapters.lora import LoraError, artifact_weights, submodule_tables
+from runners.adapters.quantized import INT8_CODES
 
 ONE_LEVEL = 1 / 255
 CALL = dict(prompt="a photo of a cat", height=64, width=64, num_inference_steps=4, output_type="np")
@@ -296,6 +297,9 @@ def test_quantized_artifacts_take_adapters_quantized_again(tiny_artifact, precis
     assert requantized and all(quantized[n]["quantized"]["scale"] in changed for n in requantized)
     assert all(changed[n].dtype.itemsize == 1 and changed[n].shape == tuple(initializers[n].shape)
                for n in requantized)
+    if precision == "int8":  # quantized again on the artifact's 7-bit codes (runners/adapters/quantized.py)
+        assert {r["quantized"]["codes"] for r in quantized.values()} == {INT8_CODES}
+        assert all(np.abs(changed[n].astype(np.int16)).max() == INT8_CODES for n in requantized)
     latents = _latents(16, seed=5)
     ref = Pipeline.load(tiny_artifact, loras=adapters)(latents=latents, **CALL)
     base = Pipeline.load(artifact)(latents=latents, **CALL)
