@@ -36,12 +36,12 @@ COMPANIONS = [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
 
 def _companions(pipe) -> list[tuple[str, str, str]]:
     """(graph, the denoiser graph it goes beside, the denoiser output it takes) of each step cache's graph the
-    pipeline opened: the denoiser's (transformer_first_block beside transformer), and a handover's second's
+    pipeline was loaded with: the denoiser's (transformer_first_block beside transformer), and a handover's second's
     (transformer_2_first_block beside transformer_2)."""
     denoiser = pipe.constants["denoiser"]
     return [(graph, engine, c.output) for c in COMPANIONS for engine in pipe.sessions
             for graph in [c.graph_for(denoiser, None if engine == denoiser else engine)]
-            if graph != engine and graph in pipe.sessions]
+            if graph != engine and graph in pipe.opened]
 
 # What a recording holds, in its key: older recordings, which lack the tiny autoencoder's calls, are made again.
 RECORDED = "engine calls, the tiny autoencoder's fed as the VAE's"
@@ -153,6 +153,7 @@ def _record(artifact: Path, settings: CalibrationSettings, dest: Path) -> Path:
         pipe = Pipeline.load(artifact, verify=False)
         pipe.recorder = _with_tiny_vae(pipe, store.record)
         for graph, denoiser, output in _companions(pipe):
+            pipe.open_cache_graph(graph)  # a cache's graph opens at its first use: here, beside every denoiser call
             pipe.run = _CompanionRecorder(pipe, store, graph, denoiser, output)
         size = settings.side(pipe.constants["default_image_size"], pipe.dims["image_height"][0])
         inpainting = pipe.inpainting_denoiser()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.caches import CacheConfig, StepCache, merged_stats, parse_cache
+from runners.caches import CacheConfig, StepCache, cache_graphs, merged_stats, parse_cache
 from runners.call import Call, Calls
 from runners.backends import backend_of, get_backend, open_session, thread_backends
 from runners.adapters.lora import adapted_submodules, base_values, submodule_tables
@@ -85,6 +85,7 @@ class Pipeline:
         self.cache_stats: dict = {}  # denoiser evaluations of the last call: full, cached and their seconds
         self.device_map = dict(device_map or {})
         self.opened = list(submodules or manifest["submodules"])
+        self.cache_graphs = cache_graphs(manifest)  # opened by the first call that caches with them
         self.constants = manifest["pipeline"]
         self.dims = manifest["dims"]
         self.progress = progress
@@ -131,15 +132,21 @@ class Pipeline:
                             **branches, **self._session_options)
 
     def _open_sessions(self, profile: bool = False) -> dict:
-        sessions = {}
+        """The engines of `opened`, but a cache's graph only once a call has opened it (`open_cache_graph`)."""
+        sessions, opened_before = {}, set(getattr(self, "sessions", ()))
         try:
             for name in self.manifest["submodules"]:
-                if name in self.opened:
+                if name in self.opened and (name not in self.cache_graphs or name in opened_before):
                     sessions[name] = self._open_session(name, profile)
         except BaseException:  # the engines opened before the failing one hold device memory too
             _close_all(sessions)
             raise
         return sessions
+
+    def open_cache_graph(self, name: str) -> None:
+        """Open a cache's graph (`cache_graphs`) with the adapters in use, at the first call that runs it."""
+        if name not in self.sessions:
+            self.sessions[name] = self._open_session(name, profile=self.profiler is not None)
 
     def set_loras(self, loras: dict, ignore_unmatched: bool = False, inputs: tuple | None = None) -> None:
         """Switch to `loras` ({adapter path: scale}; {} for none) before the next call. The adapted

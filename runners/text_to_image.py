@@ -195,7 +195,7 @@ class TextToImage(Pipeline):
         mask for an inpainting denoiser (one that takes the mask and the masked image as channels)."""
         unused = {name for kind in VAE_ENGINES.values() if kind != self.vae_engines for name in kind}
         missing = [n for n in self.manifest["submodules"] if n not in self.sessions and n not in unused
-                   and (n != self.vae_engines[1] or task != TEXT)]
+                   and n not in self.cache_graphs and (n != self.vae_engines[1] or task != TEXT)]
         if missing:
             raise ValueError(f"{task} needs {', '.join(missing)}, which this pipeline was loaded without "
                              "(Pipeline.load(..., submodules=...))")

@@ -107,3 +107,21 @@ def test_spelled_config_and_refusal_without_the_split():
         with pytest.raises(ValueError, match="needs the transformer split after its first block") as refused:
             FirstBlockCacheConfig(0.08).check(manifest)
         assert "\n" not in str(refused.value) and "use taylorseer" in str(refused.value)
+
+
+def test_the_first_block_graph_opens_at_the_first_call_that_caches(tiny_artifact):
+    """Loading does not open transformer_first_block (a call without the cache never runs it); the first cached
+    call opens it, and a pipeline loaded without it refuses the cache in one line."""
+    from runners.caches import cache_graphs
+
+    with Pipeline.load(tiny_artifact) as pipe:
+        assert cache_graphs(pipe.manifest) == {"transformer_first_block"}
+        pipe(**{**SD3_CALL, "num_inference_steps": 2})
+        assert "transformer_first_block" not in pipe.sessions
+        pipe(**{**SD3_CALL, "num_inference_steps": 2}, cache="first-block:0.32")
+        assert "transformer_first_block" in pipe.sessions and pipe.cache_stats["full"] >= 1
+    without = [n for n in Pipeline.load(tiny_artifact, verify=False).manifest["submodules"]
+               if n != "transformer_first_block"]
+    with Pipeline.load(tiny_artifact, submodules=without) as pipe:
+        with pytest.raises(ValueError, match="runs transformer_first_block, which this pipeline did not open"):
+            pipe(**{**SD3_CALL, "num_inference_steps": 2}, cache="first-block:0.32")

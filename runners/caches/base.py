@@ -65,9 +65,10 @@ class GraphCacheConfig(CacheConfig):
         if graph not in pipe.manifest["submodules"]:
             raise ValueError(f"{self.title} needs {graph} for {engine}; this artifact has none: export the model "
                              "again and rebuild, or use taylorseer")
-        if graph not in pipe.sessions:
+        if graph not in pipe.opened:
             raise ValueError(f"{self.title} runs {graph}, which this pipeline did not open: load it without "
                              "`submodules=`, or with it among them")
+        pipe.open_cache_graph(graph)
         state = self.state(self, pipe, num_steps)
         state.engine, state.graph = engine, graph
         return state
@@ -76,6 +77,15 @@ class GraphCacheConfig(CacheConfig):
     def graph_for(cls, denoiser: str, engine: str | None) -> str:
         """The cache's graph for the denoiser graph `engine`: transformer_2's `transformer_2_first_block`."""
         return cls.graph if engine is None else engine + cls.graph.removeprefix(denoiser)
+
+
+def cache_graphs(manifest: dict) -> set[str]:
+    """The artifact's graphs that only a graph cache runs (`transformer_first_block`, `transformer_2_first_block`,
+    `unet_shallow`): a pipeline opens them at the first call that caches with them, not at load, where a session
+    would cost time and a copy of the first block's weights for calls that never run it."""
+    denoiser, names = manifest["pipeline"]["denoiser"], set(manifest["submodules"])
+    graph_caches = [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
+    return {c.graph_for(denoiser, engine) for c in graph_caches for engine in names} & names
 
 
 class StepCache:
