@@ -132,11 +132,12 @@ class Pipeline:
                             **branches, **self._session_options)
 
     def _open_sessions(self, profile: bool = False) -> dict:
-        """The engines of `opened`, but a cache's graph only once a call has opened it (`open_cache_graph`)."""
-        sessions, opened_before = {}, set(getattr(self, "sessions", ()))
+        """The engines of `opened` but the caches' graphs, which the first call that runs one opens (`open_cache_graph`;
+        a profiled call opens it profiled)."""
+        sessions = {}
         try:
             for name in self.manifest["submodules"]:
-                if name in self.opened and (name not in self.cache_graphs or name in opened_before):
+                if name in self.opened and name not in self.cache_graphs:
                     sessions[name] = self._open_session(name, profile)
         except BaseException:  # the engines opened before the failing one hold device memory too
             _close_all(sessions)
