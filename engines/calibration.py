@@ -23,15 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.caches import CONFIGS
-from runners.caches.base import GraphCacheConfig
+from runners.caches import graph_caches  # the package: every cache registered
 from runners.manifest import atomic_folder, digest, exclusive, is_current, read_manifest, write_manifest
 from runners.options import declared
 from runners.pipeline import VAE_ENGINES, Pipeline
 
 # The step caches that run a graph beside the denoiser (runners/caches/), each taking one of its outputs: the graphs
 # are recorded beside every call of their denoiser, so that a calibrated build calibrates them too.
-COMPANIONS = [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
+COMPANIONS = graph_caches()
 
 
 def _companions(pipe) -> list[tuple[str, str, str]]:

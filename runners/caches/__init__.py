@@ -9,10 +9,11 @@ counts both. A fresh state starts with every call, so no call sees another's out
 
 `Pipeline.enable_cache(config)` / `disable_cache()` / `pipe(..., cache=config)`; the CLI and
 serving spell a config as text, parsed by `parse_cache` ("taylorseer:interval=3,before=6")."""
-from runners.caches.base import CONFIGS, CacheConfig, StepCache, cache_graphs, merged_stats, parse_cache
+from runners.caches.base import (CONFIGS, CacheConfig, StepCache, cache_graphs, graph_caches, merged_stats,
+                                 parse_cache)
 from runners.caches.deep_cache import DeepCacheConfig  # registers itself with parse_cache
 from runners.caches.first_block import FirstBlockCacheConfig  # registers itself with parse_cache
 from runners.caches.taylorseer import TaylorSeerCacheConfig  # registers itself with parse_cache
 
 __all__ = ["CONFIGS", "CacheConfig", "DeepCacheConfig", "FirstBlockCacheConfig", "StepCache", "TaylorSeerCacheConfig",
-           "cache_graphs", "merged_stats", "parse_cache"]
+           "cache_graphs", "graph_caches", "merged_stats", "parse_cache"]

@@ -79,13 +79,17 @@ class GraphCacheConfig(CacheConfig):
         return cls.graph if engine is None else engine + cls.graph.removeprefix(denoiser)
 
 
+def graph_caches() -> list[type]:
+    """The registered caches that run a graph of their own (GraphCacheConfig's subclasses)."""
+    return [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
+
+
 def cache_graphs(manifest: dict) -> set[str]:
     """The artifact's graphs that only a graph cache runs (`transformer_first_block`, `transformer_2_first_block`,
     `unet_shallow`): a pipeline opens them at the first call that caches with them, not at load, where a session
     would cost time and a copy of the first block's weights for calls that never run it."""
     denoiser, names = manifest["pipeline"]["denoiser"], set(manifest["submodules"])
-    graph_caches = [c for c in CONFIGS.values() if issubclass(c, GraphCacheConfig)]
-    return {c.graph_for(denoiser, engine) for c in graph_caches for engine in names} & names
+    return {c.graph_for(denoiser, engine) for c in graph_caches() for engine in names} & names
 
 
 class StepCache:
