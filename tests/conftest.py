@@ -286,7 +286,7 @@ def _tiny_build_fixture(name: str, shares_with: str | None):
 # ...), and the model whose components (text encoders, VAE) it shares.
 TINY_MODELS = {"sd15-tiny": None, "sd15-inpaint-tiny": "sd15-tiny", "sdxl-tiny": None, "flux-tiny": None,
                "flux-schnell-tiny": "flux-tiny", "flux-fill-tiny": "flux-tiny", "flux-control-tiny": "flux-tiny",
-               "flux-kontext-tiny": "flux-tiny", "z-image-tiny": "flux-tiny", "flux2-klein-tiny": None,
+               "flux-kontext-tiny": "flux-tiny", "z-image-tiny": None, "flux2-klein-tiny": None,
                "flux2-klein-base-tiny": "flux2-klein-tiny", "flux2-dev-tiny": "flux2-klein-tiny",
                "flux2-klein-kv-tiny": "flux2-klein-tiny", "qwen-image-tiny": None,
                "qwen-image-edit-tiny": "qwen-image-tiny", "qwen-image-edit-plus-tiny": "qwen-image-edit-tiny",

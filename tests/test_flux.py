@@ -271,3 +271,12 @@ def test_static_builds_are_refused_for_flux(builds):
     with pytest.raises(TargetError, match=r"^--static is not supported for Flux: its transformer's image token count "
                                           r"and T5 length follow each request"):
         plan(builds["dev"].folder, "trt-rtx", "fp16", options=rtx_options(static=StaticRequest()))
+
+
+def test_the_vae_graphs_are_flux_tinys(z_image_tiny_build, flux_tiny_build):
+    """Z-Image's VAE is FLUX.1's, described by the same code in both families: whichever of the two exports comes
+    second links the other's graphs rather than tracing them again (the submodule's key names the code that wraps
+    it, not the family). Here, where flux-tiny's tests build both: z-image-tiny's tests come first in a suite run."""
+    for name in ("vae_decoder", "vae_encoder"):
+        ours, flux = ((b.folder / "onnx" / f"{name}.onnx").stat().st_ino for b in (z_image_tiny_build, flux_tiny_build))
+        assert ours == flux, name

@@ -140,15 +140,16 @@ def _complete(config: dict, folder: Path, base, out: Path) -> None:
 
 
 def _build_random(base, seed: int, out, inpainting: bool = False) -> None:
-    """A ZImageControlNetModel for the base's transformer with a control block after each of its layers and
-    seeded random weights in its zero-initialised projections (zero ones would change nothing, and a test
-    could not tell): 1.0's layout, or with `inpainting` 2.1's (33 channels, a control noise refiner)."""
+    """A ZImageControlNetModel for the base's transformer with a control block at every fifth of its layers from
+    the first, as 1.0's places (0, 5, ... 25 of 30; z-image-tiny's second layer then runs without a residual), and
+    seeded random weights in its zero-initialised projections (zero ones would change nothing, and a test could
+    not tell): 1.0's layout, or with `inpainting` 2.1's (33 channels, a control noise refiner)."""
     from diffusers import ZImageControlNetModel
 
     tr = base.config("transformer")
     torch.manual_seed(seed)
     controlnet = ZImageControlNetModel(
-        control_layers_places=list(range(tr["n_layers"])),
+        control_layers_places=list(range(0, tr["n_layers"], 5)),
         control_refiner_layers_places=list(range(tr["n_refiner_layers"])) if inpainting else None,
         control_in_dim=2 * tr["in_channels"] + 1 if inpainting else tr["in_channels"],
         add_control_noise_refiner="control_noise_refiner" if inpainting else None,
