@@ -276,7 +276,8 @@ def test_static_builds_are_refused_for_flux(builds):
 def test_the_vae_graphs_are_flux_tinys(z_image_tiny_build, flux_tiny_build):
     """Z-Image's VAE is FLUX.1's, described by the same code in both families: whichever of the two exports comes
     second links the other's graphs rather than tracing them again (the submodule's key names the code that wraps
-    it, not the family). Kept with flux-tiny's tests: z-image-tiny's, first in a suite run, have built theirs by then."""
+    it, not the family). Kept with flux-tiny's tests: z-image-tiny's, first in a suite run, have built it by
+    then."""
     for name in ("vae_decoder", "vae_encoder"):
         ours, flux = ((b.folder / "onnx" / f"{name}.onnx").stat().st_ino for b in (z_image_tiny_build, flux_tiny_build))
         assert ours == flux, name
