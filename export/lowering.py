@@ -84,8 +84,13 @@ def _to_copy(rw: _Rewriter, node) -> None:
 
 
 def _clone(rw: _Rewriter, node) -> None:
-    """An op that is the identity in inference (a contiguous copy, an evaluation's dropout)."""
+    """An op that is the identity in inference (an evaluation's dropout, a detach): a copy."""
     node.target, node.args, node.kwargs = aten.clone.default, (node.args[0],), {}
+
+
+def _contiguous(rw: _Rewriter, node) -> None:
+    """A contiguous copy, which a view after it may need (the fake tensors are run again after this pass)."""
+    node.target, node.args, node.kwargs = aten.clone.default, (node.args[0],), {"memory_format": torch.contiguous_format}
 
 
 def _flatten(rw: _Rewriter, node) -> None:
@@ -227,7 +232,7 @@ def _casts_nothing(node) -> bool:
 # where it writes to a tensor of its own (`_writes_a_fresh_tensor`)
 REWRITES = {
     aten.to.dtype: (_to_copy,), aten.to.device: (_to_copy,), aten.to.dtype_layout: (_to_copy,),
-    aten.contiguous.default: (_clone,), aten.dropout.default: (_clone, lambda node: not node.args[2]),
+    aten.contiguous.default: (_contiguous,), aten.dropout.default: (_clone, lambda node: not node.args[2]),
     aten.detach_.default: (_clone,), aten.rms_norm.default: (_rms_norm,), aten.outer.default: (_outer,),
     aten.movedim.int: (_movedim,), aten.square.default: (_square,), aten.rsub.Scalar: (_rsub,),
     aten.min.other: (_renamed(aten.minimum.default),),
@@ -271,7 +276,10 @@ def rewrite(program: torch.export.ExportedProgram, implemented: set) -> bool:
                 continue
             value = node.meta.get("val")
             if node.op == "call_function" and isinstance(value, torch.SymInt):
-                rw.sizes.setdefault(value.node.expr, node)
+                first = rw.sizes.setdefault(value.node.expr, node)
+                if first is not node:  # one size read once, as the decomposition's trace reads it
+                    rw.replace(node, first)
+                    continue
             if _rewritten(node, implemented):
                 with module.graph.inserting_before(node):
                     _rewrite_of(node)[0](rw, node)
@@ -290,6 +298,10 @@ def rewritten_in_place():
     def lower(program, registry):
         if rewrite(program, set(_decomp.get_onnx_implemented_overloads(registry))):
             return program
+        implemented = set(_decomp.get_onnx_implemented_overloads(registry))  # TEMP
+        with open("/tmp/lowering_fallbacks.log", "a") as f:  # TEMP
+            f.write(repr({str(n.target) for m in program.graph_module.modules() for n in m.graph.nodes  # TEMP
+                          if _rewritten(n, implemented) is False}) + "\n")  # TEMP
         return decompose(program, registry)
 
     with mock.patch.object(_fx_passes, "decompose_with_registry", lower):

@@ -28,7 +28,7 @@ class EveryRewrite(torch.nn.Module):
     def forward(self, x, mask):
         b, n, _ = x.shape
         h = self.proj(x).unflatten(-1, (4, -1)).transpose(1, 2)  # (b, 4, n, 4)
-        h = h.reshape(b, n, 16).contiguous()  # a reshape that copies
+        h = h.contiguous().view(b, 4 * n, 4).view(b, 4, n, 4).transpose(1, 2).reshape(b, n, 16)  # views of a copy
         q, k = self.drop(h).chunk(2, dim=-1)
         with torch.autocast("cuda", enabled=False):  # as diffusers' RoPE: casts nothing on a CPU
             rope = (q.float() * k.to(torch.float64)).to(x.dtype)
