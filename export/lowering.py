@@ -298,10 +298,6 @@ def rewritten_in_place():
     def lower(program, registry):
         if rewrite(program, set(_decomp.get_onnx_implemented_overloads(registry))):
             return program
-        implemented = set(_decomp.get_onnx_implemented_overloads(registry))  # TEMP
-        with open("/tmp/lowering_fallbacks.log", "a") as f:  # TEMP
-            f.write(repr({str(n.target) for m in program.graph_module.modules() for n in m.graph.nodes  # TEMP
-                          if _rewritten(n, implemented) is False}) + "\n")  # TEMP
         return decompose(program, registry)
 
     with mock.patch.object(_fx_passes, "decompose_with_registry", lower):
