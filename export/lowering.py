@@ -3,10 +3,11 @@ instead of tracing the whole graph a second time.
 
 torch.onnx.export captures a graph (torch.export's training IR) and then runs `run_decompositions` on it, which
 traces every operator again through the dispatcher: about as long as the capture itself, for graphs whose
-operators ONNX implements nearly all already. `rewritten_in_place` takes that step's place during an export: it
+operators ONNX implements nearly all already. `lowered_in_place` takes that step's place during an export: it
 rewrites the nodes that step would decompose as it would (a reshape as a contiguous copy's view, a dtype
 conversion as `_to_copy`, an autocast region that casts nothing inlined, ...), and leaves a graph with any other
-operator ONNX lacks to the exporter's own decomposition. test_lowering.py compares the graphs of both ways.
+operator ONNX lacks to the exporter's own decomposition. The exporter's type promotion pass, which runs every node
+again on fake tensors, runs only the nodes it may promote. test_lowering.py compares the graphs of both ways.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from unittest import mock
 
 import torch
 from torch.onnx._internal.exporter import _decomp, _fx_passes
+from torch.onnx._internal.fx.passes import type_promotion
 
 aten = torch.ops.aten
 # Removed by the exporter after the decomposition step (its `remove_assertion_nodes`).
@@ -290,9 +292,22 @@ def rewrite(program: torch.export.ExportedProgram, implemented: set) -> bool:
     return True
 
 
+def _promoting_only(run_node):
+    """The exporter's type promotion pass runs every node again on fake tensors to learn its inputs' dtypes, which
+    the values the capture recorded (`meta["val"]`) already give: only a node it may promote is run (with the casts
+    it inserts, or whose output it casts back, a later node's inputs keep their dtypes)."""
+    def run(interpreter, node):
+        if (node.op == "call_function" and "val" in node.meta
+                and type_promotion.get_type_promotion_rule(node, interpreter.type_promotion_table) is None):
+            return node.meta["val"]
+        return run_node(interpreter, node)
+    return run
+
+
 @contextlib.contextmanager
-def rewritten_in_place():
-    """torch.onnx.export within lowers its graphs by `rewrite`, or, where that cannot, by its own decomposition."""
+def lowered_in_place():
+    """torch.onnx.export within lowers its graphs by `rewrite`, or, where that cannot, by its own decomposition; and
+    runs again only the nodes its type promotion may change."""
     decompose = _fx_passes.decompose_with_registry
 
     def lower(program, registry):
@@ -300,5 +315,7 @@ def rewritten_in_place():
             return program
         return decompose(program, registry)
 
-    with mock.patch.object(_fx_passes, "decompose_with_registry", lower):
+    interpreter = type_promotion._TypePromotionInterpreter
+    with (mock.patch.object(_fx_passes, "decompose_with_registry", lower),
+          mock.patch.object(interpreter, "run_node", _promoting_only(interpreter.run_node))):
         yield

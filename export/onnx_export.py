@@ -175,7 +175,7 @@ def trace(spec: SubmoduleSpec, module: torch.nn.Module, constants: dict, dynamic
     """torch.onnx.export (dynamo) of `module` at the `probe` shape, axes named; the ONNXProgram."""
     example = [torch.from_numpy(a) for a in example_inputs(spec, probe, constants, seed=0)]
     shapes = _grouped(module, _dynamic_shapes(spec, dynamic))
-    with torch.no_grad(), lowering.rewritten_in_place():
+    with torch.no_grad(), lowering.lowered_in_place():
         program = torch.onnx.export(
             module, tuple(example), dynamo=True, opset_version=opset, optimize=optimize,
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],

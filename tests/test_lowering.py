@@ -1,6 +1,7 @@
 """export/lowering.py: a graph lowered by rewriting its nodes is the graph of the exporter's own decomposition (the
-same ONNX operators but a few size computations, the same outputs at shapes other than the traced one), and a graph with an operator it has
-no rewrite for is still decomposed by the exporter."""
+same ONNX operators, at most a few size computations fewer; the type promotion's casts; the same outputs at shapes
+other than the traced one), and a graph with an operator it has no rewrite for is still decomposed by the
+exporter."""
 from __future__ import annotations
 
 import collections
@@ -41,7 +42,7 @@ class EveryRewrite(torch.nn.Module):
         buckets += mask  # T5's relative position buckets: in place, on a tensor of its own
         moved = torch.square(copy.movedim(-1, 0)).min(1 - h.movedim(-1, 0))
         return (torch.where(keep[..., None], normed, 0.0).flatten(1), moved.flatten(0, 1), angles.cos(),
-                buckets * 2)
+                buckets * 2, x.half() * x)  # the type promotion's: fp16 times fp32 is computed in fp32
 
 
 class Unimplemented(torch.nn.Module):
@@ -58,7 +59,7 @@ class WrittenThroughAView(torch.nn.Module):
 
 
 def _export(module, args, dynamic_shapes, path, rewritten: bool):
-    context = lowering.rewritten_in_place() if rewritten else contextlib.nullcontext()
+    context = lowering.lowered_in_place() if rewritten else contextlib.nullcontext()
     with torch.no_grad(), context:
         torch.onnx.export(module, args, str(path), dynamo=True, dynamic_shapes=dynamic_shapes, optimize=True,
                           verbose=False)
