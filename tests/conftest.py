@@ -533,12 +533,12 @@ def rtx_options(shared: Path | None = None, **kwargs):
 def assert_targets_within(folder, images, bounds: dict, name: str) -> None:
     """Every target and precision of `bounds` ({label: each image's least PSNR}; "fp16" is ort's, "openvino-bf16-
     int4-weights" OpenVINO's with its weights option) built from the export in `folder`, calibrated on 4 prompts x 4
-    steps: `images(artifact)` within their bounds against ort-fp32's, and finite."""
+    steps (`FAMILY_TESTS_CALIBRATION`, which the family tables' bench smoke takes too): `images(artifact)` within
+    their bounds against ort-fp32's, and finite."""
     import numpy as np
 
-    from bench.accuracy import psnr
+    from bench.accuracy import FAMILY_TESTS_CALIBRATION, psnr
     from engines.api import build_artifact
-    from engines.calibration import CalibrationSettings
     from engines.targets import target_options
 
     reference = images(folder / "ort-fp32")
@@ -546,7 +546,7 @@ def assert_targets_within(folder, images, bounds: dict, name: str) -> None:
         target, precision, *weights = label.split("-") if "-" in label else ("ort", label)
         options = target_options(target, weights=weights[0]) if weights else None
         artifact = build_artifact(folder, target, precision, options=options,
-                                  calibration=CalibrationSettings(prompts=4, steps=4))
+                                  calibration=FAMILY_TESTS_CALIBRATION)
         for ref, image, bound in zip(reference, images(artifact), least):
             print(f"{name} {label}: PSNR {psnr(ref, image):.1f} dB")
             assert np.isfinite(image).all() and psnr(ref, image) >= bound, (label, psnr(ref, image))
@@ -558,12 +558,12 @@ def assert_rtx_builds_every_submodule(folder, images, monkeypatch) -> None:
     exactly. fp16's calibration is the target tests' (4 prompts x 4 steps: recorded once for both)."""
     import numpy as np
 
+    from bench.accuracy import FAMILY_TESTS_CALIBRATION
     from engines.api import build_artifact
-    from engines.calibration import CalibrationSettings
     from gpu_double import SharedBuffers
 
     built = build_artifact(folder, "trt-rtx", "fp16", options=rtx_options(folder),
-                           calibration=CalibrationSettings(prompts=4, steps=4))
+                           calibration=FAMILY_TESTS_CALIBRATION)
     m = manifest(built)
     assert sorted(m["submodules"]) == sorted(manifest(folder / "onnx")["submodules"])
     for name, sub in m["submodules"].items():

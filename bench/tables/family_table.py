@@ -210,8 +210,8 @@ def make_table(spec: FamilyTable) -> Table:
     # --optimum-intel-python (the openvino table's option) adds the optimum-intel and openvino.genai rows.
     return Table(spec.name, spec.title, "openvino bf16, int8 (calibrated) and bf16 with int4 weights; optimum-intel's "
                  "export with --optimum-intel-python", (spec.family,), lambda run: _measure_table(spec, run), arguments,
-                 smoke=(*accuracy.SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", str(spec.cold_steps),
-                        f"{prefix}-sizes", "64", f"{prefix}-artifacts", "openvino-bf16",
+                 smoke=(*accuracy.FAMILY_SMOKE, f"{prefix}-reps", "1", f"{prefix}-steps", str(spec.cold_steps),
+                        f"{prefix}-sizes", "64", f"{prefix}-artifacts", "openvino-int8",
                         # one task: editing from one reference where the model edits (text to image's code with
                         # the references'; more references run the same; the goals' words: test_bench_report)
                         f"{prefix}-tasks", str((spec.edits or _tasks(spec))[0]),
