@@ -237,7 +237,7 @@ REWRITES = {
     aten.contiguous.default: (_contiguous,), aten.dropout.default: (_clone, lambda node: not node.args[2]),
     aten.detach_.default: (_clone,), aten.rms_norm.default: (_rms_norm,), aten.outer.default: (_outer,),
     aten.movedim.int: (_movedim,), aten.square.default: (_square,), aten.rsub.Scalar: (_rsub,),
-    aten.min.other: (_renamed(aten.minimum.default),),
+    aten.min.other: (_renamed(aten.minimum.default),), aten.clip.default: (_renamed(aten.clamp.default),),
     aten.flatten.using_ints: (_flatten,), aten.unflatten.int: (_unflatten,), aten.reshape.default: (_reshape,),
     aten.chunk.default: (_chunk, _static_axis),
     aten.__and__.Tensor: (_renamed(aten.bitwise_and.Tensor),), aten.__or__.Tensor: (_renamed(aten.bitwise_or.Tensor),),

@@ -40,7 +40,7 @@ class EveryRewrite(torch.nn.Module):
         copy.detach_()
         buckets = (mask > 2).to(torch.long) * 4
         buckets += mask  # T5's relative position buckets: in place, on a tensor of its own
-        moved = torch.square(copy.movedim(-1, 0)).min(1 - h.movedim(-1, 0))
+        moved = torch.square(copy.movedim(-1, 0)).min(1 - h.movedim(-1, 0)).clip(-2, 2)
         return (torch.where(keep[..., None], normed, 0.0).flatten(1), moved.flatten(0, 1), angles.cos(),
                 buckets * 2, x.half() * x)  # the type promotion's: fp16 times fp32 is computed in fp32
 
