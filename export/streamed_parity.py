@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.lazy_weights import _stored, checkpoint_index, weightless_component
+from export.lazy_weights import _stored, checkpoint_index, loaded_names, weightless_component
 from runners.manifest import tensor_values
 
 SEGMENT_BYTES = 1 << 30  # weights per ONNX Runtime segment
@@ -38,8 +38,10 @@ def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> 
     held_as = {name: p.dtype for name, p in wrapped(
         spec, weightless_component(src, spec.component, dtype, **spec.load_kwargs), dtype).named_parameters(
         remove_duplicate=False)}
-    module = wrapped(spec, weightless_component(src, spec.component, "float32", **spec.load_kwargs))
+    component = weightless_component(src, spec.component, "float32", **spec.load_kwargs)
+    module = wrapped(spec, component)
     index = checkpoint_index(src.folder / spec.component)
+    renamed = loaded_names(component, index)  # keys transformers renames as it loads (Qwen2.5-VL's `model.*`)
     aliases = {}  # tied parameters: every name of one tensor, to find it in the checkpoint under any
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -50,7 +52,7 @@ def streamed_reference(spec, src, dtype: str, feeds: list[list[np.ndarray]]) -> 
 
         def load(*_):
             for p, full in names.items():
-                _, stored = _stored(full, aliases[id(fakes[p])], index)
+                _, stored = _stored(full, aliases[id(fakes[p])], index, renamed)
                 values = torch.from_numpy(tensor_values(stored).astype(np.float32)).to(held_as[full]).float()
                 sub._parameters[p] = torch.nn.Parameter(values, requires_grad=False)
 

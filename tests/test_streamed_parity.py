@@ -1,6 +1,7 @@
 """The parity check of a submodule too large to hold (export/streamed_parity.py: FLUX.1's 12 B
 transformer in `make scale-check SCALE_MODEL=flux-fullsize`), on flux-tiny's transformer with segments
-of a few kilobytes: it measures what the whole check measures, and it fails where the graph is wrong.
+of a few kilobytes: it measures what the whole check measures, and it fails where the graph is wrong; it reads a
+checkpoint whose keys transformers renames as it loads (Qwen-Image's text encoder).
 And fp16 exports of Flux: their time embedding is fed exact timesteps, so the graph stays within fp16's
 activation rounding of the fp32 module."""
 from __future__ import annotations
@@ -51,6 +52,18 @@ def test_a_containers_own_parameters_are_read_for_the_call(z_image_tiny_build):
     for s, w in zip(streamed, whole):
         assert s.max_abs_ref == pytest.approx(w["max_abs_ref"], rel=1e-6)
         assert s.max_abs_err <= 2 * w["max_abs_err"] + 1e-6, (s, w)
+
+
+def test_weights_are_read_under_the_names_transformers_loads_them_as(qwen_image_tiny_build):
+    """Qwen-Image's Qwen2.5-VL checkpoint names its language model `model.*`, which transformers loads as
+    `model.language_model.*`: the streamed check (an fp16 export's) reads each weight by its checkpoint key."""
+    src, graph = qwen_image_tiny_build.source, qwen_image_tiny_build.folder / "onnx" / "text_encoder.onnx"
+    spec, constants, probes, _ = _setting(src, "text_encoder")
+    streamed = check_parity(spec, src, "float32", constants, probes, graph, whole_max_bytes=0, segment_bytes=200_000)
+    whole = manifest(qwen_image_tiny_build.folder / "onnx")["submodules"]["text_encoder"]["export"]["parity"]
+    assert all(p.ok for p in streamed)
+    for s, w in zip(streamed, whole):
+        assert s.max_abs_ref == pytest.approx(w["max_abs_ref"], rel=1e-6)
 
 
 def test_the_streamed_check_fails_on_a_wrong_weight(flux_tiny_build, tmp_path):
