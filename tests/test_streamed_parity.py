@@ -3,7 +3,7 @@ transformer in `make scale-check SCALE_MODEL=flux-fullsize`), on flux-tiny's tra
 of a few kilobytes: it measures what the whole check measures, and it fails where the graph is wrong; it reads a
 checkpoint whose keys transformers renames as it loads (Qwen-Image's text encoder).
 And fp16 exports of Flux: their time embedding is fed exact timesteps, so the graph stays within fp16's
-activation rounding of the fp32 module."""
+activation rounding of the fp32 module; of Qwen-Image's VAE decoder: it denormalises in fp16."""
 from __future__ import annotations
 
 import dataclasses
@@ -119,3 +119,13 @@ def test_a_flux_fp16_export_feeds_its_time_embedding_exact_timesteps(flux_tiny_b
     scale = np.abs(fp32).max()
     assert np.abs(ours - fp32).max() <= 1e-3 * scale  # measured 4.7e-4
     assert np.abs(fp16 - fp32).max() >= 5e-3 * scale  # measured 1.2e-2: what the exact timesteps avoid
+
+
+def test_a_qwen_image_fp16_decoder_takes_its_statistics_in_fp16(qwen_image_tiny_build, tmp_path):
+    """Qwen-Image's VAE decoder denormalises the latents by the config's statistics: made in the latents' dtype, as
+    diffusers makes them, an fp16 export's convolutions get fp16 (fp32 statistics promoted them: its trace failed)."""
+    src = qwen_image_tiny_build.source
+    spec, constants, probes, dynamic = _setting(src, "vae_decoder")
+    report = export_submodule(spec, src, "float16", constants, dynamic, probes, tmp_path / "vae_decoder.onnx")
+    # measured 1.4e-3 of the reference's scale, at the exporter's own fp16 bound (PARITY_RTOL)
+    assert all(p["max_abs_err"] <= 2e-2 * max(1.0, p["max_abs_ref"]) for p in report["parity"]), report["parity"]

@@ -182,10 +182,10 @@ def _one_frame(vae):
     return vae
 
 
-def statistics(vae):
-    """The config's per-channel latent mean and standard deviation, (1, z, 1, 1)."""
-    mean, std = (torch.tensor(vae.config[k], dtype=torch.float32).view(1, -1, 1, 1) for k in ("latents_mean",
-                                                                                               "latents_std"))
+def statistics(vae, dtype=torch.float32):
+    """The config's per-channel latent mean and standard deviation, (1, z, 1, 1), in `dtype` (the latents', as
+    diffusers makes them: an fp16 decoder's convolutions take fp16)."""
+    mean, std = (torch.tensor(vae.config[k], dtype=dtype).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
     return mean, std
 
 
@@ -197,7 +197,7 @@ class _Decoder(torch.nn.Module):
         self.vae = _one_frame(vae)
 
     def forward(self, latent):
-        mean, std = statistics(self.vae)
+        mean, std = statistics(self.vae, latent.dtype)
         # diffusers: latents / (1 / std) + mean
         z = latent / (1.0 / std) + mean
         return (self.vae.decode(z[:, :, None], return_dict=False)[0][:, :, 0],)

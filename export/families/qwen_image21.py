@@ -222,7 +222,7 @@ class _Decoder(torch.nn.Module):
         self.vae = _one_frame(vae)
 
     def forward(self, latent):
-        mean, std = statistics(self.vae)
+        mean, std = statistics(self.vae, latent.dtype)
         z = latent * std + mean
         return (self.vae.decode(z[:, :, None], return_dict=False)[0][:, :, 0],)
 
