@@ -92,7 +92,8 @@ def _clone(rw: _Rewriter, node) -> None:
 
 def _contiguous(rw: _Rewriter, node) -> None:
     """A contiguous copy, which a view after it may need (the fake tensors are run again after this pass)."""
-    node.target, node.args, node.kwargs = aten.clone.default, (node.args[0],), {"memory_format": torch.contiguous_format}
+    node.target, node.args = aten.clone.default, (node.args[0],)
+    node.kwargs = {"memory_format": torch.contiguous_format}
 
 
 def _flatten(rw: _Rewriter, node) -> None:

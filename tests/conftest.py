@@ -103,9 +103,9 @@ def _group(item: pytest.Item) -> str:
 
 # Seconds each group took in a whole run on two workers (`--durations=0`, setup included: a group that waits for a
 # build another worker makes pays the wait), on a 2-core Xeon with AMX (2026-12-07, an empty model and trace cache,
-# the exports lowered by export/lowering.py: 2145 s of test time, 18:54). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
-# keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A group not
-# listed goes after these, as short.
+# the exports lowered by export/lowering.py: 2145 s of test time, 18:54). They only order the groups, longest first
+# (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by test count), so that both workers end
+# together; rough numbers do. A group not listed goes after these, as short.
 GROUP_SECONDS = {
     "test_family_targets.py::sd15": 140, "test_bench_smoke.py::sd3": 130, "test_wan.py": 110, "test_wan_ti2v.py": 90,
     "test_z_image.py": 90, "test_openvino.py": 80, "test_flux2.py": 80, "test_qwen_image_edit.py": 80,
