@@ -9,8 +9,8 @@ import contextlib
 from unittest import mock
 
 import numpy as np
-import pytest
 import onnxruntime as ort
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -66,10 +66,10 @@ def _export(module, args, dynamic_shapes, path, rewritten: bool):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
-def _op_counts(session_path) -> collections.Counter:
+def _op_counts(path) -> collections.Counter:
     import onnx
 
-    return collections.Counter(n.op_type for n in onnx.load(str(session_path)).graph.node)
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
 
 
 def test_a_rewritten_graph_is_the_decomposed_one(tmp_path):
