@@ -35,6 +35,10 @@ class Workload:
     temporal: str = "vae_scale_factor_temporal"  # a video pipeline's attribute holding its frames per latent frame
     # optimum-intel's export -> the outputs openvino.genai needs renamed in it, {component: {name: new name}}
     genai_renames: Callable[[Path], dict] = lambda export: {}
+    # the model's source (export.source.ModelSource) -> the settings of its registry entry a diffusers run takes
+    # over (given to `set_like` in the run's process), so that it does the work our artifact does
+    entry_settings: Callable[[object], dict] = lambda src: {}
+    set_like: Callable[..., None] = lambda **settings: None
 
 
 def _flux2_layers(folder: str) -> dict:
@@ -63,6 +67,21 @@ def _edit_processor(folder: str) -> dict:
     from export.families.qwen_image_edit import load_processor
 
     return {"processor": load_processor(folder)}
+
+
+def _edit_area(src) -> dict:
+    """A tiny Edit model's input-image area, smaller than the pipelines' (export.families.qwen_image_edit)."""
+    from export.families.qwen_image_edit import IMAGE_AREA, image_area
+
+    area = image_area(src)
+    return {"image_area": area} if area != IMAGE_AREA else {}
+
+
+def _at_edit_area(image_area: int | None = None) -> None:
+    from export.families.qwen_image_edit import diffusers_at_area
+
+    for module, name, value in diffusers_at_area(image_area) if image_area else ():
+        setattr(module, name, value)
 
 
 def _packed(latents: np.ndarray) -> np.ndarray:
@@ -98,7 +117,8 @@ WORKLOADS = {
     # Qwen-Image-Edit's the same, editing its input image; no optimum-intel pipeline runs it (#1934 is open)
     "qwen-image-edit": Workload("QwenImageEditPipeline", None,
                                 {"negative_prompt": "blurry, low quality, distorted", "true_cfg_scale": 4.0},
-                                given_latents=_packed, components=_edit_processor),
+                                given_latents=_packed, components=_edit_processor, entry_settings=_edit_area,
+                                set_like=_at_edit_area),
 }
 
 
@@ -141,8 +161,9 @@ class FamilyPipeline:
     """A diffusers-style pipeline of the workload's (diffusers' own in fp32, eager; or optimum-intel's on its own
     export, at its defaults), its text encoder, transformer and VAE timed."""
 
-    def __init__(self, folder: str, workload: str, source: str, references: int = 0):
+    def __init__(self, folder: str, workload: str, source: str, references: int = 0, settings: dict | None = None):
         w = WORKLOADS[workload]
+        w.set_like(**settings or {})
         self.pipe = pipeline_from(("diffusers", w.diffusers), folder, **w.components(folder)) \
             if source == "diffusers" else pipeline_from(("optimum.intel", w.optimum_intel), folder)
         self.options, self.references = {**w.options, **w.folder_options(folder)}, references

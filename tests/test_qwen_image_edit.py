@@ -40,16 +40,12 @@ def _with_image_positions(text_encoder) -> None:
 
 def _reference(build, pipeline_class: str, monkeypatch):
     import diffusers
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
 
-    from export.families.qwen_image_edit import load_processor
+    from export.families.qwen_image_edit import diffusers_at_area, load_processor
     from runners import Pipeline
 
-    real = edit.calculate_dimensions
-    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: real(AREA if area == 1024 * 1024 else area,
-                                                                               ratio))
-    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", AREA)
+    for patch in diffusers_at_area(AREA):
+        monkeypatch.setattr(*patch)
     reference = getattr(diffusers, pipeline_class).from_pretrained(build.source.folder,
                                                                    processor=load_processor(build.source.folder))
     reference.set_progress_bar_config(disable=True)
@@ -114,10 +110,7 @@ def test_inpainting_equal_to_diffusers(pair, monkeypatch):
 
     from conftest import assert_real_image, soft_mask
 
-    ours, edit = pair
-    real = edit_inpaint.calculate_dimensions
-    monkeypatch.setattr(edit_inpaint, "calculate_dimensions",
-                        lambda area, ratio: real(AREA if area == 1024 * 1024 else area, ratio))
+    ours, edit = pair  # diffusers at the tiny model's area (`_reference`)
     reference = diffusers.QwenImageEditInpaintPipeline(**edit.components)
     reference.set_progress_bar_config(disable=True)
     image = input_image(200, 150, 1)  # 224 x 160 at the tiny model's area

@@ -85,8 +85,9 @@ def _variants(spec: FamilyTable, run, built: dict[str, str], references: int) ->
     one reference (optimum-intel's pipeline; openvino.genai's Image2ImagePipeline takes one image)."""
     w, options = WORKLOADS[spec.name], {"references": references} if references else {}
     ours = {"ort-fp32": str(run.default_artifact), **built}
+    settings = w.entry_settings(run.src)
     variants = [Variant(f"(a) diffusers {w.diffusers}, eager fp32", f"{spec.name}-diffusers", str(run.src.folder),
-                        options=options)]
+                        options={**options, **({"settings": settings} if settings else {})})]
     variants += [Variant(f"ours {label}", f"{spec.name}-ours", path, options=options) for label, path in ours.items()]
     variants += [Variant(f"ours {label} + {cache.split(':')[0]}", f"{spec.name}-ours", path,
                          options={**options, "cache": cache}) for cache in spec.caches for label, path in ours.items()]

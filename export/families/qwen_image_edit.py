@@ -39,6 +39,22 @@ def image_area(src) -> int:
     """The input images' VAE area: the pipelines'; a tiny test model's registry entry may set a smaller one
     (extra["image_area"]) to keep its tests within their time, which then patch diffusers' to match."""
     return src.entry.extra.get("image_area", IMAGE_AREA)
+
+
+def diffusers_at_area(area: int) -> list[tuple[object, str, object]]:
+    """(module, attribute, value)s that make diffusers' Edit pipelines (QwenImageEditPipeline, its inpainting and
+    Plus twins) size input images, and the output by default, to `area` instead of their 1024 x 1024 pixels', as
+    our runner does with an artifact's `image_area` (a tiny model's): their calculate_dimensions at that target
+    (the Plus pipeline's VAE_IMAGE_SIZE is one too; its 384 x 384 vision input stays)."""
+    from diffusers.pipelines.qwenimage import (pipeline_qwenimage_edit, pipeline_qwenimage_edit_inpaint,
+                                               pipeline_qwenimage_edit_plus)
+
+    def at_area(real):
+        return lambda target, ratio: real(area if target == IMAGE_AREA else target, ratio)
+    return [(module, "calculate_dimensions", at_area(module.calculate_dimensions)) for module in
+            (pipeline_qwenimage_edit, pipeline_qwenimage_edit_inpaint, pipeline_qwenimage_edit_plus)]
+
+
 REFERENCES = 3  # the input images an export's token range makes room for (EditPlus takes several)
 VISION_WINDOWS = 100  # about one 1024 x 1024 image's windows (37 x 37 merged patches, 4 x 4 a window)
 
