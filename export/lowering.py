@@ -8,16 +8,18 @@ rewrites the nodes that step would decompose as it would (a reshape as a contigu
 conversion as `_to_copy`, an autocast region that casts nothing inlined, ...), and leaves a graph with any other
 operator ONNX lacks to the exporter's own decomposition. The exporter's type promotion pass, which runs every node
 again on fake tensors, runs only the nodes it may promote. test_lowering.py compares the graphs of both ways.
+(And the exporter's registry of ONNX functions, which it makes anew for every export, is made once a process.)
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 from unittest import mock
 
 import torch
-from torch.onnx._internal.exporter import _decomp, _fx_passes
+from torch.onnx._internal.exporter import _decomp, _fx_passes, _registration
 from torch.onnx._internal.fx.passes import type_promotion
 
 aten = torch.ops.aten
@@ -305,10 +307,14 @@ def _promoting_only(run_node):
     return run
 
 
+# 0.3 s an export; nothing changes it where no custom translation table is given (the export gives none)
+_torchlib_registry = functools.cache(_registration.ONNXRegistry.from_torchlib)
+
+
 @contextlib.contextmanager
 def lowered_in_place():
     """torch.onnx.export within lowers its graphs by `rewrite`, or, where that cannot, by its own decomposition; and
-    runs again only the nodes its type promotion may change."""
+    runs again only the nodes its type promotion may change; with the registry of ONNX functions made once."""
     decompose = _fx_passes.decompose_with_registry
 
     def lower(program, registry):
@@ -318,5 +324,6 @@ def lowered_in_place():
 
     interpreter = type_promotion._TypePromotionInterpreter
     with (mock.patch.object(_fx_passes, "decompose_with_registry", lower),
-          mock.patch.object(interpreter, "run_node", _promoting_only(interpreter.run_node))):
+          mock.patch.object(interpreter, "run_node", _promoting_only(interpreter.run_node)),
+          mock.patch.object(_registration.ONNXRegistry, "from_torchlib", staticmethod(_torchlib_registry))):
         yield

@@ -276,6 +276,24 @@ def export_weightless(spec: SubmoduleSpec, src, dtype: str, constants: dict, dyn
 SKIPPED_REWRITE_RULES = ("SlicesSplit",)
 
 
+class _RootChecked:
+    """A rewrite rule of one output node tried only on nodes of that node's operator. onnxscript tries every rule
+    on every node, and its matcher's first check is that operator: the same rewrites, without 40-odd matcher
+    calls a node (60% of the optimizer's time on z-image-tiny's transformer)."""
+
+    def __init__(self, rule):
+        pattern = rule._target_pattern
+        self._rule, self._op = rule, pattern.output_node.op if pattern.has_single_output_node else None
+
+    def __getattr__(self, name):
+        return getattr(self._rule, name)
+
+    def try_rewrite(self, model, graph, node, **options):
+        if self._op is not None and not self._op.matches(node.op_type):
+            return None
+        return self._rule.try_rewrite(model, graph, node, **options)
+
+
 def optimize(model) -> None:
     """The exporter's own optimizer on `model`, in place, as torch.onnx.export(optimize=True) runs it (onnxscript's
     constant folding, rewrite rules and fusions), less SKIPPED_REWRITE_RULES. onnxscript's optimizer takes no
@@ -284,7 +302,8 @@ def optimize(model) -> None:
 
     from onnxscript import rewriter
 
-    kept = tuple(r for r in rewriter._DEFAULT_REWRITE_RULES if getattr(r, "name", None) not in SKIPPED_REWRITE_RULES)
+    kept = tuple(_RootChecked(r) for r in rewriter._DEFAULT_REWRITE_RULES
+                 if getattr(r, "name", None) not in SKIPPED_REWRITE_RULES)
     with mock.patch.object(rewriter, "_DEFAULT_REWRITE_RULES", kept):
         torch.onnx.ONNXProgram(model, None).optimize()
 

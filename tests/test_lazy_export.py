@@ -81,6 +81,26 @@ def test_the_skipped_rewrite_rules_are_onnxscripts():
     assert set(SKIPPED_REWRITE_RULES) <= names, sorted(n for n in names if n)
 
 
+def test_the_optimizer_still_rewrites():
+    """The rules the optimizer tries only on their pattern's operator (export.onnx_export._RootChecked) rewrite:
+    two transposes that cancel, and a cast to the type it has, are gone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from export.onnx_export import optimize
+
+    graph = helper.make_graph([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+                               helper.make_node("Transpose", ["t"], ["u"], perm=[1, 0]),
+                               helper.make_node("Cast", ["u"], ["c"], to=TensorProto.FLOAT),
+                               helper.make_node("Relu", ["c"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]))
+    optimize(model)
+    assert [node.op_type for node in model.graph] == ["Relu"]
+    onnx.checker.check_model(ir.serde.serialize_model(model))
+
+
 @pytest.mark.parametrize("name", [s.name for s in SD3.submodules])
 def test_lazy_export_gives_the_ordinary_graph(tiny_source, tiny_build, setting, name):
     """The lazy graph is the session's export of it, as written (its weights read back from its file)."""
