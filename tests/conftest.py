@@ -102,24 +102,28 @@ def _group(item: pytest.Item) -> str:
 
 
 # Seconds each group took in a whole run on two workers (`--durations=0`, setup included: a group that waits for a
-# build another worker makes pays the wait), on a 2-core Xeon with AMX (2026-12-07, an empty model and trace cache,
-# the exports lowered by export/lowering.py: 2145 s of test time, 18:54). They only order the groups, longest first
-# (the Makefile's `--no-loadscope-reorder` keeps this order; xdist's own is by test count), so that both workers end
-# together; rough numbers do. A group not listed goes after these, as short.
+# build another worker makes pays the wait), on a 2-core Xeon with AMX (2026-12-07, an empty model and trace cache:
+# 1660 s of test time, 14:44). They only order the groups, longest first (the Makefile's `--no-loadscope-reorder`
+# keeps this order; xdist's own is by test count), so that both workers end together; rough numbers do. A group not
+# listed goes after these, as short.
 GROUP_SECONDS = {
-    "test_family_targets.py::sd15": 140, "test_bench_smoke.py::sd3": 130, "test_wan.py": 110, "test_wan_ti2v.py": 90,
-    "test_z_image.py": 90, "test_openvino.py": 80, "test_flux2.py": 80, "test_qwen_image_edit.py": 80,
-    "test_qwen_image21.py": 70, "test_family_targets.py::sdxl": 70, "test_trt.py": 70, "test_ltx.py": 70,
-    "test_controlnet.py::flux": 60, "test_serving.py": 60, "test_controlnet.py::sd15": 60, "test_wan21_i2v.py": 60,
-    "test_qwen_image.py": 50, "test_family_targets.py::flux": 50, "test_passes.py": 40, "test_precision.py": 40,
-    "test_lazy_export.py": 40, "test_image_to_image.py::sdxl": 40, "test_flux_conditioned.py::flux": 30,
-    "test_bench_smoke.py::wan": 30, "test_controlnet.py": 30, "test_bench_smoke.py::qwen_image_edit": 20,
-    "test_controlnet.py::sdxl": 20, "test_tiny_vae.py": 20, "test_lora.py::flux": 20, "test_bench_smoke.py::sd15": 20,
-    "test_wan22_i2v.py": 20, "test_build_plan.py": 20, "test_lora_openvino.py": 20, "test_flux.py::flux": 20,
-    "test_lora.py": 10, "test_bench_smoke.py::flux": 10, "test_bench_smoke.py::flux2": 10,
-    "test_bench_smoke.py::ltx": 10, "test_bench_smoke.py::qwen_image": 10, "test_bench_smoke.py::z_image": 10,
-    "test_streamed_parity.py::flux": 10, "test_lora_openvino.py::sd15": 10, "test_lora_openvino.py::sdxl": 10,
-    "test_tiny_vae.py::sdxl": 10,
+    "test_family_targets.py::sd15": 120, "test_bench_smoke.py::sd3": 110, "test_wan.py": 80, "test_wan_ti2v.py": 70,
+    "test_z_image.py": 60, "test_qwen_image_edit.py": 60, "test_openvino.py": 60, "test_trt.py": 60,
+    "test_serving.py": 50, "test_flux2.py": 50, "test_family_targets.py::sdxl": 50, "test_controlnet.py::flux": 50,
+    "test_ltx.py": 50, "test_qwen_image21.py": 40, "test_wan21_i2v.py": 40, "test_qwen_image.py": 40,
+    "test_controlnet.py::sd15": 40, "test_passes.py": 40, "test_bench_smoke.py::wan": 40,
+    "test_family_targets.py::flux": 30, "test_precision.py": 30, "test_image_to_image.py::sdxl": 20,
+    "test_flux_conditioned.py::flux": 20, "test_controlnet.py": 20, "test_bench_smoke.py::ltx": 20,
+    "test_bench_smoke.py::sd15": 20, "test_lazy_export.py": 20, "test_controlnet.py::sdxl": 20,
+    "test_lora.py::flux": 20, "test_wan22_i2v.py": 10, "test_build_plan.py": 10, "test_lora_openvino.py": 10,
+    "test_tiny_vae.py": 10, "test_flux.py::flux": 10, "test_bench_smoke.py::qwen_image_edit": 10,
+    "test_bench_smoke.py::flux": 10, "test_lora.py": 10, "test_bench_smoke.py::flux2": 10,
+    "test_bench_smoke.py::qwen_image": 10, "test_bench_smoke.py::z_image": 10, "test_memory.py": 10,
+    "test_lora_openvino.py::sdxl": 10, "test_docs_commands.py": 10, "test_lora_openvino.py::sd15": 10,
+    "test_engines.py": 10, "test_runner_errors.py": 10, "test_image_to_image.py": 10, "test_tiny_vae.py::sdxl": 10,
+    "test_serving.py::flux": 10, "test_tiny_vae.py::sd15": 10, "test_streamed_parity.py": 10,
+    "test_image_to_image.py::sd15": 10, "test_scale.py": 10, "test_lora_openvino.py::flux": 10,
+    "test_streamed_parity.py::flux": 10,
 }
 
 
