@@ -58,6 +58,10 @@ class _Rewriter:
                 self.sizes[size.node.expr] = self.call(tensor, aten.sym_size.int, tensor, axes[0])
         return self.sizes.get(size.node.expr)
 
+    def sizes_of(self, tensor: torch.fx.Node, axes: slice) -> list:
+        """`tensor`'s sizes on `axes`, as `size` gives them."""
+        return [self.size(d, tensor) for d in tensor.meta["val"].shape[axes]]
+
     def reshape(self, node, tensor, shape) -> None:
         """`node` made the reshape of `tensor` to `shape` as torch decomposes one that may copy: a contiguous
         clone's `_unsafe_view` (in ONNX an Identity, which the optimizer drops, and a Reshape).
@@ -102,15 +106,15 @@ def _flatten(rw: _Rewriter, node) -> None:
     tensor, start, end = (*node.args, 0, -1)[:3]
     rank = tensor.meta["val"].dim()
     start, end = start % max(rank, 1), end % max(rank, 1)
-    sizes = lambda axes: [rw.size(d, tensor) for d in tensor.meta["val"].shape[axes]]  # noqa: E731
-    rw.reshape(node, tensor, lambda: [*sizes(slice(start)), -1, *sizes(slice(end + 1, None))])
+    rw.reshape(node, tensor, lambda: [*rw.sizes_of(tensor, slice(start)), -1,
+                                      *rw.sizes_of(tensor, slice(end + 1, None))])
 
 
 def _unflatten(rw: _Rewriter, node) -> None:
     tensor, axis, sizes = node.args
     axis %= tensor.meta["val"].dim()
-    own = lambda axes: [rw.size(d, tensor) for d in tensor.meta["val"].shape[axes]]  # noqa: E731
-    rw.reshape(node, tensor, lambda: [*own(slice(axis)), *sizes, *own(slice(axis + 1, None))])
+    rw.reshape(node, tensor, lambda: [*rw.sizes_of(tensor, slice(axis)), *sizes,
+                                      *rw.sizes_of(tensor, slice(axis + 1, None))])
 
 
 def _reshape(rw: _Rewriter, node) -> None:
