@@ -78,6 +78,7 @@ def _edit_area(src) -> dict:
 
 
 def _at_edit_area(image_area: int | None = None) -> None:
+    """diffusers' Edit pipelines in this process sized to `image_area`, where `_edit_area` gave one."""
     from export.families.qwen_image_edit import diffusers_at_area
 
     for module, name, value in diffusers_at_area(image_area) if image_area else ():

@@ -279,7 +279,7 @@ SKIPPED_REWRITE_RULES = ("SlicesSplit",)
 class _RootChecked:
     """A rewrite rule of one output node tried only on nodes of that node's operator. onnxscript tries every rule
     on every node, and its matcher's first check is that operator: the same rewrites, without 40-odd matcher
-    calls a node (60% of the optimizer's time on z-image-tiny's transformer)."""
+    calls a node (half the optimizer's time: 1.9 -> 1.0 s over z-image-tiny's five graphs)."""
 
     def __init__(self, rule):
         pattern = rule._target_pattern
@@ -296,8 +296,9 @@ class _RootChecked:
 
 def optimize(model) -> None:
     """The exporter's own optimizer on `model`, in place, as torch.onnx.export(optimize=True) runs it (onnxscript's
-    constant folding, rewrite rules and fusions), less SKIPPED_REWRITE_RULES. onnxscript's optimizer takes no
-    rule list: its default list is replaced for this call only."""
+    constant folding, rewrite rules and fusions), less SKIPPED_REWRITE_RULES, each rule tried on its operator's
+    nodes only (`_RootChecked`). onnxscript's optimizer takes no rule list: its default list is replaced for this
+    call only."""
     from unittest import mock
 
     from onnxscript import rewriter

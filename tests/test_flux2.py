@@ -114,15 +114,9 @@ def test_latent_output_is_diffusers(pairs):
 
 @pytest.mark.parametrize("case", CASES)
 def test_equal_to_diffusers(run_both, case):
-    from conftest import assert_real_image
+    from conftest import assert_case_equal
 
-    arguments, changes = CASES[case]
-    ours, theirs = run_both(**arguments)
-    assert_real_image(theirs)
-    assert ours.shape == theirs.shape
-    assert np.abs(ours - theirs).max() <= IMAGE_ATOL
-    if changes:  # the feature did something
-        assert np.abs(ours - run_both(**CASES[changes][0])[0]).max() > CHANGED
+    assert_case_equal(run_both, CASES, case, IMAGE_ATOL, "flux2", CHANGED)
 
 
 def test_references_set_the_size_and_distilled_defaults(pairs):

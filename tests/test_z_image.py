@@ -49,15 +49,9 @@ CASES = {  # name: (arguments, the case whose image it must change)
 
 @pytest.mark.parametrize("case", CASES)
 def test_equal_to_diffusers(run_both, case):
-    from conftest import assert_real_image
+    from conftest import assert_case_equal
 
-    arguments, changes = CASES[case]
-    ours, theirs = run_both(**arguments)
-    assert_real_image(theirs)
-    assert ours.shape == theirs.shape
-    assert np.abs(ours - theirs).max() <= IMAGE_ATOL
-    if changes:  # the feature did something
-        assert np.abs(ours - run_both(**CASES[changes][0])[0]).max() > 0.01
+    assert_case_equal(run_both, CASES, case, IMAGE_ATOL, "z-image", 0.01)
 
 
 def test_turbo_defaults(pair):
